@@ -1,0 +1,1 @@
+"""Private implementation of offlax; import names from :mod:`offlax`."""

@@ -1,0 +1,94 @@
+"""The host tier: optimizer state in host RAM, moved to the device per slice."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import Any
+
+import jax
+import numpy as np
+
+from offlax._src import errors
+
+# Inside `jit`, JAX 0.10 types exactly one host memory space, `pinned_host`
+# (`jax.memory.Space.Host`); `unpinned_host` buffers are typed as device memory,
+# so a program could silently compute on them. Refuse the others up front.
+_HOST_KINDS = ("pinned_host",)
+_DEFAULT_CHUNK_BYTES = 64 * 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class HostTier:
+  """Keeps optimizer state in host memory and streams it through the device.
+
+  The state lives in arrays with memory kind ``memory_kind``. Each update moves
+  the state to the device in slices of at most ``chunk_bytes``, runs the inner
+  update on the slice and moves the new state back (see ``README.md``, "The
+  streaming schedule").
+
+  Attributes:
+    chunk_bytes: upper bound on the bytes of offloaded state in one slice.
+    memory_kind: the host memory kind holding the state; only
+      ``"pinned_host"`` can be addressed inside ``jax.jit`` in this JAX.
+    min_offload_bytes: state leaves with fewer bytes stay in device memory. The
+      default ``0`` offloads every leaf, scalars such as ``count`` included.
+
+  Example:
+    >>> import offlax
+    >>> offlax.HostTier(chunk_bytes=2**20)
+    HostTier(chunk_bytes=1048576, memory_kind='pinned_host', min_offload_bytes=0)
+  """
+
+  chunk_bytes: int = _DEFAULT_CHUNK_BYTES
+  memory_kind: str = "pinned_host"
+  min_offload_bytes: int = 0
+
+  def __post_init__(self):
+    for name in ("chunk_bytes", "min_offload_bytes"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise errors.InvalidTierError(
+            f"HostTier.{name} must be an int, got {type(value).__name__} {value!r}."
+        )
+    if self.chunk_bytes <= 0:
+      raise errors.InvalidTierError(
+          f"HostTier.chunk_bytes must be > 0 bytes, got {self.chunk_bytes}."
+      )
+    if self.min_offload_bytes < 0:
+      raise errors.InvalidTierError(
+          f"HostTier.min_offload_bytes must be >= 0, got {self.min_offload_bytes}."
+      )
+    if self.memory_kind not in _HOST_KINDS:
+      raise errors.MemoryKindError(
+          f"HostTier.memory_kind must be one of {_HOST_KINDS}, got "
+          f"{self.memory_kind!r}. JAX addresses no other host memory kind "
+          "inside jit."
+      )
+
+  def offloads(self, leaf: Any) -> bool:
+    """Whether a state leaf of this shape and dtype lives in host memory."""
+    return _nbytes(leaf) >= self.min_offload_bytes
+
+  def check_devices(self, devices: Iterable[Any]) -> None:
+    """Raises `MemoryKindError` unless every device offers `memory_kind`."""
+    for device in devices:
+      kinds = {m.kind for m in device.addressable_memories()}
+      if self.memory_kind not in kinds:
+        raise errors.MemoryKindError(
+            f"Device {device} has no {self.memory_kind!r} memory (it has "
+            f"{sorted(kinds)}); HostTier cannot place optimizer state there."
+        )
+
+  def to_host(self, x: jax.Array) -> jax.Array:
+    """Moves `x` to this tier's host memory; valid inside and outside jit."""
+    return jax.device_put(x, jax.memory.Space.Host)
+
+  @staticmethod
+  def to_device(x: jax.Array) -> jax.Array:
+    """Moves `x` to device memory; valid inside and outside jit."""
+    return jax.device_put(x, jax.memory.Space.Device)
+
+
+def _nbytes(leaf: Any) -> int:
+  return int(np.prod(np.shape(leaf), dtype=np.int64)) * np.dtype(leaf.dtype).itemsize

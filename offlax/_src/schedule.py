@@ -1,0 +1,88 @@
+"""The streaming schedule: which pieces of which leaves each slice updates."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from offlax._src.coupling import Coupling
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+  """Leaf `leaf`, whole (`start is None`) or rows `start:stop` of it.
+
+  With `flat`, the rows are those of the leaf flattened to one dimension; used
+  when a single row of the leaf exceeds the slice budget.
+  """
+
+  leaf: int
+  start: int | None = None
+  stop: int | None = None
+  flat: bool = False
+
+  def take(self, x: jax.Array) -> jax.Array:
+    if self.start is None:
+      return x
+    if self.flat:
+      x = x.reshape(-1)
+    return jax.lax.slice_in_dim(x, self.start, self.stop, axis=0)
+
+
+def join(pieces: Sequence[Piece], parts: Sequence[jax.Array], shape) -> jax.Array:
+  """Inverse of `Piece.take` over all pieces of one leaf."""
+  if len(parts) == 1 and pieces[0].start is None:
+    return parts[0]
+  whole = jnp.concatenate(parts, axis=0)
+  return whole.reshape(shape) if pieces[0].flat else whole
+
+
+def build(coupling: Coupling, shapes: Sequence[tuple[int, ...]], leaf_bytes: Sequence[int],
+          chunk_bytes: int) -> tuple[tuple[Piece, ...], ...]:
+  """Packs the leaves into slices of at most `chunk_bytes` of offloaded state.
+
+  Groups of coupled leaves are never split across slices; a splittable leaf
+  larger than `chunk_bytes` is cut into row ranges (of its leading axis, or of
+  its flattened form when one row is already too large). Units are then packed
+  greedily in tree order. A group larger than `chunk_bytes` that cannot be
+  split gets a slice of its own, the one case where the bound is exceeded.
+
+  Args:
+    coupling: the result of `coupling.analyze` for these leaves.
+    shapes: each leaf's shape.
+    leaf_bytes: each leaf's bytes of offloaded state.
+    chunk_bytes: the slice budget.
+
+  Returns:
+    The slices, each a tuple of pieces; at least one slice, possibly empty.
+  """
+  units: list[tuple[tuple[Piece, ...], int]] = []
+  for group in coupling.groups:
+    size = sum(leaf_bytes[i] for i in group)
+    (leaf,) = group if len(group) == 1 else (None,)
+    if leaf is None or leaf not in coupling.splittable or size <= chunk_bytes:
+      units.append((tuple(Piece(i) for i in group), size))
+      continue
+    shape = shapes[leaf]
+    flat = size // shape[0] > chunk_bytes
+    rows = math.prod(shape) if flat else shape[0]
+    row_bytes = size // rows
+    step = max(1, chunk_bytes // max(row_bytes, 1))
+    for start in range(0, rows, step):
+      stop = min(rows, start + step)
+      units.append(((Piece(leaf, start, stop, flat),), (stop - start) * row_bytes))
+  slices: list[tuple[Piece, ...]] = []
+  current: list[Piece] = []
+  current_bytes = 0
+  for pieces, size in units:
+    if current and current_bytes + size > chunk_bytes:
+      slices.append(tuple(current))
+      current, current_bytes = [], 0
+    current.extend(pieces)
+    current_bytes += size
+  slices.append(tuple(current))
+  return tuple(slices)
