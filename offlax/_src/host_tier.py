@@ -31,8 +31,14 @@ class HostTier:
     chunk_bytes: upper bound on the bytes of offloaded state in one slice.
     memory_kind: the host memory kind holding the state; only
       ``"pinned_host"`` can be addressed inside ``jax.jit`` in this JAX.
-    min_offload_bytes: state leaves with fewer bytes stay in device memory. The
-      default ``0`` offloads every leaf, scalars such as ``count`` included.
+    min_offload_bytes: state leaves with fewer bytes stay in device memory.
+
+  Placement rule: a state leaf lives in host memory iff it has at least one
+  dimension and at least ``min_offload_bytes`` bytes. Scalars (``count``,
+  injected hyperparameters, ...) stay on the device: every slice needs them, so
+  offloading one would cost a latency-bound transfer each way per step and save
+  a few bytes; on the device they also stay usable by wrappers such as
+  ``optax.MultiSteps`` that compute on the state.
 
   Example:
     >>> import offlax
@@ -68,7 +74,7 @@ class HostTier:
 
   def offloads(self, leaf: Any) -> bool:
     """Whether a state leaf of this shape and dtype lives in host memory."""
-    return _nbytes(leaf) >= self.min_offload_bytes
+    return np.ndim(leaf) > 0 and _nbytes(leaf) >= self.min_offload_bytes
 
   def check_devices(self, devices: Iterable[Any]) -> None:
     """Raises `MemoryKindError` unless every device offers `memory_kind`."""

@@ -347,7 +347,8 @@ def _check_same(expected: ParamSpec, actual: ParamSpec, what: str) -> None:
     missing = [p for p in want if p not in got]
     extra = [p for p in got if p not in want]
     detail = (
-        f"missing leaves {missing[:5]}, unexpected leaves {extra[:5]}"
+        f"missing leaves {', '.join(missing[:5]) or 'none'}; "
+        f"unexpected leaves {', '.join(extra[:5]) or 'none'}"
         if missing or extra
         else f"expected structure {expected.treedef}, got {actual.treedef}"
     )

@@ -1,0 +1,79 @@
+"""Test-wide JAX set-up: the CPU backend with arithmetic evaluated as written.
+
+XLA:CPU rounds the same expression differently depending on the program
+around it, in two ways: the algebraic simplifier turns `m / broadcast(s)` into
+`m * broadcast(1 / s)` only where the scalar `s` has a single user, and LLVM
+contracts `a * b + c` into one FMA only where both ops land in the same fusion.
+So the same Adam update of a leaf can differ by an ulp between a program
+holding the whole tree and one holding a slice of it (plain optax jitted on a
+sub-tree shows the same). With the simplifier off and no FMA in the ISA, every
+operation is rounded as written, which is what "the maths is the same" means
+for the bit-for-bit tests; `test_default_flags.py` checks the default
+configuration in a subprocess, with the tolerance stated there.
+"""
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_disable_hlo_passes=algsimp --xla_cpu_max_isa=SSE4_2"
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+
+def model_params(seed: int = 0) -> dict:
+  """A pytree shaped like a small model: what real optimizer states hold."""
+  k = jax.random.split(jax.random.key(seed), 6)
+  return {
+      "embed": {"table": jax.random.normal(k[0], (96, 16), jnp.bfloat16)},
+      "layers": [
+          {
+              "attn": {"kernel": jax.random.normal(k[1], (16, 48)), "bias": jnp.zeros(48)},
+              "mlp": {"kernel": jax.random.normal(k[2], (16, 64)) * 0.1, "bias": jnp.ones(64)},
+              "norm": {"scale": jnp.ones(16)},
+          },
+          {"mlp": {"kernel": jax.random.normal(k[3], (64, 16)), "bias": jnp.zeros(16)}},
+      ],
+      "temperature": jnp.float32(0.5),
+      "head": (jax.random.normal(k[4], (16, 10)), jnp.zeros((0,))),
+      "no_params": {},
+      "steps_seen": jnp.array([3, 1], jnp.int32),
+  }
+
+
+def grads_like(params, step: int):
+  """Deterministic, step-dependent gradients (int leaves get zero grads)."""
+
+  def g(x):
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      return jnp.zeros_like(x)
+    return jnp.sin(x.astype(jnp.float32) * (step + 1) + 0.3).astype(x.dtype)
+
+  return jax.tree.map(g, params)
+
+
+def float_labels(params):
+  return jax.tree.map(lambda x: "float" if jnp.issubdtype(x.dtype, jnp.floating) else "int", params)
+
+
+def assert_trees_equal(a, b):
+  """Bit-for-bit equality of two pytrees, naming the first leaf that differs."""
+  la, ta = jax.tree_util.tree_flatten_with_path(a)
+  lb, tb = jax.tree_util.tree_flatten_with_path(b)
+  assert ta == tb, f"structures differ: {ta} vs {tb}"
+  for (path, x), (_, y) in zip(la, lb):
+    x, y = np.asarray(x), np.asarray(y)
+    assert x.dtype == y.dtype and x.shape == y.shape, jax.tree_util.keystr(path)
+    assert x.tobytes() == y.tobytes(), (
+        f"leaf {jax.tree_util.keystr(path)} differs: max |diff| "
+        f"{np.max(np.abs(x.astype(np.float64) - y.astype(np.float64)))}"
+    )
+
+
+@pytest.fixture
+def params():
+  return model_params()

@@ -1,0 +1,117 @@
+"""The coupling analysis and the schedule built from it."""
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+from offlax._src import coupling, schedule
+from offlax._src.transform import ParamSpec, _Step
+
+SHAPES = {"a": (8, 4), "b": (4,), "c": (3, 5)}
+
+
+def _analyze(inner, params=None, **extra):
+  params = params or {k: jnp.ones(s) for k, s in SHAPES.items()}
+  from offlax._src.host_tier import HostTier
+  from offlax._src.transform import _spec_of, _StateLayout
+
+  inner = optax.with_extra_args_support(inner)
+  state = inner.init(params)
+  spec: ParamSpec = _spec_of(params, "params")
+  step = _Step(inner, HostTier(), params, state, params, extra)
+  layout = _StateLayout(state, spec)
+  leaves = list(range(len(spec.shapes)))
+  return step._analyze(layout, layout.split(state), leaves, list(spec.shapes))
+
+
+@pytest.mark.parametrize("inner", [optax.adam(1e-3), optax.sgd(0.1, momentum=0.9), optax.lion(1e-3),
+                                   optax.adagrad(0.1), optax.rmsprop(1e-3)])
+def test_elementwise_optimizers_are_separable_and_splittable(inner):
+  c = _analyze(inner)
+  assert c.groups == ((0,), (1,), (2,)) and c.reason is None
+  assert c.splittable == {0, 1, 2}
+
+
+def test_per_leaf_reductions_are_separable_not_splittable():
+  c = _analyze(optax.lamb(1e-3))
+  assert c.groups == ((0,), (1,), (2,))
+  assert c.splittable == frozenset()
+
+
+def test_adafactor_keeps_factored_leaves_whole():
+  params = {"big": jnp.ones((256, 256)), "vec": jnp.ones(7)}
+  c = _analyze(optax.adafactor(1e-3, min_dim_size_to_factor=128), params)
+  assert c.groups == ((0,), (1,))
+  assert 0 not in c.splittable  # factored: row and column means
+
+
+def test_global_norm_clip_couples_everything():
+  c = _analyze(optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)))
+  assert c.groups == ((0, 1, 2),) and c.splittable == frozenset()
+
+
+def test_global_state_depending_on_leaves_is_one_group():
+  c = _analyze(optax.apply_if_finite(optax.adam(1e-3), 2))
+  assert len(c.groups) == 1 and "belongs to no parameter" in c.reason
+
+
+def test_random_noise_is_one_group():
+  c = _analyze(optax.chain(optax.add_noise(0.1, 0.5, 0), optax.sgd(0.1)))
+  assert len(c.groups) == 1 and "random" in c.reason
+
+
+def test_side_effects_make_one_group():
+  def noisy_update(updates, state, params=None):
+    jax.debug.print("step")
+    return updates, state
+
+  c = _analyze(optax.GradientTransformation(lambda p: optax.EmptyState(), noisy_update))
+  assert len(c.groups) == 1 and "side effect" in c.reason
+
+
+def test_cross_leaf_user_transform_groups_the_coupled_pair():
+  def couple(updates, state, params=None):
+    return {**updates, "a": updates["a"] + jnp.sum(updates["c"])}, state
+
+  c = _analyze(optax.GradientTransformation(lambda p: optax.EmptyState(), couple))
+  assert c.groups == ((0, 2), (1,))
+  assert c.splittable == {1}
+
+
+def test_non_scalar_extra_args_make_one_group():
+  inner = optax.GradientTransformationExtraArgs(
+      lambda p: optax.EmptyState(), lambda u, s, p=None, **kw: (u, s)
+  )
+  c = _analyze(inner, grad={k: jnp.ones(s) for k, s in SHAPES.items()})
+  assert len(c.groups) == 1 and "extra argument" in c.reason
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64, 100, 1000, 10**6])
+def test_schedule_bounds_slices_and_covers_every_element(chunk):
+  shapes = [(8, 4), (4,), (3, 5), (), (0, 3), (100,)]
+  leaf_bytes = [2 * 4 * max(1, int(jnp.prod(jnp.array(s)))) if s else 8 for s in shapes]
+  leaf_bytes[4] = 0
+  c = coupling.Coupling(((0,), (1,), (2, 3), (4,), (5,)), frozenset({0, 1, 5}))
+  slices = schedule.build(c, shapes, leaf_bytes, chunk)
+  covered: dict[int, list] = {}
+  for pieces in slices:
+    size = 0
+    for p in pieces:
+      covered.setdefault(p.leaf, []).append(p)
+      if p.start is None:
+        size += leaf_bytes[p.leaf]
+      else:
+        rows = int(jnp.prod(jnp.array(shapes[p.leaf]))) if p.flat else shapes[p.leaf][0]
+        size += leaf_bytes[p.leaf] // rows * (p.stop - p.start)
+    unsplittable = all(p.start is None for p in pieces) and len({p.leaf for p in pieces}) <= 2
+    assert size <= chunk or (len(pieces) <= 2 and unsplittable) or (
+        len(pieces) == 1 and p.stop - p.start == 1
+    ), (chunk, pieces, size)
+  assert sorted(covered) == list(range(len(shapes)))
+  for leaf in (0, 1, 5):
+    x = jnp.arange(int(jnp.prod(jnp.array(shapes[leaf])))).reshape(shapes[leaf])
+    parts = [p.take(x) for p in covered[leaf]]
+    assert (schedule.join(covered[leaf], parts, shapes[leaf]) == x).all()
+  # Coupled leaves 2 and 3 always share a slice.
+  assert any({p.leaf for p in s} >= {2, 3} for s in slices)

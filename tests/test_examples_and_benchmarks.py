@@ -1,0 +1,35 @@
+"""The example and the benchmark run end to end at a tiny size.
+
+Timings are not asserted: speed goals live in benchmarks/, measured side by side.
+"""
+
+import importlib.util
+import json
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _load(relative: str):
+  spec = importlib.util.spec_from_file_location(relative.replace("/", "_")[:-3], ROOT / relative)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_quickstart_trains(capsys):
+  loss = _load("examples/quickstart.py").main(["--steps", "60", "--width", "32"])
+  out = capsys.readouterr().out
+  first = float(out.split("loss ")[1].split()[0])
+  assert loss < 0.5 * first
+  assert "pinned_host" in out
+
+
+def test_host_overhead_benchmark_runs(tmp_path):
+  _load("benchmarks/host_overhead.py").main(
+      ["--size-scale", "0.01", "--steps", "2", "--out", str(tmp_path)]
+  )
+  result = json.loads((tmp_path / "host_overhead.json").read_text())
+  assert (tmp_path / "host_overhead.png").stat().st_size > 10_000
+  assert result["leaves"] >= 190
+  assert set(result["ratios"]) >= {"offlax"}
