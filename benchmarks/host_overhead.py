@@ -89,16 +89,16 @@ def param_shapes(d: int) -> dict[str, Any]:
 
   def layer():
     return {
-        "ln_attn": {"scale": (d,)},
-        "attn": {name: dense(d, d, bias=False) for name in ("q", "k", "v", "o")},
-        "ln_mlp": {"scale": (d,)},
-        "mlp": {"up": dense(d, 4 * d, bias=True), "down": dense(4 * d, d, bias=True)},
+      "ln_attn": {"scale": (d,)},
+      "attn": {name: dense(d, d, bias=False) for name in ("q", "k", "v", "o")},
+      "ln_mlp": {"scale": (d,)},
+      "mlp": {"up": dense(d, 4 * d, bias=True), "down": dense(4 * d, d, bias=True)},
     }
 
   return {
-      "embed": {"embedding": (VOCAB_PER_D_MODEL * d, d)},
-      "layers": {f"layer_{i:02d}": layer() for i in range(NUM_LAYERS)},
-      "final_norm": {"scale": (d,)},
+    "embed": {"embedding": (VOCAB_PER_D_MODEL * d, d)},
+    "layers": {f"layer_{i:02d}": layer() for i in range(NUM_LAYERS)},
+    "final_norm": {"scale": (d,)},
   }
 
 
@@ -147,13 +147,13 @@ class Variant:
 def make_variants() -> list[Variant]:
   default_chunk = offlax.HostTier().chunk_bytes
   return [
-      Variant(BASELINE, optax.adamw(LEARNING_RATE)),
-      Variant("offlax", offlax.offload(optax.adamw(LEARNING_RATE)), default_chunk),
-      Variant(
-          "offlax (one slice)",
-          offlax.offload(optax.adamw(LEARNING_RATE), chunk_bytes=ONE_SLICE_CHUNK_BYTES),
-          ONE_SLICE_CHUNK_BYTES,
-      ),
+    Variant(BASELINE, optax.adamw(LEARNING_RATE)),
+    Variant("offlax", offlax.offload(optax.adamw(LEARNING_RATE)), default_chunk),
+    Variant(
+      "offlax (one slice)",
+      offlax.offload(optax.adamw(LEARNING_RATE), chunk_bytes=ONE_SLICE_CHUNK_BYTES),
+      ONE_SLICE_CHUNK_BYTES,
+    ),
   ]
 
 
@@ -180,10 +180,10 @@ def round_robin(variants: Sequence[Variant], rounds: int, grads: Any, record: bo
 
 def stats_of(times: Sequence[float]) -> dict[str, float]:
   return {
-      "median_s": statistics.median(times),
-      "min_s": min(times),
-      "max_s": max(times),
-      "mean_s": statistics.fmean(times),
+    "median_s": statistics.median(times),
+    "min_s": min(times),
+    "max_s": max(times),
+    "mean_s": statistics.fmean(times),
   }
 
 
@@ -194,29 +194,29 @@ def max_abs_diff(a: Any, b: Any) -> float:
 
 def summary_table(result: dict[str, Any]) -> str:
   header = (
-      f"{'variant':<20} {'median ms':>10} {'min ms':>9} {'max ms':>9} "
-      f"{'vs optax':>9} {'compile s':>10} {'max |dparams|':>14}"
+    f"{'variant':<20} {'median ms':>10} {'min ms':>9} {'max ms':>9} "
+    f"{'vs optax':>9} {'compile s':>10} {'max |dparams|':>14}"
   )
   lines = [
-      f"host_overhead: AdamW step, {result['params']:,} fp32 params in {result['leaves']} leaves,"
-      f" {result['steps']} timed steps per variant (+{result['warmup']} warm-up), round-robin",
-      f"backend {result['backend']}, jax {result['jax_version']}, {result['cpu_count']} CPUs,"
-      f" peak RSS {result['peak_rss_bytes'] / 2**30:.2f} GiB",
-      header,
-      "-" * len(header),
+    f"host_overhead: AdamW step, {result['params']:,} fp32 params in {result['leaves']} leaves,"
+    f" {result['steps']} timed steps per variant (+{result['warmup']} warm-up), round-robin",
+    f"backend {result['backend']}, jax {result['jax_version']}, {result['cpu_count']} CPUs,"
+    f" peak RSS {result['peak_rss_bytes'] / 2**30:.2f} GiB",
+    header,
+    "-" * len(header),
   ]
   for v in result["variants"]:
     ratio = result["ratios"].get(v["name"])
     ratio_s = "-" if ratio is None else f"{ratio:.3f}x"
     lines.append(
-        f"{v['name']:<20} {v['median_s'] * 1e3:>10.1f} {v['min_s'] * 1e3:>9.1f}"
-        f" {v['max_s'] * 1e3:>9.1f} {ratio_s:>9} {v['compile_s']:>10.1f}"
-        f" {v['max_abs_diff_vs_optax']:>14.3g}"
+      f"{v['name']:<20} {v['median_s'] * 1e3:>10.1f} {v['min_s'] * 1e3:>9.1f}"
+      f" {v['max_s'] * 1e3:>9.1f} {ratio_s:>9} {v['compile_s']:>10.1f}"
+      f" {v['max_abs_diff_vs_optax']:>14.3g}"
     )
   verdicts = [
-      f"{name}: {ratio:.3f}x {'<=' if ratio <= GOAL_RATIO else '>'} {GOAL_RATIO}x "
-      f"({'OK' if ratio <= GOAL_RATIO else 'OVER GOAL'})"
-      for name, ratio in result["ratios"].items()
+    f"{name}: {ratio:.3f}x {'<=' if ratio <= GOAL_RATIO else '>'} {GOAL_RATIO}x "
+    f"({'OK' if ratio <= GOAL_RATIO else 'OVER GOAL'})"
+    for name, ratio in result["ratios"].items()
   ]
   lines.append(f"ratio of medians vs optax, goal <= {GOAL_RATIO:.2f}x: " + "; ".join(verdicts))
   return "\n".join(lines)
@@ -239,24 +239,36 @@ def plot(result: dict[str, Any], path: pathlib.Path) -> None:
   x = np.arange(len(names))
   bars = ax.bar(x, med, yerr=[lo, hi], capsize=8, color=colors)
   goal = med[0] * GOAL_RATIO
-  ax.axhline(goal, color="tab:red", linestyle="--", linewidth=1,
-             label=f"goal: {GOAL_RATIO:.2f}x optax median")
+  ax.axhline(
+    goal,
+    color="tab:red",
+    linestyle="--",
+    linewidth=1,
+    label=f"goal: {GOAL_RATIO:.2f}x optax median",
+  )
   for bar, v, top in zip(bars, variants, med + hi, strict=True):
     ratio = result["ratios"].get(v["name"])
     text = f"{v['median_s'] * 1e3:.1f} ms"
     if ratio is not None:
       text += f"\n{ratio:.3f}x optax"
-    ax.annotate(text, (bar.get_x() + bar.get_width() / 2, top), xytext=(0, 4),
-                textcoords="offset points", ha="center", va="bottom", fontsize=9)
+    ax.annotate(
+      text,
+      (bar.get_x() + bar.get_width() / 2, top),
+      xytext=(0, 4),
+      textcoords="offset points",
+      ha="center",
+      va="bottom",
+      fontsize=9,
+    )
   ax.set_xticks(x, names)
   ax.set_xlabel("optimizer (AdamW, lr 1e-3); bar: median, whiskers: min to max")
   ax.set_ylabel("time per step (ms)")
   ax.set_ylim(0, max(med + hi) * 1.25)
   ax.set_title(
-      f"offlax host-memory overhead: {result['params'] / 1e6:.1f}M params, "
-      f"{result['leaves']} leaves\n{result['steps']} steps each, "
-      f"{result['backend']} backend, jax {result['jax_version']}",
-      fontsize=11,
+    f"offlax host-memory overhead: {result['params'] / 1e6:.1f}M params, "
+    f"{result['leaves']} leaves\n{result['steps']} steps each, "
+    f"{result['backend']} backend, jax {result['jax_version']}",
+    fontsize=11,
   )
   ax.legend(loc="lower right", fontsize=9, framealpha=0.9)
   ax.grid(axis="y", alpha=0.3)
@@ -281,12 +293,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument("--steps", type=int, default=10, help="timed steps per variant (10)")
   parser.add_argument("--warmup", type=int, default=2, help="untimed steps after compiling (2)")
   parser.add_argument(
-      "--size-scale", type=float, default=1.0,
-      help="scale of the parameter count; 1.0 is about 64M params (1.0)",
+    "--size-scale",
+    type=float,
+    default=1.0,
+    help="scale of the parameter count; 1.0 is about 64M params (1.0)",
   )
   parser.add_argument(
-      "--out", type=pathlib.Path, default=DEFAULT_OUT,
-      help=f"directory for host_overhead.json/.png ({DEFAULT_OUT})",
+    "--out",
+    type=pathlib.Path,
+    default=DEFAULT_OUT,
+    help=f"directory for host_overhead.json/.png ({DEFAULT_OUT})",
   )
   args = parser.parse_args(argv)
   if args.steps < 1:
@@ -306,8 +322,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   shapes = param_shapes(d)
   leaves = jax.tree.leaves(shapes, is_leaf=_is_shape)
   n_params = sum(math.prod(s) for s in leaves)
-  print(f"model: d_model={d}, {NUM_LAYERS} layers, {n_params:,} fp32 params "
-        f"({n_params * 4 / 2**20:.0f} MiB) in {len(leaves)} leaves", flush=True)
+  print(
+    f"model: d_model={d}, {NUM_LAYERS} layers, {n_params:,} fp32 params "
+    f"({n_params * 4 / 2**20:.0f} MiB) in {len(leaves)} leaves",
+    flush=True,
+  )
 
   grads = random_tree(shapes, seed=1, std=1e-3)  # shared by all variants, never donated
   variants = make_variants()
@@ -325,42 +344,44 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   base = variants[0]
   records = []
   for v in variants:
-    records.append({
+    records.append(
+      {
         "name": v.name,
         "chunk_bytes": v.chunk_bytes,
         **stats_of(v.times_s),
         "times_s": v.times_s,
         "compile_s": v.compile_s,
         "max_abs_diff_vs_optax": 0.0 if v is base else max_abs_diff(v.params, base.params),
-    })
+      }
+    )
   for v in variants:  # free every variant's params and state only now
     v.params = v.state = v.step = None
   del grads
 
   base_median = records[0]["median_s"]
   result = {
-      "benchmark": "host_overhead",
-      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-      "jax_version": jax.__version__,
-      "optax_version": optax.__version__,
-      "offlax_version": offlax.__version__,
-      "backend": jax.default_backend(),
-      "devices": [str(dev) for dev in jax.devices()],
-      "cpu_count": os.cpu_count(),
-      "platform": platform.platform(),
-      "python": platform.python_version(),
-      "size_scale": args.size_scale,
-      "d_model": d,
-      "num_layers": NUM_LAYERS,
-      "params": n_params,
-      "leaves": len(leaves),
-      "param_bytes": n_params * 4,
-      "steps": args.steps,
-      "warmup": args.warmup,
-      "goal_ratio": GOAL_RATIO,
-      "variants": records,
-      "ratios": {r["name"]: r["median_s"] / base_median for r in records[1:]},
-      "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    "benchmark": "host_overhead",
+    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    "jax_version": jax.__version__,
+    "optax_version": optax.__version__,
+    "offlax_version": offlax.__version__,
+    "backend": jax.default_backend(),
+    "devices": [str(dev) for dev in jax.devices()],
+    "cpu_count": os.cpu_count(),
+    "platform": platform.platform(),
+    "python": platform.python_version(),
+    "size_scale": args.size_scale,
+    "d_model": d,
+    "num_layers": NUM_LAYERS,
+    "params": n_params,
+    "leaves": len(leaves),
+    "param_bytes": n_params * 4,
+    "steps": args.steps,
+    "warmup": args.warmup,
+    "goal_ratio": GOAL_RATIO,
+    "variants": records,
+    "ratios": {r["name"]: r["median_s"] / base_median for r in records[1:]},
+    "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
   }
   result["wall_s"] = time.perf_counter() - wall_start
 

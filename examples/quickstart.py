@@ -25,8 +25,8 @@ import offlax
 def init_params(key: jax.Array, width: int) -> dict:
   k1, k2 = jax.random.split(key)
   return {
-      "hidden": {"kernel": jax.random.normal(k1, (1, width)), "bias": jnp.zeros(width)},
-      "out": {"kernel": jax.random.normal(k2, (width, 1)) / jnp.sqrt(width), "bias": jnp.zeros(1)},
+    "hidden": {"kernel": jax.random.normal(k1, (1, width)), "bias": jnp.zeros(width)},
+    "out": {"kernel": jax.random.normal(k2, (width, 1)) / jnp.sqrt(width), "bias": jnp.zeros(1)},
   }
 
 
@@ -43,8 +43,12 @@ def main(argv: list[str] | None = None) -> float:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--steps", type=int, default=300)
   parser.add_argument("--width", type=int, default=256)
-  parser.add_argument("--chunk-bytes", type=int, default=2048,
-                      help="slice size of the streamed state (small here to show streaming)")
+  parser.add_argument(
+    "--chunk-bytes",
+    type=int,
+    default=2048,
+    help="slice size of the streamed state (small here to show streaming)",
+  )
   args = parser.parse_args(argv)
 
   key = jax.random.key(0)

@@ -15,7 +15,7 @@ configuration in a subprocess, with the tolerance stated there.
 import os
 
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_disable_hlo_passes=algsimp --xla_cpu_max_isa=SSE4_2"
+  os.environ.get("XLA_FLAGS", "") + " --xla_disable_hlo_passes=algsimp --xla_cpu_max_isa=SSE4_2"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -29,19 +29,19 @@ def model_params(seed: int = 0) -> dict:
   """A pytree shaped like a small model: what real optimizer states hold."""
   k = jax.random.split(jax.random.key(seed), 6)
   return {
-      "embed": {"table": jax.random.normal(k[0], (96, 16), jnp.bfloat16)},
-      "layers": [
-          {
-              "attn": {"kernel": jax.random.normal(k[1], (16, 48)), "bias": jnp.zeros(48)},
-              "mlp": {"kernel": jax.random.normal(k[2], (16, 64)) * 0.1, "bias": jnp.ones(64)},
-              "norm": {"scale": jnp.ones(16)},
-          },
-          {"mlp": {"kernel": jax.random.normal(k[3], (64, 16)), "bias": jnp.zeros(16)}},
-      ],
-      "temperature": jnp.float32(0.5),
-      "head": (jax.random.normal(k[4], (16, 10)), jnp.zeros((0,))),
-      "no_params": {},
-      "steps_seen": jnp.array([3, 1], jnp.int32),
+    "embed": {"table": jax.random.normal(k[0], (96, 16), jnp.bfloat16)},
+    "layers": [
+      {
+        "attn": {"kernel": jax.random.normal(k[1], (16, 48)), "bias": jnp.zeros(48)},
+        "mlp": {"kernel": jax.random.normal(k[2], (16, 64)) * 0.1, "bias": jnp.ones(64)},
+        "norm": {"scale": jnp.ones(16)},
+      },
+      {"mlp": {"kernel": jax.random.normal(k[3], (64, 16)), "bias": jnp.zeros(16)}},
+    ],
+    "temperature": jnp.float32(0.5),
+    "head": (jax.random.normal(k[4], (16, 10)), jnp.zeros((0,))),
+    "no_params": {},
+    "steps_seen": jnp.array([3, 1], jnp.int32),
   }
 
 
@@ -65,12 +65,12 @@ def assert_trees_equal(a, b):
   la, ta = jax.tree_util.tree_flatten_with_path(a)
   lb, tb = jax.tree_util.tree_flatten_with_path(b)
   assert ta == tb, f"structures differ: {ta} vs {tb}"
-  for (path, x), (_, y) in zip(la, lb):
+  for (path, x), (_, y) in zip(la, lb, strict=True):
     x, y = np.asarray(x), np.asarray(y)
     assert x.dtype == y.dtype and x.shape == y.shape, jax.tree_util.keystr(path)
     assert x.tobytes() == y.tobytes(), (
-        f"leaf {jax.tree_util.keystr(path)} differs: max |diff| "
-        f"{np.max(np.abs(x.astype(np.float64) - y.astype(np.float64)))}"
+      f"leaf {jax.tree_util.keystr(path)} differs: max |diff| "
+      f"{np.max(np.abs(x.astype(np.float64) - y.astype(np.float64)))}"
     )
 
 

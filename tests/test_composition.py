@@ -13,7 +13,11 @@ STREAM = 1024  # small slices, so that every test below streams
 
 def _params():
   k = jax.random.split(jax.random.key(1), 2)
-  return {"w": jax.random.normal(k[0], (32, 16)), "b": jnp.zeros(16), "v": jax.random.normal(k[1], (40,))}
+  return {
+    "w": jax.random.normal(k[0], (32, 16)),
+    "b": jnp.zeros(16),
+    "v": jax.random.normal(k[1], (40,)),
+  }
 
 
 def _train(tx, steps=3, **extra):
@@ -39,8 +43,10 @@ def _same_training(plain, wrapped, steps=3):
 
 def test_chain_clip_then_offload():
   _same_training(
-      optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)),
-      optax.chain(optax.clip_by_global_norm(1.0), offlax.offload(optax.adamw(1e-3), chunk_bytes=STREAM)),
+    optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)),
+    optax.chain(
+      optax.clip_by_global_norm(1.0), offlax.offload(optax.adamw(1e-3), chunk_bytes=STREAM)
+    ),
   )
 
 
@@ -73,9 +79,9 @@ def test_inject_hyperparams_readable_and_settable():
 def test_multi_steps_outside_offload():
   """Works on the CPU; on a GPU prefer offload(MultiSteps(...)) (see README)."""
   _same_training(
-      optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2),
-      optax.MultiSteps(offlax.offload(optax.adam(1e-2), chunk_bytes=STREAM), every_k_schedule=2),
-      steps=4,
+    optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2),
+    optax.MultiSteps(offlax.offload(optax.adam(1e-2), chunk_bytes=STREAM), every_k_schedule=2),
+    steps=4,
   )
 
 
@@ -89,11 +95,11 @@ def test_multi_steps_inside_offload():
 def test_multi_transform_and_masked():
   labels = {"w": "adam", "b": "sgd", "v": "adam"}
   _same_training(
-      optax.multi_transform({"adam": optax.adam(1e-3), "sgd": optax.sgd(1e-2)}, labels),
-      optax.multi_transform(
-          {"adam": offlax.offload(optax.adam(1e-3), chunk_bytes=STREAM), "sgd": optax.sgd(1e-2)},
-          labels,
-      ),
+    optax.multi_transform({"adam": optax.adam(1e-3), "sgd": optax.sgd(1e-2)}, labels),
+    optax.multi_transform(
+      {"adam": offlax.offload(optax.adam(1e-3), chunk_bytes=STREAM), "sgd": optax.sgd(1e-2)},
+      labels,
+    ),
   )
   decay_mask = lambda p: jax.tree.map(lambda x: x.ndim > 1, p)
   masked = optax.chain(optax.adam(1e-3), optax.masked(optax.add_decayed_weights(0.1), decay_mask))
@@ -104,9 +110,11 @@ def test_multi_transform_and_masked():
 
 def test_schedules():
   schedule = optax.join_schedules(
-      [optax.linear_schedule(0.0, 1e-2, 2), optax.exponential_decay(1e-2, 3, 0.5)], [2]
+    [optax.linear_schedule(0.0, 1e-2, 2), optax.exponential_decay(1e-2, 3, 0.5)], [2]
   )
-  _same_training(optax.adam(schedule), offlax.offload(optax.adam(schedule), chunk_bytes=STREAM), steps=5)
+  _same_training(
+    optax.adam(schedule), offlax.offload(optax.adam(schedule), chunk_bytes=STREAM), steps=5
+  )
 
 
 def test_extra_args_reach_the_inner_update():
@@ -119,6 +127,7 @@ def test_extra_args_reach_the_inner_update():
   def solve(tx):
     params = _params()
     state = tx.init(params)
+
     @jax.jit
     def step(params, state):
       value, grad = jax.value_and_grad(loss)(params)
@@ -136,7 +145,9 @@ def test_extra_args_reach_the_inner_update():
 
 
 def test_plain_gradient_transformation_gets_extra_args_support():
-  tx = offlax.offload(optax.GradientTransformation(lambda p: optax.EmptyState(), lambda u, s, p=None: (u, s)))
+  tx = offlax.offload(
+    optax.GradientTransformation(lambda p: optax.EmptyState(), lambda u, s, p=None: (u, s))
+  )
   assert isinstance(tx, optax.GradientTransformationExtraArgs)
   params = _params()
   updates, _ = tx.update(params, tx.init(params), params, unused_extra=1.0)

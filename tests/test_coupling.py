@@ -25,8 +25,16 @@ def _analyze(inner, params=None, **extra):
   return step._analyze(layout, layout.split(state), leaves, list(spec.shapes))
 
 
-@pytest.mark.parametrize("inner", [optax.adam(1e-3), optax.sgd(0.1, momentum=0.9), optax.lion(1e-3),
-                                   optax.adagrad(0.1), optax.rmsprop(1e-3)])
+@pytest.mark.parametrize(
+  "inner",
+  [
+    optax.adam(1e-3),
+    optax.sgd(0.1, momentum=0.9),
+    optax.lion(1e-3),
+    optax.adagrad(0.1),
+    optax.rmsprop(1e-3),
+  ],
+)
 def test_elementwise_optimizers_are_separable_and_splittable(inner):
   c = _analyze(inner)
   assert c.groups == ((0,), (1,), (2,)) and c.reason is None
@@ -81,7 +89,7 @@ def test_cross_leaf_user_transform_groups_the_coupled_pair():
 
 def test_non_scalar_extra_args_make_one_group():
   inner = optax.GradientTransformationExtraArgs(
-      lambda p: optax.EmptyState(), lambda u, s, p=None, **kw: (u, s)
+    lambda p: optax.EmptyState(), lambda u, s, p=None, **kw: (u, s)
   )
   c = _analyze(inner, grad={k: jnp.ones(s) for k, s in SHAPES.items()})
   assert len(c.groups) == 1 and "extra argument" in c.reason
@@ -105,8 +113,10 @@ def test_schedule_bounds_slices_and_covers_every_element(chunk):
         rows = int(jnp.prod(jnp.array(shapes[p.leaf]))) if p.flat else shapes[p.leaf][0]
         size += leaf_bytes[p.leaf] // rows * (p.stop - p.start)
     unsplittable = all(p.start is None for p in pieces) and len({p.leaf for p in pieces}) <= 2
-    assert size <= chunk or (len(pieces) <= 2 and unsplittable) or (
-        len(pieces) == 1 and p.stop - p.start == 1
+    assert (
+      size <= chunk
+      or (len(pieces) <= 2 and unsplittable)
+      or (len(pieces) == 1 and p.stop - p.start == 1)
     ), (chunk, pieces, size)
   assert sorted(covered) == list(range(len(shapes)))
   for leaf in (0, 1, 5):

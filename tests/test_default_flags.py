@@ -11,7 +11,7 @@ import sys
 import textwrap
 
 SCRIPT = textwrap.dedent(
-    """
+  """
     import json, jax, jax.numpy as jnp, numpy as np, optax, offlax
     k = jax.random.split(jax.random.key(0), 3)
     params = {"w": jax.random.normal(k[0], (64, 32)), "b": jnp.zeros(32),
@@ -31,6 +31,10 @@ SCRIPT = textwrap.dedent(
       bits = {2: np.int16, 4: np.int32}[a.dtype.itemsize]
       return int(np.max(np.abs(a.view(bits).astype(np.int64) - b.view(bits).astype(np.int64))))
 
+    def rel(a, b):
+      a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+      return float(np.max(np.abs(a - b) / (np.abs(b) + 1e-30)))
+
     out = {}
     for name, inner in [("adamw", optax.adamw(1e-3)), ("lamb", optax.lamb(1e-3))]:
       want = run(inner)
@@ -39,10 +43,7 @@ SCRIPT = textwrap.dedent(
       out[name] = {
           "one_slice": max(jax.tree.leaves(jax.tree.map(ulps, one, want))),
           "streamed": max(jax.tree.leaves(jax.tree.map(ulps, streamed, want))),
-          "rel": max(jax.tree.leaves(jax.tree.map(
-              lambda a, b: float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))
-                                        / (np.abs(np.asarray(b, np.float64)) + 1e-30))),
-              streamed, want))),
+          "rel": max(jax.tree.leaves(jax.tree.map(rel, streamed, want))),
       }
     print(json.dumps(out))
     """
@@ -52,7 +53,7 @@ SCRIPT = textwrap.dedent(
 def test_default_xla_flags():
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   result = subprocess.run(
-      [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600
+    [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600
   )
   assert result.returncode == 0, result.stderr[-3000:]
   ulps = json.loads(result.stdout.strip().splitlines()[-1])

@@ -9,19 +9,19 @@ from conftest import assert_trees_equal, float_labels, grads_like, model_params
 import offlax
 
 OPTIMIZERS = {
-    "adam": lambda: optax.adam(1e-3),
-    "adamw": lambda: optax.adamw(1e-3, weight_decay=0.1),
-    "sgd_momentum": lambda: optax.sgd(1e-2, momentum=0.9, nesterov=True),
-    "lion": lambda: optax.lion(1e-4),
-    "adafactor": lambda: optax.adafactor(1e-3),
-    "lamb": lambda: optax.lamb(1e-3),
-    "rmsprop": lambda: optax.rmsprop(1e-3, momentum=0.5),
-    "adagrad": lambda: optax.adagrad(1e-2),
-    "clip_schedule_chain": lambda: optax.chain(
-        optax.clip_by_global_norm(1.0),
-        optax.adamw(optax.warmup_cosine_decay_schedule(0.0, 1e-3, 2, 10)),
-    ),
-    "clip_by_value_chain": lambda: optax.chain(optax.clip(0.5), optax.adam(1e-3, b1=0.8)),
+  "adam": lambda: optax.adam(1e-3),
+  "adamw": lambda: optax.adamw(1e-3, weight_decay=0.1),
+  "sgd_momentum": lambda: optax.sgd(1e-2, momentum=0.9, nesterov=True),
+  "lion": lambda: optax.lion(1e-4),
+  "adafactor": lambda: optax.adafactor(1e-3),
+  "lamb": lambda: optax.lamb(1e-3),
+  "rmsprop": lambda: optax.rmsprop(1e-3, momentum=0.5),
+  "adagrad": lambda: optax.adagrad(1e-2),
+  "clip_schedule_chain": lambda: optax.chain(
+    optax.clip_by_global_norm(1.0),
+    optax.adamw(optax.warmup_cosine_decay_schedule(0.0, 1e-3, 2, 10)),
+  ),
+  "clip_by_value_chain": lambda: optax.chain(optax.clip(0.5), optax.adam(1e-3, b1=0.8)),
 }
 
 # One slice holding the whole state; slices of a few KiB, so that small leaves
@@ -74,7 +74,9 @@ def test_every_array_state_leaf_in_pinned_host_after_init(params):
 
 
 def test_bf16_params_keep_their_dtype(params):
-  _, state, updates = run(offlax.offload(with_int_leaves(optax.adam(1e-3)), chunk_bytes=512), params)
+  _, state, updates = run(
+    offlax.offload(with_int_leaves(optax.adam(1e-3)), chunk_bytes=512), params
+  )
   assert updates["embed"]["table"].dtype == jnp.bfloat16
   assert optax.tree_utils.tree_get(state, "mu")["embed"]["table"].dtype == jnp.bfloat16
 
@@ -89,7 +91,7 @@ def test_min_offload_bytes_keeps_small_leaves_on_device(params):
   assert mu["layers"][1]["mlp"]["bias"].sharding.memory_kind == "device"  # 64 bytes
   _, new_state = jax.jit(tx.update)(grads_like(params, 0), state, params)
   assert jax.tree.map(lambda x: x.sharding.memory_kind, new_state) == jax.tree.map(
-      lambda x: x.sharding.memory_kind, state
+    lambda x: x.sharding.memory_kind, state
   )
 
 
@@ -100,7 +102,8 @@ def test_init_accepts_shape_dtype_structs(params):
   concrete = tx.init(params)
   assert jax.tree.structure(abstract) == jax.tree.structure(concrete)
   assert jax.tree.map(lambda a: (a.shape, a.dtype), abstract) == jax.tree.map(
-      lambda a: (a.shape, a.dtype), concrete
+    lambda a: (a.shape, a.dtype), concrete
   )
   state = tx.init(shapes)  # optax's init accepts shapes too
-  assert jax.tree.leaves(state)[0].sharding.memory_kind == "pinned_host"
+  mu = optax.tree_utils.tree_get(state, "mu")
+  assert mu["layers"][0]["attn"]["kernel"].sharding.memory_kind == "pinned_host"

@@ -80,7 +80,7 @@ def test_device_without_pinned_host():
 
 
 @pytest.mark.parametrize(
-    "leaf, kind", [("a string", "str"), (object(), "object"), (lambda x: x, "function")]
+  "leaf, kind", [("a string", "str"), (object(), "object"), (lambda x: x, "function")]
 )
 def test_non_array_param_leaf(tx, leaf, kind):
   params = {"dense": {"w": jnp.ones(3), "act": leaf}}
@@ -97,14 +97,16 @@ def test_non_array_update_leaf(tx):
 def test_updates_with_other_keys(tx):
   state = tx.init({"w": jnp.ones(3), "b": jnp.ones(2)})
   with pytest.raises(
-      offlax.TreeMismatchError, match=r"missing leaves \['w'\]; unexpected leaves \['v'\]"
+    offlax.TreeMismatchError, match=r"missing leaves \['w'\]; unexpected leaves \['v'\]"
   ):
     tx.update({"v": jnp.ones(3), "b": jnp.ones(2)}, state)
 
 
 def test_updates_with_other_container(tx):
   state = tx.init({"w": jnp.ones(3)})
-  with pytest.raises(offlax.TreeMismatchError, match=r"missing leaves \['w'\]; unexpected leaves \[0\]"):
+  with pytest.raises(
+    offlax.TreeMismatchError, match=r"missing leaves \['w'\]; unexpected leaves \[0\]"
+  ):
     tx.update([jnp.ones(3)], state)
 
 
@@ -117,7 +119,7 @@ def test_updates_with_same_paths_other_nodes(tx):
 def test_updates_with_other_shape(tx):
   state = tx.init({"w": jnp.ones((3, 4))})
   with pytest.raises(
-      offlax.TreeMismatchError, match=r"updates leaf \['w'\] has shape \(4, 3\); .* \(3, 4\)"
+    offlax.TreeMismatchError, match=r"updates leaf \['w'\] has shape \(4, 3\); .* \(3, 4\)"
   ):
     jax.jit(tx.update)({"w": jnp.ones((4, 3))}, state)
 

@@ -6,13 +6,16 @@ Timings are not asserted: speed goals live in benchmarks/, measured side by side
 import importlib.util
 import json
 import pathlib
+import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _load(relative: str):
-  spec = importlib.util.spec_from_file_location(relative.replace("/", "_")[:-3], ROOT / relative)
+  name = relative.replace("/", "_")[:-3]
+  spec = importlib.util.spec_from_file_location(name, ROOT / relative)
   module = importlib.util.module_from_spec(spec)
+  sys.modules[name] = module  # dataclasses look their module up there
   spec.loader.exec_module(module)
   return module
 
@@ -27,7 +30,7 @@ def test_quickstart_trains(capsys):
 
 def test_host_overhead_benchmark_runs(tmp_path):
   _load("benchmarks/host_overhead.py").main(
-      ["--size-scale", "0.01", "--steps", "2", "--out", str(tmp_path)]
+    ["--size-scale", "0.01", "--steps", "2", "--out", str(tmp_path)]
   )
   result = json.loads((tmp_path / "host_overhead.json").read_text())
   assert (tmp_path / "host_overhead.png").stat().st_size > 10_000

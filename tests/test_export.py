@@ -31,35 +31,35 @@ def _float_params():
 
 
 COMPOSITIONS = {
-    "adamw": lambda: offlax.offload(optax.adamw(1e-3), chunk_bytes=2048),
-    "one_slice": lambda: offlax.offload(optax.adamw(1e-3)),
-    "clip_then_offload": lambda: optax.chain(
-        optax.clip_by_global_norm(1.0), offlax.offload(optax.adamw(1e-3), chunk_bytes=2048)
-    ),
-    "offload_chain": lambda: offlax.offload(
-        optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)), chunk_bytes=2048
-    ),
-    "inject_hyperparams": lambda: offlax.offload(
-        optax.inject_hyperparams(optax.adamw)(learning_rate=1e-3), chunk_bytes=2048
-    ),
-    # MultiSteps outside offload selects old/new state with jnp.where, which is
-    # compute on host memory; inside, the accumulators are offloaded too.
-    "multi_steps": lambda: offlax.offload(
-        optax.MultiSteps(optax.adam(1e-3), every_k_schedule=2).gradient_transformation(),
-        chunk_bytes=2048,
-    ),
-    "masked": lambda: offlax.offload(
-        optax.masked(optax.adam(1e-3), lambda p: jax.tree.map(lambda x: x.ndim > 1, p)),
-        chunk_bytes=2048,
-    ),
-    "multi_transform": lambda: optax.multi_transform(
-        {"a": offlax.offload(optax.adam(1e-3), chunk_bytes=2048), "b": optax.sgd(1e-2)},
-        lambda p: jax.tree.map(lambda x: "a" if x.ndim > 1 else "b", p),
-    ),
-    "lion_schedule": lambda: offlax.offload(
-        optax.lion(optax.linear_schedule(1e-3, 0.0, 100)), chunk_bytes=700
-    ),
-    "adafactor": lambda: offlax.offload(optax.adafactor(1e-3), chunk_bytes=2048),
+  "adamw": lambda: offlax.offload(optax.adamw(1e-3), chunk_bytes=2048),
+  "one_slice": lambda: offlax.offload(optax.adamw(1e-3)),
+  "clip_then_offload": lambda: optax.chain(
+    optax.clip_by_global_norm(1.0), offlax.offload(optax.adamw(1e-3), chunk_bytes=2048)
+  ),
+  "offload_chain": lambda: offlax.offload(
+    optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)), chunk_bytes=2048
+  ),
+  "inject_hyperparams": lambda: offlax.offload(
+    optax.inject_hyperparams(optax.adamw)(learning_rate=1e-3), chunk_bytes=2048
+  ),
+  # MultiSteps outside offload selects old/new state with jnp.where, which is
+  # compute on host memory; inside, the accumulators are offloaded too.
+  "multi_steps": lambda: offlax.offload(
+    optax.MultiSteps(optax.adam(1e-3), every_k_schedule=2).gradient_transformation(),
+    chunk_bytes=2048,
+  ),
+  "masked": lambda: offlax.offload(
+    optax.masked(optax.adam(1e-3), lambda p: jax.tree.map(lambda x: x.ndim > 1, p)),
+    chunk_bytes=2048,
+  ),
+  "multi_transform": lambda: optax.multi_transform(
+    {"a": offlax.offload(optax.adam(1e-3), chunk_bytes=2048), "b": optax.sgd(1e-2)},
+    lambda p: jax.tree.map(lambda x: "a" if x.ndim > 1 else "b", p),
+  ),
+  "lion_schedule": lambda: offlax.offload(
+    optax.lion(optax.linear_schedule(1e-3, 0.0, 100)), chunk_bytes=700
+  ),
+  "adafactor": lambda: offlax.offload(optax.adafactor(1e-3), chunk_bytes=2048),
 }
 
 
@@ -74,7 +74,9 @@ def _step(tx):
 def _specs(tree, mesh):
   def spec(x):
     kind = x.sharding.memory_kind
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P(), memory_kind=kind))
+    return jax.ShapeDtypeStruct(
+      x.shape, x.dtype, sharding=NamedSharding(mesh, P(), memory_kind=kind)
+    )
 
   return jax.tree.map(spec, tree)
 
@@ -96,7 +98,7 @@ def test_exports_for_cuda_with_host_annotations(name):
   assert host_leaves > 0
 
   exported = jax.export.export(jax.jit(_step(tx), keep_unused=True), platforms=["cuda"])(
-      *(_specs(t, mesh) for t in (params, state, grads))
+    *(_specs(t, mesh) for t in (params, state, grads))
   )
   module = exported.mlir_module()
   to_host = re.findall(r'annotate_device_placement.*_xla_buffer_placement = "pinned_host"', module)
@@ -141,12 +143,9 @@ def test_counts_transfers_per_slice():
   for chunk in (2**40, 4096):
     tx = offlax.offload(optax.adam(1e-3), chunk_bytes=chunk)
     state = tx.init(params)
-    module = (
-        jax.export.export(jax.jit(_step(tx)), platforms=["cuda"])(
-            *(_specs(t, mesh) for t in (params, state, params))
-        )
-        .mlir_module()
-    )
+    module = jax.export.export(jax.jit(_step(tx)), platforms=["cuda"])(
+      *(_specs(t, mesh) for t in (params, state, params))
+    ).mlir_module()
     counts[chunk] = module.count('_xla_buffer_placement = "device"')
   # With 4 KiB slices w's mu and nu (8 KiB each) are cut into four row ranges
   # each: 2 whole-leaf transfers become 8, the others are unchanged.

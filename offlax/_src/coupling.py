@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.extend.core as jex
@@ -30,20 +31,31 @@ import numpy as np
 
 GLOBAL = -1  # owner of a state leaf that belongs to no parameter (e.g. count)
 
-_ELEMENTWISE = frozenset("""
+_ELEMENTWISE = frozenset(
+  """
 abs acos acosh add and asin asinh atan atan2 atanh cbrt ceil clamp conj
 convert_element_type copy copy_p cos cosh div eq erf erf_inv erfc exp exp2
 expm1 floor ge gt imag integer_pow is_finite le lgamma digamma log log1p
 logistic lt max min mul ne neg nextafter not or pow real reduce_precision rem
 round rsqrt select_n sign sin sinh sqrt square sub tan tanh xor
-""".split())
+""".split()
+)
 _SHAPE_ONLY = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims"})
 # Primitives that call their body once: analysed by following the body. Loops
 # and conditionals are not listed and count as coupling all their operands.
-_CALLS = frozenset({
-    "jit", "pjit", "closed_call", "core_call", "remat", "checkpoint",
-    "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr",
-})
+_CALLS = frozenset(
+  {
+    "jit",
+    "pjit",
+    "closed_call",
+    "core_call",
+    "remat",
+    "checkpoint",
+    "custom_jvp_call",
+    "custom_vjp_call",
+    "custom_vjp_call_jaxpr",
+  }
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,10 +91,10 @@ def single_group(num_leaves: int, reason: str) -> Coupling:
 
 
 def analyze(
-    jaxpr: jex.ClosedJaxpr,
-    in_owners: Sequence[int],
-    out_owners: Sequence[int],
-    leaf_shapes: Sequence[tuple[int, ...]],
+  jaxpr: jex.ClosedJaxpr,
+  in_owners: Sequence[int],
+  out_owners: Sequence[int],
+  leaf_shapes: Sequence[tuple[int, ...]],
 ) -> Coupling:
   """Derives the coupling of `jaxpr`'s outputs to its inputs.
 
@@ -97,7 +109,7 @@ def analyze(
   """
   n = len(leaf_shapes)
   inputs = []
-  for var, owner in zip(jaxpr.jaxpr.invars, in_owners):
+  for var, owner in zip(jaxpr.jaxpr.invars, in_owners, strict=True):
     shape = tuple(var.aval.shape)
     if owner == GLOBAL:
       inputs.append(_Val(uniform=shape == (), random=_is_key(var.aval)))
@@ -118,10 +130,12 @@ def analyze(
     return i
 
   splittable = set(i for i, s in enumerate(leaf_shapes) if len(s) and 0 not in s)
-  for val, owner in zip(outputs, out_owners):
+  for val, owner in zip(outputs, out_owners, strict=True):
     if owner == GLOBAL:
       if val.deps:
-        return single_group(n, "a state leaf that belongs to no parameter depends on the parameters")
+        return single_group(
+          n, "a state leaf that belongs to no parameter depends on the parameters"
+        )
       continue
     if val.random:
       return single_group(n, "the update of a leaf uses random numbers")
@@ -159,12 +173,12 @@ def _run(jaxpr: jex.Jaxpr, consts: Sequence[_Val], inputs: Sequence[_Val]) -> li
       return _const(v.val)
     return env[v]
 
-  env.update(zip(jaxpr.constvars, consts))
-  env.update(zip(jaxpr.invars, inputs))
+  env.update(zip(jaxpr.constvars, consts, strict=True))
+  env.update(zip(jaxpr.invars, inputs, strict=True))
   for eqn in jaxpr.eqns:
     ins = [read(v) for v in eqn.invars]
     outs = _eqn(eqn, ins)
-    for v, val in zip(eqn.outvars, outs):
+    for v, val in zip(eqn.outvars, outs, strict=True):
       if not isinstance(v, jex.DropVar):
         env[v] = val
   return [read(v) for v in jaxpr.outvars]
@@ -190,11 +204,13 @@ def _eqn(eqn: jex.JaxprEqn, ins: list[_Val]) -> list[_Val]:
       return [_Val(deps, elems.pop(), random=random)] * n_out
   elif name in _SHAPE_ONLY and ins[0].uniform:
     return [_Val(uniform=True, random=random)] * n_out
-  elif name == "broadcast_in_dim" and tuple(eqn.outvars[0].aval.shape) == tuple(
-      eqn.invars[0].aval.shape
-  ):
+  elif name == "broadcast_in_dim" and _shape(eqn.outvars[0]) == _shape(eqn.invars[0]):
     return [ins[0]]
   return [_Val(deps, random=random)] * n_out
+
+
+def _shape(var: Any) -> tuple[int, ...]:
+  return tuple(var.aval.shape)
 
 
 def _call_body(eqn: jex.JaxprEqn):

@@ -55,21 +55,21 @@ class HostTier:
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise errors.InvalidTierError(
-            f"HostTier.{name} must be an int, got {type(value).__name__} {value!r}."
+          f"HostTier.{name} must be an int, got {type(value).__name__} {value!r}."
         )
     if self.chunk_bytes <= 0:
       raise errors.InvalidTierError(
-          f"HostTier.chunk_bytes must be > 0 bytes, got {self.chunk_bytes}."
+        f"HostTier.chunk_bytes must be > 0 bytes, got {self.chunk_bytes}."
       )
     if self.min_offload_bytes < 0:
       raise errors.InvalidTierError(
-          f"HostTier.min_offload_bytes must be >= 0, got {self.min_offload_bytes}."
+        f"HostTier.min_offload_bytes must be >= 0, got {self.min_offload_bytes}."
       )
     if self.memory_kind not in _HOST_KINDS:
       raise errors.MemoryKindError(
-          f"HostTier.memory_kind must be one of {_HOST_KINDS}, got "
-          f"{self.memory_kind!r}. JAX addresses no other host memory kind "
-          "inside jit."
+        f"HostTier.memory_kind must be one of {_HOST_KINDS}, got "
+        f"{self.memory_kind!r}. JAX addresses no other host memory kind "
+        "inside jit."
       )
 
   def offloads(self, leaf: Any) -> bool:
@@ -82,8 +82,8 @@ class HostTier:
       kinds = {m.kind for m in device.addressable_memories()}
       if self.memory_kind not in kinds:
         raise errors.MemoryKindError(
-            f"Device {device} has no {self.memory_kind!r} memory (it has "
-            f"{sorted(kinds)}); HostTier cannot place optimizer state there."
+          f"Device {device} has no {self.memory_kind!r} memory (it has "
+          f"{sorted(kinds)}); HostTier cannot place optimizer state there."
         )
 
   def to_host(self, x: jax.Array) -> jax.Array:

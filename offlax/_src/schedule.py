@@ -41,8 +41,9 @@ def join(pieces: Sequence[Piece], parts: Sequence[jax.Array], shape) -> jax.Arra
   return whole.reshape(shape) if pieces[0].flat else whole
 
 
-def build(coupling: Coupling, shapes: Sequence[tuple[int, ...]], leaf_bytes: Sequence[int],
-          chunk_bytes: int) -> tuple[tuple[Piece, ...], ...]:
+def build(
+  coupling: Coupling, shapes: Sequence[tuple[int, ...]], leaf_bytes: Sequence[int], chunk_bytes: int
+) -> tuple[tuple[Piece, ...], ...]:
   """Packs the leaves into slices of at most `chunk_bytes` of offloaded state.
 
   Groups of coupled leaves are never split across slices; a splittable leaf
@@ -85,4 +86,7 @@ def build(coupling: Coupling, shapes: Sequence[tuple[int, ...]], leaf_bytes: Seq
     current.extend(pieces)
     current_bytes += size
   slices.append(tuple(current))
+  # Two pieces of one leaf never fit one slice (each is more than half of it,
+  # or the only piece there); the stream relies on one piece per leaf.
+  assert all(len({p.leaf for p in s}) == len(s) for s in slices), slices
   return tuple(slices)

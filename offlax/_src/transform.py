@@ -58,9 +58,9 @@ class OffloadState(NamedTuple):
 
 
 def offload(
-    inner: optax.GradientTransformation,
-    tier: HostTier | None = None,
-    **tier_options: Any,
+  inner: optax.GradientTransformation,
+  tier: HostTier | None = None,
+  **tier_options: Any,
 ) -> optax.GradientTransformationExtraArgs:
   """Keeps the state of `inner` in a memory tier off the accelerator.
 
@@ -94,8 +94,8 @@ def offload(
     tier = HostTier(**tier_options)
   elif tier_options:
     raise errors.InvalidTierError(
-        f"offload got both a tier and tier options {sorted(tier_options)}; "
-        "set the options on the tier."
+      f"offload got both a tier and tier options {sorted(tier_options)}; "
+      "set the options on the tier."
     )
   if not isinstance(tier, HostTier):
     raise errors.InvalidTierError(f"tier must be an offlax.HostTier, got {type(tier).__name__}.")
@@ -111,7 +111,7 @@ def offload(
   def update_fn(updates, state, params=None, **extra_args):
     if not isinstance(state, OffloadState):
       raise errors.TreeMismatchError(
-          f"offload.update expects the OffloadState returned by init, got {type(state).__name__}."
+        f"offload.update expects the OffloadState returned by init, got {type(state).__name__}."
       )
     _check_same(state.spec, _spec_of(updates, "updates"), "updates")
     if params is not None:
@@ -140,15 +140,15 @@ class _StateLayout:
         return hasattr(node, "shape") and tuple(node.shape) == spec.shapes[0]
       return jax.tree.structure(node, is_leaf=_is_masked) == spec.treedef
 
-    tops, self.treedef = jax.tree.flatten(state, is_leaf=is_param_tree)
+    tops, treedef = jax.tree.flatten(state, is_leaf=is_param_tree)
+    self.treedef: Any = treedef
     self.tops = [
-        tuple(not _is_masked(s) for s in self._slots(t)) if is_param_tree(t) else None
-        for t in tops
+      tuple(not _is_masked(s) for s in self._slots(t)) if is_param_tree(t) else None for t in tops
     ]
     self.owners = [
-        owner
-        for top in self.tops
-        for owner in ([coupling_lib.GLOBAL] if top is None else [i for i, p in enumerate(top) if p])
+      owner
+      for top in self.tops
+      for owner in ([coupling_lib.GLOBAL] if top is None else [i for i, p in enumerate(top) if p])
     ]
 
   def _slots(self, tree):
@@ -156,12 +156,14 @@ class _StateLayout:
 
   def split(self, state: Any) -> list[Any]:
     items = []
-    for top, present in zip(self.treedef.flatten_up_to(state), self.tops):
+    for top, present in zip(self.treedef.flatten_up_to(state), self.tops, strict=True):
       if present is None:
         items.append(top)
       else:
         slots = self._slots(top)
-        items.extend(_MASK if _is_masked(s) else s for s, p in zip(slots, present) if p)
+        items.extend(
+          _MASK if _is_masked(s) else s for s, p in zip(slots, present, strict=True) if p
+        )
     return items
 
   def merge(self, items: Sequence[Any]) -> Any:
@@ -191,16 +193,18 @@ class _Step:
     layout = _StateLayout(self.inner_state, spec)
     items = layout.split(self.inner_state)
     leaves = [i for i, s in enumerate(spec.shapes) if s is not None]
-    shapes = [spec.shapes[i] for i in leaves]
+    shapes = [s for s in spec.shapes if s is not None]
     coupling = self._analyze(layout, items, leaves, shapes)
     offloaded = [self.tier.offloads(x) for x in items]
     leaf_bytes = [0] * len(leaves)
     position = {leaf: k for k, leaf in enumerate(leaves)}
-    for x, owner, off in zip(items, layout.owners, offloaded):
+    for x, owner, off in zip(items, layout.owners, offloaded, strict=True):
       if owner != coupling_lib.GLOBAL and off:
         leaf_bytes[position[owner]] += _nbytes(x)
-    slices = schedule_lib.build(coupling, shapes, leaf_bytes, self.tier.chunk_bytes)
-    slices = [tuple(dataclasses.replace(p, leaf=leaves[p.leaf]) for p in s) for s in slices]
+    slices = [
+      tuple(dataclasses.replace(p, leaf=leaves[p.leaf]) for p in pieces)
+      for pieces in schedule_lib.build(coupling, shapes, leaf_bytes, self.tier.chunk_bytes)
+    ]
     return self._stream(layout, items, offloaded, slices, spec)
 
   def _update(self, spec, u_slots, state, p_slots, extra_args):
@@ -229,14 +233,14 @@ class _Step:
     u_args = abstract([self.u_slots[i] for i in leaves])
     p_args = None if self.p_slots is None else abstract([self.p_slots[i] for i in leaves])
     jaxpr = jax.make_jaxpr(flat_update)(
-        u_args, abstract(items), p_args, abstract([extra_leaves[i] for i in arrays])
+      u_args, abstract(items), p_args, abstract([extra_leaves[i] for i in arrays])
     )
     owner = lambda o: o if o == coupling_lib.GLOBAL else position[o]
     in_owners = (
-        list(range(len(leaves)))
-        + [owner(o) for o in layout.owners]
-        + ([] if p_args is None else list(range(len(leaves))))
-        + [coupling_lib.GLOBAL] * len(arrays)
+      list(range(len(leaves)))
+      + [owner(o) for o in layout.owners]
+      + ([] if p_args is None else list(range(len(leaves))))
+      + [coupling_lib.GLOBAL] * len(arrays)
     )
     out_owners = list(range(len(leaves))) + [owner(o) for o in layout.owners]
     return coupling_lib.analyze(jaxpr, in_owners, out_owners, shapes)
@@ -253,8 +257,8 @@ class _Step:
 
     # The pieces of each item that slice k reads, still in their tier.
     fetch = [
-        {(j, p): p.take(items[j]) for p in pieces for j in by_leaf.get(p.leaf, [])}
-        for pieces in slices
+      {(j, p): p.take(items[j]) for p in pieces for j in by_leaf.get(p.leaf, [])}
+      for pieces in slices
     ]
     new_u: dict[int, list[jax.Array]] = {}
     new_items: dict[int, list[jax.Array]] = {}
@@ -277,13 +281,13 @@ class _Step:
         if p_slots is not None:
           p_slots[p.leaf] = p.take(self.p_slots[p.leaf])
       out_u, out_state = self._update(
-          spec, u_slots, layout.merge(slice_items), p_slots, self.extra_args
+        spec, u_slots, layout.merge(slice_items), p_slots, self.extra_args
       )
       out_items = layout.split(out_state)
       results.append(([out_u[p.leaf] for p in pieces], [out_items[j] for (j, _) in fetch[k]]))
       for p in pieces:
         new_u.setdefault(p.leaf, []).append(out_u[p.leaf])
-      for (j, _) in fetch[k]:
+      for j, _ in fetch[k]:
         x = out_items[j]
         new_items.setdefault(j, []).append(tier.to_host(x) if offloaded[j] else x)
       if k == 0:
@@ -298,16 +302,18 @@ class _Step:
     out_u_slots = list(self.u_slots)
     for leaf, parts in new_u.items():
       out_u_slots[leaf] = schedule_lib.join(pieces_of[leaf], parts, spec.shapes[leaf])
-    out_items = []
-    for j, o in enumerate(owners):
-      pieces = [schedule_lib.Piece(o)] if o == coupling_lib.GLOBAL else pieces_of[o]
-      out_items.append(schedule_lib.join(pieces, new_items[j], np.shape(items[j])))
+    out_items = [
+      new_items[j][0]
+      if o == coupling_lib.GLOBAL
+      else schedule_lib.join(pieces_of[o], new_items[j], np.shape(items[j]))
+      for j, o in enumerate(owners)
+    ]
     return spec.treedef.unflatten(out_u_slots), OffloadState(layout.merge(out_items), spec)
 
 
 def _fill(slots, leaves, values):
   out = list(slots)
-  for i, v in zip(leaves, values):
+  for i, v in zip(leaves, values, strict=True):
     out[i] = v
   return out
 
@@ -326,7 +332,7 @@ def _nbytes(x: Any) -> int:
 
 def _spec_of(tree: Any, what: str) -> ParamSpec:
   flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_masked)
-  shapes = []
+  shapes: list[tuple[int, ...] | None] = []
   for path, leaf in flat:
     if _is_masked(leaf):
       shapes.append(None)
@@ -334,9 +340,9 @@ def _spec_of(tree: Any, what: str) -> ParamSpec:
       shapes.append(tuple(np.shape(leaf)))
     else:
       raise errors.LeafTypeError(
-          f"{what} leaf {jax.tree_util.keystr(path) or '<root>'} is a "
-          f"{type(leaf).__name__} ({leaf!r:.60}); expected an array (jax.Array, "
-          "numpy array, Python number or jax.ShapeDtypeStruct)."
+        f"{what} leaf {jax.tree_util.keystr(path) or '<root>'} is a "
+        f"{type(leaf).__name__} ({leaf!r:.60}); expected an array (jax.Array, "
+        "numpy array, Python number or jax.ShapeDtypeStruct)."
       )
   return ParamSpec(treedef, tuple(shapes))
 
@@ -347,20 +353,21 @@ def _check_same(expected: ParamSpec, actual: ParamSpec, what: str) -> None:
     missing = [p for p in want if p not in got]
     extra = [p for p in got if p not in want]
     detail = (
-        f"missing leaves {', '.join(missing[:5]) or 'none'}; "
-        f"unexpected leaves {', '.join(extra[:5]) or 'none'}"
-        if missing or extra
-        else f"expected structure {expected.treedef}, got {actual.treedef}"
+      f"missing leaves {', '.join(missing[:5]) or 'none'}; "
+      f"unexpected leaves {', '.join(extra[:5]) or 'none'}"
+      if missing or extra
+      else f"expected structure {expected.treedef}, got {actual.treedef}"
     )
     raise errors.TreeMismatchError(
-        f"{what} do not have the structure of the params the state was "
-        f"initialised with: {detail}."
+      f"{what} do not have the structure of the params the state was initialised with: {detail}."
     )
-  for path, want, got in zip(expected.paths, expected.shapes, actual.shapes):
-    if want != got:
+  for path, want_shape, got_shape in zip(
+    expected.paths, expected.shapes, actual.shapes, strict=True
+  ):
+    if want_shape != got_shape:
       raise errors.TreeMismatchError(
-          f"{what} leaf {path or '<root>'} has shape {got}; the state was "
-          f"initialised for shape {want}."
+        f"{what} leaf {path or '<root>'} has shape {got_shape}; the state was "
+        f"initialised for shape {want_shape}."
       )
 
 
