@@ -5,10 +5,18 @@ from offlax._src.errors import (
   LeafTypeError,
   MemoryKindError,
   OffloadError,
+  StaleStateError,
+  StoreCorruptedError,
+  StoreError,
+  StoreExistsError,
+  StoreLockedError,
+  StoreMismatchError,
   TreeMismatchError,
 )
 from offlax._src.host_tier import HostTier
-from offlax._src.transform import OffloadState, ParamSpec, offload
+from offlax._src.layout import OnDisk, ParamSpec
+from offlax._src.nvme_tier import NVMeTier
+from offlax._src.transform import OffloadState, offload
 
 __version__ = "0.1.0"
 
@@ -17,9 +25,17 @@ __all__ = [
   "InvalidTierError",
   "LeafTypeError",
   "MemoryKindError",
+  "NVMeTier",
   "OffloadError",
   "OffloadState",
+  "OnDisk",
   "ParamSpec",
+  "StaleStateError",
+  "StoreCorruptedError",
+  "StoreError",
+  "StoreExistsError",
+  "StoreLockedError",
+  "StoreMismatchError",
   "TreeMismatchError",
   "offload",
 ]

@@ -6,7 +6,8 @@ import optax
 import pytest
 
 from offlax._src import coupling, schedule
-from offlax._src.transform import ParamSpec, _Step
+from offlax._src.layout import ParamSpec
+from offlax._src.transform import _Step
 
 SHAPES = {"a": (8, 4), "b": (4,), "c": (3, 5)}
 
@@ -14,13 +15,14 @@ SHAPES = {"a": (8, 4), "b": (4,), "c": (3, 5)}
 def _analyze(inner, params=None, **extra):
   params = params or {k: jnp.ones(s) for k, s in SHAPES.items()}
   from offlax._src.host_tier import HostTier
-  from offlax._src.transform import _spec_of, _StateLayout
+  from offlax._src.layout import StateLayout
+  from offlax._src.transform import _spec_of
 
   inner = optax.with_extra_args_support(inner)
   state = inner.init(params)
   spec: ParamSpec = _spec_of(params, "params")
   step = _Step(inner, HostTier(), params, state, params, extra)
-  layout = _StateLayout(state, spec)
+  layout = StateLayout(state, spec)
   leaves = list(range(len(spec.shapes)))
   return step._analyze(layout, layout.split(state), leaves, list(spec.shapes))
 

@@ -23,3 +23,27 @@ class TreeMismatchError(OffloadError, ValueError):
 
 class LeafTypeError(OffloadError, TypeError):
   """A pytree leaf is not an array."""
+
+
+class StoreError(OffloadError, OSError):
+  """An NVMe store cannot be opened, read or written."""
+
+
+class StoreLockedError(StoreError):
+  """Another process holds an NVMe store open for writing."""
+
+
+class StoreExistsError(OffloadError, FileExistsError):
+  """`init` found a store where it was asked to create one."""
+
+
+class StoreCorruptedError(OffloadError, ValueError):
+  """An NVMe store's metadata or data fails its checks."""
+
+
+class StoreMismatchError(TreeMismatchError):
+  """An NVMe store holds the state of another optimizer or parameter tree."""
+
+
+class StaleStateError(OffloadError, RuntimeError):
+  """An NVMe-tier state older than the store's last commit was updated."""

@@ -41,6 +41,18 @@ def join(pieces: Sequence[Piece], parts: Sequence[jax.Array], shape) -> jax.Arra
   return whole.reshape(shape) if pieces[0].flat else whole
 
 
+def split_step(shape: tuple[int, ...], size: int, chunk_bytes: int) -> tuple[bool, int, int]:
+  """How a splittable leaf of `size` state bytes is cut: (flat, rows, rows per piece).
+
+  Rows are those of the leading axis, or single elements (`flat`) when one row
+  of the leading axis is already larger than `chunk_bytes`.
+  """
+  flat = len(shape) > 1 and size // shape[0] > chunk_bytes
+  rows = math.prod(shape) if flat or len(shape) == 1 else shape[0]
+  row_bytes = max(size // max(rows, 1), 1)
+  return flat, rows, max(1, chunk_bytes // row_bytes)
+
+
 def build(
   coupling: Coupling, shapes: Sequence[tuple[int, ...]], leaf_bytes: Sequence[int], chunk_bytes: int
 ) -> tuple[tuple[Piece, ...], ...]:
@@ -68,11 +80,8 @@ def build(
     if leaf is None or leaf not in coupling.splittable or size <= chunk_bytes:
       units.append((tuple(Piece(i) for i in group), size))
       continue
-    shape = shapes[leaf]
-    flat = size // shape[0] > chunk_bytes
-    rows = math.prod(shape) if flat else shape[0]
+    flat, rows, step = split_step(shapes[leaf], size, chunk_bytes)
     row_bytes = size // rows
-    step = max(1, chunk_bytes // max(row_bytes, 1))
     for start in range(0, rows, step):
       stop = min(rows, start + step)
       units.append(((Piece(leaf, start, stop, flat),), (stop - start) * row_bytes))

@@ -13,35 +13,11 @@ import optax
 
 from offlax._src import coupling as coupling_lib
 from offlax._src import errors
+from offlax._src import layout as layout_lib
 from offlax._src import schedule as schedule_lib
 from offlax._src.host_tier import HostTier
-
-_MASKED = optax.MaskedNode
-_MASK = object()  # a state item left out of a slice
-
-
-def _is_masked(x: Any) -> bool:
-  return isinstance(x, _MASKED)
-
-
-@jax.tree_util.register_static
-@dataclasses.dataclass(frozen=True)
-class ParamSpec:
-  """The parameter tree a state was built for: a pytree node with no leaves.
-
-  Kept in `OffloadState` so `update` can name the leaf that differs when it is
-  handed updates of another tree. Being static, it is part of the state's
-  treedef and costs nothing at run time.
-  """
-
-  treedef: jax.tree_util.PyTreeDef
-  shapes: tuple[tuple[int, ...] | None, ...]  # None: an optax.MaskedNode slot
-
-  @property
-  def paths(self) -> list[str]:
-    dummy = self.treedef.unflatten([0] * self.treedef.num_leaves)
-    flat = jax.tree_util.tree_flatten_with_path(dummy, is_leaf=_is_masked)[0]
-    return [jax.tree_util.keystr(p) for p, _ in flat]
+from offlax._src.layout import ParamSpec
+from offlax._src.nvme_tier import DiskIO, NVMeTier
 
 
 class OffloadState(NamedTuple):
@@ -51,25 +27,29 @@ class OffloadState(NamedTuple):
     inner_state: the inner transformation's state, with the inner structure
       unchanged, so `optax.tree_utils.tree_get(state, "mu")` finds it.
     spec: the parameter tree the state was built for (static, no leaves).
+    step: for the NVMe tier, the last committed step (an int32 scalar); None
+      for the host tier.
   """
 
   inner_state: Any
   spec: ParamSpec
+  step: Any = None
 
 
 def offload(
   inner: optax.GradientTransformation,
-  tier: HostTier | None = None,
+  tier: HostTier | NVMeTier | None = None,
   **tier_options: Any,
 ) -> optax.GradientTransformationExtraArgs:
   """Keeps the state of `inner` in a memory tier off the accelerator.
 
   `init` places the inner state in the tier. `update` works inside the caller's
   `jax.jit`: it streams the state to the device in slices, runs the inner
-  update on each slice and moves the new state back. The results are those of
-  `inner` bit for bit: slices follow the data dependencies of the inner update
-  (see `offlax._src.coupling`), so coupled transformations such as a global
-  norm clip inside `inner` run as one slice.
+  update on each slice and moves the new state back. Slices follow the data
+  dependencies of the inner update (see `offlax._src.coupling`), so the
+  arithmetic is that of `inner` (coupled transformations such as a global norm
+  clip inside `inner` run as one slice); README "Exactness" says when XLA
+  rounds the two programs differently.
 
   Args:
     inner: the transformation whose state is offloaded.
@@ -97,12 +77,18 @@ def offload(
       f"offload got both a tier and tier options {sorted(tier_options)}; "
       "set the options on the tier."
     )
-  if not isinstance(tier, HostTier):
-    raise errors.InvalidTierError(f"tier must be an offlax.HostTier, got {type(tier).__name__}.")
+  if not isinstance(tier, (HostTier, NVMeTier)):
+    raise errors.InvalidTierError(
+      f"tier must be an offlax.HostTier or offlax.NVMeTier, got {type(tier).__name__}."
+    )
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
     spec = _spec_of(params, "params")
+    if isinstance(tier, NVMeTier):
+      tier.host.check_devices(_devices_of(params))
+      inner_state, step = tier.init(inner, params, spec)
+      return OffloadState(inner_state, spec, step)
     tier.check_devices(_devices_of(params))
     inner_state = inner.init(params)
     placed = jax.tree.map(lambda x: tier.to_host(x) if tier.offloads(x) else x, inner_state)
@@ -116,67 +102,10 @@ def offload(
     _check_same(state.spec, _spec_of(updates, "updates"), "updates")
     if params is not None:
       _check_same(state.spec, _spec_of(params, "params"), "params")
-    return _Step(inner, tier, updates, state.inner_state, params, extra_args).run(state.spec)
+    step = _Step(inner, tier, updates, state.inner_state, params, extra_args)
+    return step.run(state.spec, state.step)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-class _StateLayout:
-  """Where each parameter's state lives inside an inner state.
-
-  An optax state holds per-parameter state in subtrees shaped like the params
-  (`mu`, `nu`, ...; `optax.MaskedNode` where a mask drops a leaf) and global
-  leaves (`count`, hyperparameters). `split` lists the state's arrays with the
-  leaf each belongs to (`GLOBAL` for none); `merge` rebuilds the state from
-  such a list, with `optax.MaskedNode` for items given as `_MASK`.
-  """
-
-  def __init__(self, state: Any, spec: ParamSpec):
-    self.spec = spec
-    single = spec.treedef.num_nodes == 1
-
-    def is_param_tree(node):
-      if single:  # params is one array: match arrays of its shape only
-        return hasattr(node, "shape") and tuple(node.shape) == spec.shapes[0]
-      return jax.tree.structure(node, is_leaf=_is_masked) == spec.treedef
-
-    tops, treedef = jax.tree.flatten(state, is_leaf=is_param_tree)
-    self.treedef: Any = treedef
-    self.tops = [
-      tuple(not _is_masked(s) for s in self._slots(t)) if is_param_tree(t) else None for t in tops
-    ]
-    self.owners = [
-      owner
-      for top in self.tops
-      for owner in ([coupling_lib.GLOBAL] if top is None else [i for i, p in enumerate(top) if p])
-    ]
-
-  def _slots(self, tree):
-    return jax.tree.leaves(tree, is_leaf=_is_masked) if self.spec.treedef.num_nodes > 1 else [tree]
-
-  def split(self, state: Any) -> list[Any]:
-    items = []
-    for top, present in zip(self.treedef.flatten_up_to(state), self.tops, strict=True):
-      if present is None:
-        items.append(top)
-      else:
-        slots = self._slots(top)
-        items.extend(
-          _MASK if _is_masked(s) else s for s, p in zip(slots, present, strict=True) if p
-        )
-    return items
-
-  def merge(self, items: Sequence[Any]) -> Any:
-    it = iter(items)
-    tops = []
-    for present in self.tops:
-      if present is None:
-        tops.append(next(it))
-        continue
-      slots = [_MASKED() if not p else next(it) for p in present]
-      slots = [_MASKED() if s is _MASK else s for s in slots]
-      tops.append(self.spec.treedef.unflatten(slots))
-    return self.treedef.unflatten(tops)
 
 
 class _Step:
@@ -184,13 +113,13 @@ class _Step:
 
   def __init__(self, inner, tier, updates, inner_state, params, extra_args):
     self.inner, self.tier = inner, tier
-    self.u_slots = jax.tree.leaves(updates, is_leaf=_is_masked)
-    self.p_slots = None if params is None else jax.tree.leaves(params, is_leaf=_is_masked)
+    self.u_slots = jax.tree.leaves(updates, is_leaf=layout_lib.is_masked)
+    self.p_slots = None if params is None else jax.tree.leaves(params, is_leaf=layout_lib.is_masked)
     self.extra_args = extra_args
     self.inner_state = inner_state
 
-  def run(self, spec: ParamSpec):
-    layout = _StateLayout(self.inner_state, spec)
+  def run(self, spec: ParamSpec, step: Any):
+    layout = layout_lib.StateLayout(self.inner_state, spec)
     items = layout.split(self.inner_state)
     leaves = [i for i, s in enumerate(spec.shapes) if s is not None]
     shapes = [s for s in spec.shapes if s is not None]
@@ -205,13 +134,17 @@ class _Step:
       tuple(dataclasses.replace(p, leaf=leaves[p.leaf]) for p in pieces)
       for pieces in schedule_lib.build(coupling, shapes, leaf_bytes, self.tier.chunk_bytes)
     ]
-    return self._stream(layout, items, offloaded, slices, spec)
+    if isinstance(self.tier, NVMeTier):
+      io: Any = DiskIO(self.tier, items, offloaded, step)
+    else:
+      io = _HostIO(self.tier, items, offloaded)
+    return self._stream(layout, items, offloaded, slices, spec, io)
 
   def _update(self, spec, u_slots, state, p_slots, extra_args):
     updates = spec.treedef.unflatten(u_slots)
     params = None if p_slots is None else spec.treedef.unflatten(p_slots)
     new_updates, new_state = self.inner.update(updates, state, params, **extra_args)
-    return jax.tree.leaves(new_updates, is_leaf=_is_masked), new_state
+    return jax.tree.leaves(new_updates, is_leaf=layout_lib.is_masked), new_state
 
   def _analyze(self, layout, items, leaves, shapes) -> coupling_lib.Coupling:
     """Traces the inner update on the whole tree and derives its coupling."""
@@ -229,7 +162,7 @@ class _Step:
       new_u, new_state = self._update(spec, u_slots, layout.merge(s), p_slots, extra_args)
       return [new_u[i] for i in leaves], layout.split(new_state)
 
-    abstract = lambda xs: [jax.ShapeDtypeStruct(np.shape(x), _dtype(x)) for x in xs]
+    abstract = lambda xs: [jax.ShapeDtypeStruct(_shape(x), _dtype(x)) for x in xs]
     u_args = abstract([self.u_slots[i] for i in leaves])
     p_args = None if self.p_slots is None else abstract([self.p_slots[i] for i in leaves])
     jaxpr = jax.make_jaxpr(flat_update)(
@@ -245,37 +178,34 @@ class _Step:
     out_owners = list(range(len(leaves))) + [owner(o) for o in layout.owners]
     return coupling_lib.analyze(jaxpr, in_owners, out_owners, shapes)
 
-  def _stream(self, layout, items, offloaded, slices, spec):
+  def _stream(self, layout, items, offloaded, slices, spec, io):
     """Runs the inner update slice by slice; see README "The streaming schedule"."""
-    tier = self.tier
     owners = layout.owners
     by_leaf: dict[int, list[int]] = {}
     for j, o in enumerate(owners):
       by_leaf.setdefault(o, []).append(j)
     globals_ = [j for j, o in enumerate(owners) if o == coupling_lib.GLOBAL]
-    device_items = {j: tier.to_device(items[j]) if offloaded[j] else items[j] for j in globals_}
+    device_globals = {j: io.to_device(j, items[j]) for j in globals_}
+    keys = [[(j, p) for p in pieces for j in by_leaf.get(p.leaf, [])] for pieces in slices]
+    io.plan(keys)
 
-    # The pieces of each item that slice k reads, still in their tier.
-    fetch = [
-      {(j, p): p.take(items[j]) for p in pieces for j in by_leaf.get(p.leaf, [])}
-      for pieces in slices
-    ]
     new_u: dict[int, list[jax.Array]] = {}
-    new_items: dict[int, list[jax.Array]] = {}
+    new_items: dict[int, list[Any]] = {}
     results: list[Any] = []
     for k, pieces in enumerate(slices):
-      if k >= 2:
-        # Do not start fetching slice k before slice k-2 is computed: bounds the
-        # state resident on the device to about three slices (XLA may otherwise
-        # hoist every transfer to the start of the program).
-        _, fetch[k] = jax.lax.optimization_barrier((results[k - 2], fetch[k]))
-      slice_items: list[Any] = [_MASK] * len(items)
+      # Do not start fetching slice k before slice k-2 is computed: bounds the
+      # state resident on the device to about three slices (XLA may otherwise
+      # hoist every transfer to the start of the program).
+      loaded = io.load(k, results[k - 2] if k >= 2 else None)
+      slice_items: list[Any] = [layout_lib.MASK] * len(items)
       for j in globals_:
-        slice_items[j] = device_items[j]
-      for (j, _), x in fetch[k].items():
-        slice_items[j] = tier.to_device(x) if offloaded[j] else x
-      u_slots: list[Any] = [_MASKED()] * len(self.u_slots)
-      p_slots: list[Any] | None = None if self.p_slots is None else [_MASKED()] * len(self.u_slots)
+        slice_items[j] = device_globals[j]
+      for (j, _), x in zip(keys[k], loaded, strict=True):
+        slice_items[j] = x
+      u_slots: list[Any] = [layout_lib.MASKED()] * len(self.u_slots)
+      p_slots: list[Any] | None = (
+        None if self.p_slots is None else [layout_lib.MASKED()] * len(self.u_slots)
+      )
       for p in pieces:
         u_slots[p.leaf] = p.take(self.u_slots[p.leaf])
         if p_slots is not None:
@@ -284,16 +214,15 @@ class _Step:
         spec, u_slots, layout.merge(slice_items), p_slots, self.extra_args
       )
       out_items = layout.split(out_state)
-      results.append(([out_u[p.leaf] for p in pieces], [out_items[j] for (j, _) in fetch[k]]))
+      values = [out_items[j] for (j, _) in keys[k]]
+      results.append(([out_u[p.leaf] for p in pieces], values))
       for p in pieces:
         new_u.setdefault(p.leaf, []).append(out_u[p.leaf])
-      for j, _ in fetch[k]:
-        x = out_items[j]
-        new_items.setdefault(j, []).append(tier.to_host(x) if offloaded[j] else x)
+      for (j, _), x in zip(keys[k], io.store(k, values), strict=True):
+        new_items.setdefault(j, []).append(x)
       if k == 0:
         for j in globals_:
-          x = out_items[j]
-          new_items[j] = [tier.to_host(x) if offloaded[j] else x]
+          new_items[j] = [io.to_tier(j, out_items[j])]
 
     pieces_of: dict[int, list[schedule_lib.Piece]] = {}
     for pieces in slices:
@@ -304,11 +233,44 @@ class _Step:
       out_u_slots[leaf] = schedule_lib.join(pieces_of[leaf], parts, spec.shapes[leaf])
     out_items = [
       new_items[j][0]
-      if o == coupling_lib.GLOBAL
-      else schedule_lib.join(pieces_of[o], new_items[j], np.shape(items[j]))
+      if o == coupling_lib.GLOBAL or new_items[j][0] is None
+      else schedule_lib.join(pieces_of[o], new_items[j], _shape(items[j]))
       for j, o in enumerate(owners)
     ]
-    return spec.treedef.unflatten(out_u_slots), OffloadState(layout.merge(out_items), spec)
+    out_items = io.finish(out_items)
+    new_state = OffloadState(layout.merge(out_items), spec, io.next_step())
+    return spec.treedef.unflatten(out_u_slots), new_state
+
+
+class _HostIO:
+  """Moves slices between the host tier and the device inside the jitted step."""
+
+  def __init__(self, tier: HostTier, items: Sequence[Any], offloaded: Sequence[bool]):
+    self.tier, self.items, self.offloaded = tier, items, offloaded
+
+  def plan(self, keys):
+    self.keys = keys
+
+  def to_device(self, j, x):
+    return self.tier.to_device(x) if self.offloaded[j] else x
+
+  def to_tier(self, j, x):
+    return self.tier.to_host(x) if self.offloaded[j] else x
+
+  def load(self, k, after):
+    pieces = [p.take(self.items[j]) for j, p in self.keys[k]]
+    if after is not None:
+      _, pieces = jax.lax.optimization_barrier((after, pieces))
+    return [self.to_device(j, x) for (j, _), x in zip(self.keys[k], pieces, strict=True)]
+
+  def store(self, k, values):
+    return [self.to_tier(j, x) for (j, _), x in zip(self.keys[k], values, strict=True)]
+
+  def finish(self, items):
+    return items
+
+  def next_step(self):
+    return None
 
 
 def _fill(slots, leaves, values):
@@ -322,19 +284,23 @@ def _is_array(x: Any) -> bool:
   return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct, numbers.Number))
 
 
+def _shape(x: Any) -> tuple[int, ...]:
+  return tuple(x.shape) if hasattr(x, "shape") else np.shape(x)
+
+
 def _dtype(x: Any):
   return x.dtype if hasattr(x, "dtype") else jax.numpy.asarray(x).dtype
 
 
 def _nbytes(x: Any) -> int:
-  return int(np.prod(np.shape(x), dtype=np.int64)) * np.dtype(_dtype(x)).itemsize
+  return int(np.prod(_shape(x), dtype=np.int64)) * np.dtype(_dtype(x)).itemsize
 
 
 def _spec_of(tree: Any, what: str) -> ParamSpec:
-  flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_masked)
+  flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=layout_lib.is_masked)
   shapes: list[tuple[int, ...] | None] = []
   for path, leaf in flat:
-    if _is_masked(leaf):
+    if layout_lib.is_masked(leaf):
       shapes.append(None)
     elif _is_array(leaf) and not isinstance(leaf, (str, bytes)):
       shapes.append(tuple(np.shape(leaf)))

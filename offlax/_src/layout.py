@@ -1,0 +1,116 @@
+"""Where each parameter's state lives inside an optax state."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import optax
+
+from offlax._src import coupling as coupling_lib
+
+MASKED = optax.MaskedNode
+MASK = object()  # a state item left out of a slice
+
+
+def is_masked(x: Any) -> bool:
+  return isinstance(x, MASKED)
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class OnDisk:
+  """Stands in the state for an array that lives in an NVMe store, not in RAM.
+
+  A pytree node without leaves: `jax.tree.leaves(state)` skips it and `jit`
+  treats it as static. `index` names the array in the store's metadata.
+  """
+
+  index: int
+  shape: tuple[int, ...]
+  dtype: str
+
+
+def is_slot(x: Any) -> bool:
+  """A position of a parameter-shaped subtree: a leaf, masked or on disk."""
+  return isinstance(x, (MASKED, OnDisk))
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+  """The parameter tree a state was built for: a pytree node with no leaves.
+
+  Kept in `OffloadState` so `update` can name the leaf that differs when it is
+  handed updates of another tree. Being static, it is part of the state's
+  treedef and costs nothing at run time.
+  """
+
+  treedef: jax.tree_util.PyTreeDef
+  shapes: tuple[tuple[int, ...] | None, ...]  # None: an optax.MaskedNode slot
+
+  @property
+  def paths(self) -> list[str]:
+    dummy = self.treedef.unflatten([0] * self.treedef.num_leaves)
+    flat = jax.tree_util.tree_flatten_with_path(dummy, is_leaf=is_masked)[0]
+    return [jax.tree_util.keystr(p) for p, _ in flat]
+
+
+class StateLayout:
+  """Where each parameter's state lives inside an inner state.
+
+  An optax state holds per-parameter state in subtrees shaped like the params
+  (`mu`, `nu`, ...; `optax.MaskedNode` where a mask drops a leaf) and global
+  leaves (`count`, hyperparameters). `split` lists the state's arrays with the
+  leaf each belongs to (`GLOBAL` for none); `merge` rebuilds the state from
+  such a list, with `optax.MaskedNode` for items given as `MASK`.
+  """
+
+  def __init__(self, state: Any, spec: ParamSpec):
+    self.spec = spec
+    single = spec.treedef.num_nodes == 1
+
+    def is_param_tree(node):
+      if single:  # params is one array: match arrays of its shape only
+        return hasattr(node, "shape") and tuple(node.shape) == spec.shapes[0]
+      return jax.tree.structure(node, is_leaf=is_slot) == spec.treedef
+
+    tops, treedef = jax.tree.flatten(
+      state, is_leaf=lambda n: isinstance(n, OnDisk) or is_param_tree(n)
+    )
+    self.treedef: Any = treedef
+    self.tops = [
+      tuple(not is_masked(s) for s in self._slots(t)) if is_param_tree(t) else None for t in tops
+    ]
+    self.owners = [
+      owner
+      for top in self.tops
+      for owner in ([coupling_lib.GLOBAL] if top is None else [i for i, p in enumerate(top) if p])
+    ]
+
+  def _slots(self, tree):
+    return jax.tree.leaves(tree, is_leaf=is_slot) if self.spec.treedef.num_nodes > 1 else [tree]
+
+  def split(self, state: Any) -> list[Any]:
+    items = []
+    for top, present in zip(self.treedef.flatten_up_to(state), self.tops, strict=True):
+      if present is None:
+        items.append(top)
+      else:
+        slots = self._slots(top)
+        items.extend(MASK if is_masked(s) else s for s, p in zip(slots, present, strict=True) if p)
+    return items
+
+  def merge(self, items: Sequence[Any]) -> Any:
+    it = iter(items)
+    tops = []
+    for present in self.tops:
+      if present is None:
+        tops.append(next(it))
+        continue
+      slots = [MASKED() if not p else next(it) for p in present]
+      slots = [MASKED() if s is MASK else s for s in slots]
+      tops.append(self.spec.treedef.unflatten(slots))
+    return self.treedef.unflatten(tops)

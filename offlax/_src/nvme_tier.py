@@ -1,0 +1,676 @@
+"""The NVMe tier: optimizer state in tensorstore arrays on a local disk.
+
+Layout of a store directory::
+
+  PATH/offlax.json        committed metadata (format, step, generation, leaves)
+  PATH/.lock              held with flock by the one process writing the store
+  PATH/gen0/leaf_00000/   zarr3 arrays, one per cold state item, generation 0
+  PATH/gen1/leaf_00000/   the same, generation 1
+
+Every state item is stored flat (1-D), uncompressed, with a crc32c checksum per
+chunk. A step reads generation `g` (the committed one) and writes generation
+`1 - g`; once every write of the step has completed and is flushed,
+`offlax.json` is replaced atomically (write, fsync, rename, fsync directory)
+with `step + 1` and generation `1 - g`. A process killed at any point leaves
+`offlax.json` naming a generation that no write of the unfinished step touched,
+so reopening yields exactly the last committed state.
+
+Leaf directories are named by index (`leaf_00000`), never by the pytree key
+path, so no key can name a file outside the store; the key paths are recorded
+in `offlax.json`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import functools
+import json
+import os
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import tensorstore as ts
+from jax.experimental import io_callback
+
+from offlax._src import coupling as coupling_lib
+from offlax._src import errors
+from offlax._src import layout as layout_lib
+from offlax._src import schedule as schedule_lib
+from offlax._src.host_tier import HostTier
+
+FORMAT_VERSION = 1
+_METADATA = "offlax.json"
+_LOCK = ".lock"
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafRecord:
+  """What `offlax.json` records of one state item."""
+
+  index: int
+  path: str  # key path in the inner state, e.g. "[0].mu['w']"
+  shape: tuple[int, ...]
+  dtype: str
+  chunk: int  # elements per storage chunk
+  hot: bool  # also held in RAM between steps
+
+  @property
+  def size(self) -> int:
+    return int(np.prod(self.shape, dtype=np.int64))
+
+
+class Store:
+  """An open store directory: locking, the two generations, commits.
+
+  Not thread-safe for concurrent steps; one training loop drives one store.
+  """
+
+  def __init__(self, path: str, *, fsync: bool, window: int):
+    self.path = os.path.abspath(path)
+    self.fsync = fsync
+    self.window = window
+    self.step = 0
+    self.generation = 0
+    self.records: list[LeafRecord] = []
+    self._arrays: dict[tuple[int, int], ts.TensorStore] = {}
+    self._context = ts.Context({"file_io_sync": False, "cache_pool": {"total_bytes_limit": 0}})
+    self._lock_fd: int | None = None
+    self._pending: list[Any] = []  # write futures of the step in flight
+    self._mutex = threading.Lock()
+
+  # -- opening ---------------------------------------------------------------
+
+  def lock(self) -> None:
+    """Creates the directory if needed and takes the writer lock."""
+    if os.path.lexists(self.path) and not os.path.isdir(self.path):
+      raise errors.StoreError(f"NVMe store path {self.path} exists and is not a directory.")
+    try:
+      os.makedirs(self.path, mode=0o700, exist_ok=True)
+      # O_NOFOLLOW: a symlink planted at .lock must not redirect the lock file.
+      fd = os.open(os.path.join(self.path, _LOCK), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    except OSError as e:
+      raise errors.StoreError(f"cannot open NVMe store {self.path}: {e}") from e
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      os.close(fd)
+      raise errors.StoreLockedError(
+        f"NVMe store {self.path} is open for writing by another process (lock {_LOCK})."
+      ) from None
+    self._lock_fd = fd
+
+  def close(self, wait: bool = True) -> None:
+    try:
+      if wait:
+        self.wait()
+    finally:
+      self._pending.clear()
+      if self._lock_fd is not None:
+        os.close(self._lock_fd)
+        self._lock_fd = None
+
+  def exists(self) -> bool:
+    return os.path.exists(os.path.join(self.path, _METADATA))
+
+  def read_metadata(self) -> dict:
+    name = os.path.join(self.path, _METADATA)
+    try:
+      with open(name) as f:
+        meta = json.load(f)
+    except (OSError, ValueError) as e:
+      raise errors.StoreCorruptedError(f"cannot read {name}: {e}") from e
+    version = meta.get("format_version")
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+      raise errors.StoreCorruptedError(
+        f"{name} has format_version {version!r}; this offlax reads versions <= {FORMAT_VERSION}."
+      )
+    try:
+      self.records = [
+        LeafRecord(r["index"], r["path"], tuple(r["shape"]), r["dtype"], r["chunk"], r["hot"])
+        for r in meta["leaves"]
+      ]
+      self.step, self.generation = int(meta["step"]), int(meta["generation"])
+    except (KeyError, TypeError, ValueError) as e:
+      raise errors.StoreCorruptedError(f"{name} is malformed: {e!r}") from e
+    return meta
+
+  def create(self, records: Sequence[LeafRecord]) -> None:
+    """Creates both generations of every item (no data written yet)."""
+    self.records = list(records)
+    for gen in (0, 1):
+      for r in self.records:
+        self._open_array(r, gen, create=True)
+
+  # -- arrays ----------------------------------------------------------------
+
+  def _array_path(self, index: int, gen: int) -> str:
+    return os.path.join(self.path, f"gen{gen}", f"leaf_{index:05d}")
+
+  def _open_array(self, r: LeafRecord, gen: int, create: bool = False) -> ts.TensorStore:
+    key = (r.index, gen)
+    if key in self._arrays and not create:
+      return self._arrays[key]
+    spec: dict[str, Any] = {
+      "driver": "zarr3",
+      "kvstore": {"driver": "file", "path": self._array_path(r.index, gen)},
+      "fill_missing_data_reads": False,
+    }
+    if create:
+      spec.update(
+        create=True,
+        delete_existing=True,
+        store_data_equal_to_fill_value=True,
+        metadata={
+          "shape": [r.size],
+          "data_type": np.dtype(r.dtype).name,
+          "chunk_grid": {
+            "name": "regular",
+            "configuration": {"chunk_shape": [max(1, min(r.chunk, r.size))]},
+          },
+          "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}],
+        },
+      )
+    try:
+      array = ts.open(spec, context=self._context).result()
+    except Exception as e:  # tensorstore raises ValueError for every status
+      raise self._error(e, r, gen) from e
+    if not create and (
+      tuple(array.shape) != (r.size,) or array.dtype.numpy_dtype != np.dtype(r.dtype)
+    ):
+      raise errors.StoreCorruptedError(
+        f"{self._array_path(r.index, gen)} (state leaf {r.path}) holds "
+        f"{array.dtype.numpy_dtype}[{array.shape[0]}], metadata says {r.dtype}[{r.size}]."
+      )
+    self._arrays[key] = array
+    return array
+
+  def _error(self, e: Exception, r: LeafRecord, gen: int) -> errors.OffloadError:
+    where = f"{self._array_path(r.index, gen)} (state leaf {r.path})"
+    text = str(e)
+    if "DATA_LOSS" in text or "NOT_FOUND" in text or "Not enough data" in text:
+      return errors.StoreCorruptedError(f"corrupted chunk in {where}: {text}")
+    return errors.StoreError(f"I/O error on {where}: {text}")
+
+  def read(self, index: int, start: int, stop: int, gen: int | None = None) -> Any:
+    """Starts reading elements [start, stop) of an item; returns a future."""
+    r = self.records[index]
+    gen = self.generation if gen is None else gen
+    return self._open_array(r, gen)[start:stop].read(), r, gen
+
+  def result(self, pending: Any) -> np.ndarray:
+    future, r, gen = pending
+    try:
+      return future.result()
+    except Exception as e:
+      raise self._error(e, r, gen) from e
+
+  def write(self, index: int, start: int, value: np.ndarray) -> None:
+    """Starts writing into the next generation; bounded by `window` in flight."""
+    r = self.records[index]
+    gen = 1 - self.generation
+    flat = np.ascontiguousarray(value).reshape(-1)
+    future = self._open_array(r, gen)[start : start + flat.size].write(flat)
+    with self._mutex:
+      self._pending.append((future, r, gen))
+      try:
+        while len(self._pending) > self.window:
+          self.result(self._pending.pop(0))
+      except errors.OffloadError:
+        self._pending.clear()  # the step fails as a whole; its other writes are moot
+        raise
+
+  def wait(self) -> None:
+    with self._mutex:
+      pending, self._pending = self._pending, []
+    for p in pending:
+      self.result(p)
+
+  def commit(self, step: int) -> None:
+    """Makes the next generation current, atomically, once its writes are done."""
+    self.wait()
+    if self.fsync:
+      _syncfs(self.path)  # flush the chunks (written by rename) before the pointer
+    meta = {
+      "format_version": FORMAT_VERSION,
+      "step": step,
+      "generation": 1 - self.generation,
+      "leaves": [dataclasses.asdict(r) for r in self.records],
+    }
+    name = os.path.join(self.path, _METADATA)
+    tmp = name + ".tmp"
+    try:
+      fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+      with os.fdopen(fd, "w") as f:
+        json.dump(meta, f, indent=1)
+        f.flush()
+        if self.fsync:
+          os.fsync(f.fileno())
+      os.replace(tmp, name)
+      if self.fsync:
+        dir_fd = os.open(self.path, os.O_RDONLY)
+        try:
+          os.fsync(dir_fd)
+        finally:
+          os.close(dir_fd)
+    except OSError as e:
+      raise errors.StoreError(f"cannot commit step {step} to {name}: {e}") from e
+    self.step, self.generation = step, 1 - self.generation
+
+
+class NVMeTier:
+  """Keeps optimizer state on a local disk, with small leaves cached in RAM.
+
+  Each state array is a tensorstore zarr3 array under `path` (see the module
+  docstring for the layout and the commit protocol). Arrays that fit in
+  `cache_bytes` (smallest first; scalars always) stay in host memory between
+  steps, like the host tier; the others are read from disk slice by slice
+  inside the jitted step, by `io_callback`s that prefetch the next slice while
+  the current one is updated and write results back asynchronously, at most
+  `window` writes in flight. Each step ends with an
+  atomic commit; the whole state, cached arrays included, is on disk after it.
+
+  Args:
+    path: the store directory; created if missing.
+    cache_bytes: bytes of state held in RAM between steps.
+    chunk_bytes: slice budget of the streamed update, and storage chunk size.
+    resume: open an existing store and continue from its last committed step.
+      Without it, `init` refuses a directory that already holds a store.
+    fsync: flush data and metadata to the device at each commit, so a commit
+      also survives power loss (a killed process needs no flush).
+    progress: show a progress bar for the initial write and for a resume.
+    window: writes in flight before a new one waits.
+
+  Example:
+    >>> import tempfile, jax.numpy as jnp, optax, offlax
+    >>> tier = offlax.NVMeTier(tempfile.mkdtemp(), cache_bytes=0, progress=False)
+    >>> tx = offlax.offload(optax.adam(1e-3), tier)
+    >>> state = tx.init({"w": jnp.ones((4, 3))})
+    >>> optax.tree_utils.tree_get(state, "mu")["w"]
+    OnDisk(index=1, shape=(4, 3), dtype='float32')
+    >>> tier.close()
+  """
+
+  def __init__(
+    self,
+    path: str | os.PathLike,
+    *,
+    cache_bytes: int = 256 * 2**20,
+    chunk_bytes: int = 64 * 2**20,
+    resume: bool = False,
+    fsync: bool = True,
+    progress: bool = True,
+    window: int = 4,
+  ):
+    for name, value, low in (("cache_bytes", cache_bytes, 0), ("window", window, 1)):
+      if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+        raise errors.InvalidTierError(f"NVMeTier.{name} must be an int >= {low}, got {value!r}.")
+    if not isinstance(path, (str, os.PathLike)) or not str(path):
+      raise errors.InvalidTierError(f"NVMeTier.path must be a directory path, got {path!r}.")
+    self.host = HostTier(chunk_bytes=chunk_bytes)
+    _bound_malloc()
+    self.path = os.fspath(path)
+    self.cache_bytes = int(cache_bytes)
+    self.chunk_bytes = self.host.chunk_bytes
+    self.resume = resume
+    self.progress = progress
+    self.store = Store(self.path, fsync=fsync, window=window)
+
+  def __repr__(self) -> str:
+    return (
+      f"NVMeTier({self.path!r}, cache_bytes={self.cache_bytes}, chunk_bytes={self.chunk_bytes}, "
+      f"resume={self.resume})"
+    )
+
+  def offloads(self, x: Any) -> bool:
+    return isinstance(x, layout_lib.OnDisk) or self.host.offloads(x)
+
+  def to_host(self, x: Any) -> Any:
+    return self.host.to_host(x)
+
+  def to_device(self, x: Any) -> Any:
+    return self.host.to_device(x)
+
+  def close(self) -> None:
+    """Waits for writes in flight and releases the store's lock."""
+    self.store.close()
+
+  # -- init ------------------------------------------------------------------
+
+  def init(self, inner: Any, params: Any, spec: layout_lib.ParamSpec) -> tuple[Any, Any]:
+    """Creates or resumes the store; returns (inner state with OnDisk items, step)."""
+    abstract = jax.eval_shape(inner.init, params)
+    layout = layout_lib.StateLayout(abstract, spec)
+    shapes = layout.split(abstract)
+    paths = _item_paths(abstract, layout)
+    self.store.lock()
+    try:
+      if self.store.exists():
+        if not self.resume:
+          raise errors.StoreExistsError(
+            f"{self.path} already holds an offlax store (step {self._committed_step()}); pass "
+            "NVMeTier(..., resume=True) to continue from it, or choose another path."
+          )
+        items = self._resume(shapes, paths)
+      else:
+        if self.resume:
+          raise errors.StoreError(f"NVMeTier(resume=True): no offlax store in {self.path}.")
+        items = self._create(inner, params, spec, layout, shapes, paths)
+    except BaseException:
+      self.store.close(wait=False)  # release the lock; nothing was committed
+      raise
+    return layout.merge(items), jnp.asarray(self.store.step, jnp.int32)
+
+  def _committed_step(self) -> Any:
+    try:
+      with open(os.path.join(self.path, _METADATA)) as f:
+        return json.load(f)["step"]
+    except (OSError, ValueError, KeyError):  # only for the message
+      return "unknown"
+
+  def _records(self, shapes, paths, layout) -> list[LeafRecord]:
+    leaf_bytes: dict[int, int] = {}
+    for x, o in zip(shapes, layout.owners, strict=True):
+      if o != coupling_lib.GLOBAL and self.host.offloads(x):
+        leaf_bytes[o] = leaf_bytes.get(o, 0) + _nbytes(x)
+    order = sorted(range(len(shapes)), key=lambda j: _nbytes(shapes[j]))
+    hot, budget = set(), self.cache_bytes
+    for j in order:
+      x, o = shapes[j], layout.owners[j]
+      if x.ndim == 0 or o == coupling_lib.GLOBAL:
+        hot.add(j)  # scalars and global items always stay in RAM
+      elif _nbytes(x) <= budget:
+        hot.add(j)
+        budget -= _nbytes(x)
+    records = []
+    for j, x in enumerate(shapes):
+      o = layout.owners[j]
+      size = int(np.prod(x.shape, dtype=np.int64))
+      chunk = size
+      if o != coupling_lib.GLOBAL and leaf_bytes.get(o, 0) > self.chunk_bytes and x.ndim:
+        # Align storage chunks with the pieces the schedule cuts this leaf into.
+        flat, rows, step = schedule_lib.split_step(tuple(x.shape), leaf_bytes[o], self.chunk_bytes)
+        chunk = step * (size // rows)
+      records.append(
+        LeafRecord(j, paths[j], tuple(x.shape), np.dtype(x.dtype).name, chunk, j in hot)
+      )
+    return records
+
+  def _create(self, inner, params, spec, layout, shapes, paths) -> list[Any]:
+    records = self._records(shapes, paths, layout)
+    self.store.create(records)
+    self.store.generation = 1  # write generation 0, then commit it
+    slots = jax.tree.leaves(params, is_leaf=layout_lib.is_masked)
+    groups = _init_groups(layout, shapes, self.chunk_bytes, len(slots))
+    init = jax.jit(inner.init)
+    items: list[Any] = [None] * len(shapes)
+    for n, group in enumerate(_progress(groups, self.progress, f"offlax: writing {self.path}")):
+      masked = [s if i in group else layout_lib.MASKED() for i, s in enumerate(slots)]
+      values = layout.split(init(spec.treedef.unflatten(masked)))
+      for j, (x, r) in enumerate(zip(values, records, strict=True)):
+        owner = layout.owners[j]
+        if (
+          owner == coupling_lib.GLOBAL
+          and n > 0
+          or owner != coupling_lib.GLOBAL
+          and owner not in group
+        ):
+          continue
+        items[j] = self._place(r, x)
+    self.store.commit(0)
+    return items
+
+  def _resume(self, shapes, paths) -> list[Any]:
+    self.store.read_metadata()
+    records = self.store.records
+    if len(records) != len(shapes):
+      raise errors.StoreMismatchError(
+        f"{self.path} holds {len(records)} state arrays; this optimizer has {len(shapes)}."
+      )
+    for r, x, path in zip(records, shapes, paths, strict=True):
+      want = (path, tuple(x.shape), np.dtype(x.dtype).name)
+      if (r.path, r.shape, r.dtype) != want:
+        raise errors.StoreMismatchError(
+          f"{self.path}: state leaf {r.path} is stored as {r.dtype}{list(r.shape)}; this "
+          f"optimizer has {want[0]} as {want[2]}{list(want[1])}."
+        )
+    items = []
+    for r in _progress(records, self.progress, f"offlax: resuming {self.path}"):
+      if r.hot:
+        value = self.store.result(self.store.read(r.index, 0, r.size)).reshape(r.shape)
+        items.append(self._place(r, jnp.asarray(value)))
+      else:
+        items.append(layout_lib.OnDisk(r.index, r.shape, r.dtype))
+    return items
+
+  def _place(self, r: LeafRecord, x: Any) -> Any:
+    """Writes a fresh item to the generation being built; returns its state entry."""
+    self.store.write(r.index, 0, np.asarray(x))
+    if not r.hot:
+      return layout_lib.OnDisk(r.index, r.shape, r.dtype)
+    return self.host.to_host(x) if self.host.offloads(x) else x
+
+
+def _syncfs(path: str) -> None:
+  """Flushes the filesystem holding `path` (Linux syncfs), else everything."""
+  fd = os.open(path, os.O_RDONLY)
+  try:
+    import ctypes
+
+    if ctypes.CDLL(None, use_errno=True).syncfs(fd) != 0:
+      raise OSError(ctypes.get_errno(), f"syncfs({path}) failed")
+  except (AttributeError, TypeError):
+    os.sync()
+  finally:
+    os.close(fd)
+
+
+@functools.cache
+def _bound_malloc() -> None:
+  """Makes glibc return freed slice-sized buffers to the OS.
+
+  glibc raises its mmap threshold each time a large mmapped block is freed, up
+  to 32 MiB, after which slice buffers (read results, write copies) come from
+  the heap and stay resident when freed: RSS then grows with the state size
+  instead of staying near `cache_bytes` plus a few slices. Fixing the
+  threshold (as `MALLOC_MMAP_THRESHOLD_` would) keeps such buffers mmapped.
+  """
+  try:
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD = 1 MiB
+  except (OSError, AttributeError):  # not glibc: nothing to do
+    pass
+
+
+def _init_groups(layout, shapes, chunk_bytes, n_slots) -> list[set[int]]:
+  """Leaves initialised together: greedy in tree order, about `chunk_bytes` each."""
+  leaf_bytes = [0] * n_slots
+  for x, o in zip(shapes, layout.owners, strict=True):
+    if o != coupling_lib.GLOBAL:
+      leaf_bytes[o] += _nbytes(x)
+  groups: list[set[int]] = [set()]
+  size = 0
+  for i, b in enumerate(leaf_bytes):
+    if groups[-1] and size + b > chunk_bytes:
+      groups.append(set())
+      size = 0
+    groups[-1].add(i)
+    size += b
+  return groups
+
+
+def _item_paths(state: Any, layout: layout_lib.StateLayout) -> list[str]:
+  """The key path of each item of `layout.split(state)`."""
+  flat = jax.tree_util.tree_flatten_with_path(state, is_leaf=layout_lib.is_masked)[0]
+  by_id = {id(x): jax.tree_util.keystr(p) for p, x in flat}
+  return [by_id[id(x)] for x in layout.split(state)]
+
+
+def _nbytes(x: Any) -> int:
+  return int(np.prod(x.shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
+
+
+def _progress(items, enabled: bool, desc: str):
+  if not enabled:
+    return items
+  from tqdm.auto import tqdm
+
+  return tqdm(items, desc=desc, unit="slice", leave=False)
+
+
+class DiskIO:
+  """Moves slices between the NVMe tier and the device inside the jitted step.
+
+  Cached items move like the host tier's. Items on disk are read by one
+  `io_callback` per slice, which returns slice k (prefetched by the previous
+  call) and starts reading the next one; new values go back by a callback that
+  starts the writes and returns a ticket at once. The callbacks are unordered
+  (JAX 0.10 cannot lower ordered callbacks beside host-memory outputs), so
+  data dependencies order them: the read of slice k takes the ticket of slice
+  k-2, and the last callback, which writes the cached items and commits, takes
+  every ticket.
+  """
+
+  def __init__(self, tier: NVMeTier, items, offloaded, step):
+    from offlax._src.transform import _HostIO  # the moves of cached items
+
+    self.tier, self.items, self.offloaded, self.step = tier, items, offloaded, step
+    self.host = _HostIO(tier.host, items, offloaded)
+
+  def plan(self, keys):
+    self.keys = keys
+    self.tickets: list[tuple[int, Any]] = []  # (slice, write callback's result)
+    self.host.plan(keys)
+    self.cold = [
+      [n for n, (j, _) in enumerate(ks) if isinstance(self.items[j], layout_lib.OnDisk)]
+      for ks in keys
+    ]
+    reads = []
+    for ks, cold in zip(keys, self.cold, strict=True):
+      reads.append(
+        [(self.items[ks[n][0]].index, *_flat_range(self.items[ks[n][0]], ks[n][1])) for n in cold]
+      )
+    self.reader = _Reader(self.tier.store, reads)
+
+  def to_device(self, j, x):
+    return self.host.to_device(j, x)
+
+  def to_tier(self, j, x):
+    return self.host.to_tier(j, x)
+
+  def load(self, k, after):
+    hot = [n for n in range(len(self.keys[k])) if n not in self.cold[k]]
+    out: list[Any] = [None] * len(self.keys[k])
+    if hot:
+      pieces = [self.keys[k][n][1].take(self.items[self.keys[k][n][0]]) for n in hot]
+      if after is not None:
+        _, pieces = jax.lax.optimization_barrier((after, pieces))
+      for n, x in zip(hot, pieces, strict=True):
+        out[n] = self.host.to_device(self.keys[k][n][0], x)
+    if self.cold[k]:
+      avals = [
+        jax.ShapeDtypeStruct(shape, self.items[self.keys[k][n][0]].dtype)
+        for n, (_, _, _, shape) in zip(self.cold[k], self.reader.reads[k], strict=True)
+      ]
+      # Reading slice k waits for slice k-2's write callback: XLA would otherwise
+      # be free to run every read first and hold the whole state in memory.
+      earlier = [t for i, t in self.tickets if i <= k - 2]
+      dep = earlier[-1] if earlier else self.step
+      values = io_callback(functools.partial(self.reader.read, k), avals, self.step, dep)
+      for n, x in zip(self.cold[k], values, strict=True):
+        out[n] = x
+    return out
+
+  def store(self, k, values):
+    out = [
+      None if n in self.cold[k] else self.host.to_tier(j, values[n])
+      for n, (j, _) in enumerate(self.keys[k])
+    ]
+    if self.cold[k]:
+      ticket = jax.ShapeDtypeStruct((), jnp.int32)
+      cold = [values[n] for n in self.cold[k]]
+      self.tickets.append((k, io_callback(functools.partial(self.reader.write, k), ticket, *cold)))
+    return out
+
+  def finish(self, items):
+    items = [self.items[j] if x is None else x for j, x in enumerate(items)]
+    hot = [j for j, x in enumerate(items) if not isinstance(x, layout_lib.OnDisk)]
+    # The write tickets make the commit wait for every write callback.
+    commit = functools.partial(self.reader.commit, hot, len(self.tickets))
+    tickets = [t for _, t in self.tickets]
+    io_callback(commit, None, self.step, *tickets, *[items[j] for j in hot])
+    return items
+
+  def next_step(self):
+    return self.step + 1
+
+
+def _flat_range(item: layout_lib.OnDisk, piece) -> tuple[int, int, tuple[int, ...]]:
+  size = int(np.prod(item.shape, dtype=np.int64))
+  if piece.start is None:
+    return 0, size, item.shape
+  if piece.flat:
+    return piece.start, piece.stop, (piece.stop - piece.start,)
+  row = size // item.shape[0]
+  return piece.start * row, piece.stop * row, (piece.stop - piece.start, *item.shape[1:])
+
+
+class _Reader:
+  """The Python side of one traced step's callbacks; reused by every call."""
+
+  def __init__(self, store: Store, reads):
+    self.store, self.reads = store, reads
+    self._futures: dict[tuple[int, int], list[Any]] = {}
+    self._lock = threading.Lock()  # XLA may run callbacks on several threads
+
+  def _issue(self, k: int) -> None:
+    # Keyed by step: XLA may run the callbacks of one step out of order, and a
+    # prefetch of a slice already read must not be consumed by the next step.
+    with self._lock:
+      if k < len(self.reads) and (self.store.step, k) not in self._futures:
+        self._futures[self.store.step, k] = [
+          self.store.read(index, a, b) for index, a, b, _ in self.reads[k]
+        ]
+
+  def _check(self, step) -> None:
+    if int(step) != self.store.step:
+      self._futures.clear()
+      raise errors.StaleStateError(
+        f"this state is from step {int(step)}, but {self.store.path} has committed step "
+        f"{self.store.step}: an NVMe-tier state can be updated once; use the state the "
+        "last update returned."
+      )
+
+  def read(self, k: int, step, after) -> list[np.ndarray]:
+    if k == min(i for i, r in enumerate(self.reads) if r):
+      self._check(step)
+    self._issue(k)
+    with self._lock:
+      futures = self._futures.pop((self.store.step, k))
+    nxt = next((i for i in range(k + 1, len(self.reads)) if self.reads[i]), None)
+    if nxt is not None:
+      self._issue(nxt)  # overlaps the update of slice k
+    return [
+      self.store.result(f).reshape(shape)
+      for f, (_, _, _, shape) in zip(futures, self.reads[k], strict=True)
+    ]
+
+  def write(self, k: int, *values) -> np.ndarray:
+    for (index, a, _, _), v in zip(self.reads[k], values, strict=True):
+      # XLA owns the callback's buffers once it returns; the write outlives it.
+      self.store.write(index, a, np.array(v, copy=True))
+    return np.asarray(k, np.int32)
+
+  def commit(self, hot: list[int], n_tickets: int, step, *args) -> None:
+    self._check(step)
+    for j, v in zip(hot, args[n_tickets:], strict=True):
+      self.store.write(j, 0, np.array(v, copy=True))
+    self.store.commit(int(step) + 1)
+    with self._lock:
+      self._futures.clear()  # prefetches of slices this step had already read

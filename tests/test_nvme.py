@@ -1,0 +1,310 @@
+"""The NVMe tier: equivalence, placement, resume, crash safety and faults."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import assert_trees_equal, grads_like, model_params
+
+import offlax
+from offlax._src.layout import StateLayout
+from offlax._src.nvme_tier import Store
+from offlax._src.transform import _spec_of
+
+SMALL = dict(chunk_bytes=3000, cache_bytes=600, progress=False, fsync=False)
+
+
+def _tier(path, **kw):
+  return offlax.NVMeTier(str(path), **{**SMALL, **kw})
+
+
+def _float_params():
+  params = model_params()
+  del params["steps_seen"]
+  return params
+
+
+def _train(tx, params, steps, state=None):
+  state = tx.init(params) if state is None else state
+  step = jax.jit(lambda p, s, g: tx.update(g, s, p))
+  for i in range(steps):
+    updates, state = step(params, state, grads_like(params, i))
+    params = optax.apply_updates(params, updates)
+  return params, state
+
+
+def _stored_state(path, like, params):
+  """The committed state read back from the store at `path`, shaped like `like`."""
+  store = Store(str(path), fsync=False, window=1)
+  store.read_metadata()
+  values = [store.result(store.read(r.index, 0, r.size)).reshape(r.shape) for r in store.records]
+  return StateLayout(like, _spec_of(params, "params")).merge(values), store.step
+
+
+OPTIMIZERS = {
+  "adamw": lambda: optax.adamw(1e-3),
+  "lamb": lambda: optax.lamb(1e-3),
+  "clip_chain": lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)),
+  "sgd_momentum": lambda: optax.sgd(1e-2, momentum=0.9),
+}
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_bit_identical_to_inner(tmp_path, name):
+  params = _float_params()
+  inner = OPTIMIZERS[name]()
+  want_params, want_state = _train(inner, params, 3)
+  tier = _tier(tmp_path / name)
+  got_params, got_state = _train(offlax.offload(inner, tier), params, 3)
+  assert_trees_equal(got_params, want_params)
+  assert int(got_state.step) == 3 and tier.store.step == 3
+  stored, step = _stored_state(tmp_path / name, want_state, params)
+  assert step == 3
+  assert_trees_equal(stored, want_state)
+  tier.close()
+
+
+def test_state_placement(tmp_path):
+  params = _float_params()
+  tier = _tier(tmp_path, cache_bytes=300)
+  state = offlax.offload(optax.adam(1e-3), tier).init(params)
+  mu = optax.tree_utils.tree_get(state, "mu")
+  big = mu["layers"][0]["mlp"]["kernel"]
+  assert isinstance(big, offlax.OnDisk) and big.shape == (16, 64)
+  assert optax.tree_utils.tree_get(state, "count").sharding.memory_kind == "device"
+  cached = [x for x in jax.tree.leaves(state.inner_state) if x.ndim]
+  assert cached and sum(x.nbytes for x in cached) <= 300
+  assert all(x.sharding.memory_kind == "pinned_host" for x in cached)
+  meta = json.loads((tmp_path / "offlax.json").read_text())
+  assert meta["step"] == 0 and meta["format_version"] == 1
+  paths = {r["path"] for r in meta["leaves"]}
+  assert "[0].mu['layers'][0]['mlp']['kernel']" in paths
+  assert sorted(os.listdir(tmp_path)) == [".lock", "gen0", "gen1", "offlax.json"]
+  assert oct(os.stat(tmp_path / "offlax.json").st_mode & 0o777) == "0o600"
+  tier.close()
+
+
+def test_resume_continues_bit_exactly(tmp_path):
+  params = _float_params()
+  inner = optax.adamw(1e-3)
+  want_params, _ = _train(inner, params, 5)
+
+  tier = _tier(tmp_path)
+  tx = offlax.offload(inner, tier)
+  mid_params, _ = _train(tx, params, 3)
+  tier.close()
+
+  with pytest.raises(offlax.StoreExistsError, match="resume=True"):
+    offlax.offload(inner, _tier(tmp_path)).init(params)
+
+  tier = _tier(tmp_path, resume=True)
+  tx = offlax.offload(inner, tier)
+  state = tx.init(params)
+  assert int(state.step) == 3
+  step = jax.jit(lambda p, s, g: tx.update(g, s, p))
+  for i in (3, 4):
+    updates, state = step(mid_params, state, grads_like(mid_params, i))
+    mid_params = optax.apply_updates(mid_params, updates)
+  assert_trees_equal(mid_params, want_params)
+  tier.close()
+
+
+def test_resume_refuses_other_optimizer_or_tree(tmp_path):
+  params = _float_params()
+  tier = _tier(tmp_path)
+  offlax.offload(optax.adam(1e-3), tier).init(params)
+  tier.close()
+  with pytest.raises(offlax.StoreMismatchError, match="state arrays"):
+    offlax.offload(optax.sgd(1e-3, momentum=0.9), _tier(tmp_path, resume=True)).init(params)
+  other = {**params, "temperature": jnp.zeros(3)}
+  with pytest.raises(offlax.StoreMismatchError, match=r"\['temperature'\]"):
+    offlax.offload(optax.adam(1e-3), _tier(tmp_path, resume=True)).init(other)
+  bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+  with pytest.raises(offlax.StoreMismatchError, match="bfloat16"):
+    offlax.offload(optax.adam(1e-3), _tier(tmp_path, resume=True)).init(bf16)
+
+
+def test_resume_without_store(tmp_path):
+  with pytest.raises(offlax.StoreError, match="no offlax store"):
+    offlax.offload(optax.adam(1e-3), _tier(tmp_path, resume=True)).init(_float_params())
+
+
+def test_stale_state_is_refused(tmp_path):
+  params = _float_params()
+  tier = _tier(tmp_path)
+  tx = offlax.offload(optax.adam(1e-3), tier)
+  state0 = tx.init(params)
+  step = jax.jit(lambda p, s, g: tx.update(g, s, p))
+  step(params, state0, grads_like(params, 0))
+  with pytest.raises(Exception, match="StaleStateError|state is from step 0"):
+    jax.block_until_ready(step(params, state0, grads_like(params, 0)))
+  assert tier.store.step == 1
+  tier.close()
+
+
+def test_path_is_a_file(tmp_path):
+  (tmp_path / "f").write_text("x")
+  with pytest.raises(offlax.StoreError, match="not a directory"):
+    offlax.offload(optax.adam(1e-3), _tier(tmp_path / "f")).init(_float_params())
+
+
+@pytest.mark.parametrize("bad", [dict(cache_bytes=-1), dict(window=0), dict(chunk_bytes=0)])
+def test_bad_options(tmp_path, bad):
+  with pytest.raises(offlax.InvalidTierError):
+    _tier(tmp_path, **bad)
+
+
+def test_second_writer_is_locked_out(tmp_path):
+  params = _float_params()
+  tier = _tier(tmp_path)
+  offlax.offload(optax.adam(1e-3), tier).init(params)
+  script = textwrap.dedent(
+    f"""
+    import offlax, optax, jax.numpy as jnp
+    tier = offlax.NVMeTier({str(tmp_path)!r}, resume=True, progress=False)
+    try:
+      offlax.offload(optax.adam(1e-3), tier).init({{"w": jnp.ones(3)}})
+    except offlax.StoreLockedError as e:
+      print("LOCKED", e)
+    """
+  )
+  out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+  assert "LOCKED" in out.stdout and str(tmp_path) in out.stdout, out.stderr[-2000:]
+  tier.close()
+
+
+def test_lock_is_not_a_symlink_trap(tmp_path):
+  target = tmp_path / "victim"
+  target.write_text("keep me")
+  store = tmp_path / "store"
+  store.mkdir()
+  os.symlink(target, store / ".lock")
+  with pytest.raises(offlax.StoreError, match="cannot open"):
+    offlax.offload(optax.adam(1e-3), _tier(store)).init(_float_params())
+  assert target.read_text() == "keep me"
+
+
+def _cold_chunk(path):
+  meta = json.loads((path / "offlax.json").read_text())
+  record = next(r for r in meta["leaves"] if not r["hot"])
+  chunk_dir = path / f"gen{meta['generation']}" / f"leaf_{record['index']:05d}" / "c"
+  return record, chunk_dir / sorted(os.listdir(chunk_dir))[0]
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
+def test_corrupted_chunk_is_detected(tmp_path, damage):
+  params = _float_params()
+  tier = _tier(tmp_path)
+  tx = offlax.offload(optax.adam(1e-3), tier)
+  state = tx.init(params)
+  meta_before = (tmp_path / "offlax.json").read_bytes()
+  record, chunk = _cold_chunk(tmp_path)
+  data = bytearray(chunk.read_bytes())
+  if damage == "flip":
+    data[len(data) // 2] ^= 0x40
+    chunk.write_bytes(bytes(data))
+  elif damage == "truncate":
+    chunk.write_bytes(bytes(data[:7]))
+  else:
+    chunk.unlink()
+  step = jax.jit(lambda p, s, g: tx.update(g, s, p))
+  with pytest.raises(Exception, match=r"corrupted chunk in .*leaf_\d+ \(state leaf .*\)"):
+    jax.block_until_ready(step(params, state, grads_like(params, 0)))
+  assert (tmp_path / "offlax.json").read_bytes() == meta_before  # nothing committed
+  tier.close()
+  # Reading the damaged array later fails the same way, naming path and leaf.
+  store = Store(str(tmp_path), fsync=False, window=1)
+  store.read_metadata()
+  size = int(np.prod(record["shape"]))
+  with pytest.raises(offlax.StoreCorruptedError, match=re.escape(record["path"])):
+    store.result(store.read(record["index"], 0, size))
+
+
+def test_corrupted_metadata(tmp_path):
+  params = _float_params()
+  tier = _tier(tmp_path)
+  offlax.offload(optax.adam(1e-3), tier).init(params)
+  tier.close()
+  meta = tmp_path / "offlax.json"
+  text = meta.read_text()
+  meta.write_text(text[: len(text) // 2])
+  with pytest.raises(offlax.StoreCorruptedError, match="offlax.json"):
+    offlax.offload(optax.adam(1e-3), _tier(tmp_path, resume=True)).init(params)
+  meta.write_text(json.dumps({**json.loads(text), "format_version": 99}))
+  with pytest.raises(offlax.StoreCorruptedError, match="format_version 99"):
+    offlax.offload(optax.adam(1e-3), _tier(tmp_path, resume=True)).init(params)
+
+
+def test_progress_bar(tmp_path, capsys):
+  params = _float_params()
+  tier = _tier(tmp_path / "a", progress=True)
+  offlax.offload(optax.adam(1e-3), tier).init(params)
+  tier.close()
+  assert "offlax: writing" in capsys.readouterr().err
+  tier = _tier(tmp_path / "b", progress=False)
+  offlax.offload(optax.adam(1e-3), tier).init(params)
+  tier.close()
+  assert capsys.readouterr().err == ""
+
+
+def _mount_tmpfs(path, options):
+  path.mkdir(parents=True, exist_ok=True)
+  if os.geteuid() != 0 or shutil.which("mount") is None:
+    pytest.skip("needs root to mount a tmpfs")
+  result = subprocess.run(
+    ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True, text=True
+  )
+  if result.returncode != 0:
+    pytest.skip(f"cannot mount a tmpfs here: {result.stderr.strip()}")
+
+
+def _umount(path):
+  subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def test_disk_full_keeps_last_commit(tmp_path):
+  mnt = tmp_path / "small"
+  _mount_tmpfs(mnt, "size=200k")
+  try:
+    params = {"w": jnp.ones((64, 64)), "b": jnp.ones(64)}  # Adam state: 2 x 2 x 16 KiB generations
+    tier = offlax.NVMeTier(str(mnt), cache_bytes=0, chunk_bytes=8192, progress=False, fsync=False)
+    tx = offlax.offload(optax.adam(1e-3), tier)
+    state = tx.init(params)
+    filler = mnt / "filler"
+    free = shutil.disk_usage(mnt).free
+    with open(filler, "wb") as f:
+      f.write(b"\0" * max(0, free - 4096))
+    meta_before = (mnt / "offlax.json").read_bytes()
+    step = jax.jit(lambda p, s, g: tx.update(g, s, p))
+    with pytest.raises(Exception, match=r"I/O error on .*leaf_\d+ \(state leaf|cannot commit"):
+      jax.block_until_ready(step(params, state, jax.tree.map(jnp.ones_like, params)))
+    assert (mnt / "offlax.json").read_bytes() == meta_before
+    filler.unlink()
+    tier.store.close(wait=False)  # the failed step's writes are moot
+    tier = offlax.NVMeTier(str(mnt), cache_bytes=0, chunk_bytes=8192, progress=False, resume=True)
+    state = offlax.offload(optax.adam(1e-3), tier).init(params)
+    assert int(state.step) == 0
+    tier.close()
+  finally:
+    _umount(mnt)
+
+
+def test_read_only_directory(tmp_path):
+  mnt = tmp_path / "ro"
+  _mount_tmpfs(mnt, "size=1m,ro")
+  try:
+    with pytest.raises(offlax.StoreError, match="cannot open NVMe store"):
+      offlax.offload(optax.adam(1e-3), offlax.NVMeTier(str(mnt / "run"), progress=False)).init(
+        {"w": jnp.ones(4)}
+      )
+  finally:
+    _umount(mnt)
