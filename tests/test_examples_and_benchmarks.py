@@ -36,3 +36,14 @@ def test_host_overhead_benchmark_runs(tmp_path):
   assert (tmp_path / "host_overhead.png").stat().st_size > 10_000
   assert result["leaves"] >= 190
   assert set(result["ratios"]) >= {"offlax"}
+
+
+def test_nvme_example_trains_and_resumes(tmp_path, capsys):
+  example = _load("examples/nvme_tier.py")
+  args = ["--width", "64", "--cache-kib", "4", "--chunk-kib", "16", "--dir", str(tmp_path)]
+  loss = example.main(["--steps", "30", *args])
+  out = capsys.readouterr().out
+  assert "committed step 30" in out and "state arrays on disk" in out
+  assert loss < float(out.split("loss ")[1].split()[0])
+  example.main(["--steps", "5", "--resume", *args])
+  assert "starting at step 30" in capsys.readouterr().out
