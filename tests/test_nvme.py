@@ -86,6 +86,7 @@ def test_state_placement(tmp_path):
   assert all(x.sharding.memory_kind == "pinned_host" for x in cached)
   meta = json.loads((tmp_path / "offlax.json").read_text())
   assert meta["step"] == 0 and meta["format_version"] == 1
+  assert "namedtuple[ScaleByAdamState], [*, *, *]" in meta["state_structure"]
   paths = {r["path"] for r in meta["leaves"]}
   assert "[0].mu['layers'][0]['mlp']['kernel']" in paths
   assert sorted(os.listdir(tmp_path)) == [".lock", "gen0", "gen1", "offlax.json"]

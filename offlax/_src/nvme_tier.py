@@ -77,6 +77,7 @@ class Store:
     self.step = 0
     self.generation = 0
     self.records: list[LeafRecord] = []
+    self.structure = ""  # the inner state's treedef, for people reading offlax.json
     self._arrays: dict[tuple[int, int], ts.TensorStore] = {}
     self._context = ts.Context({"file_io_sync": False, "cache_pool": {"total_bytes_limit": 0}})
     self._lock_fd: int | None = None
@@ -135,13 +136,15 @@ class Store:
         for r in meta["leaves"]
       ]
       self.step, self.generation = int(meta["step"]), int(meta["generation"])
+      self.structure = str(meta.get("state_structure", ""))
     except (KeyError, TypeError, ValueError) as e:
       raise errors.StoreCorruptedError(f"{name} is malformed: {e!r}") from e
     return meta
 
-  def create(self, records: Sequence[LeafRecord]) -> None:
+  def create(self, records: Sequence[LeafRecord], structure: str) -> None:
     """Creates both generations of every item (no data written yet)."""
     self.records = list(records)
+    self.structure = structure
     for gen in (0, 1):
       for r in self.records:
         self._open_array(r, gen, create=True)
@@ -239,6 +242,7 @@ class Store:
       "format_version": FORMAT_VERSION,
       "step": step,
       "generation": 1 - self.generation,
+      "state_structure": self.structure,
       "leaves": [dataclasses.asdict(r) for r in self.records],
     }
     name = os.path.join(self.path, _METADATA)
@@ -402,7 +406,7 @@ class NVMeTier:
 
   def _create(self, inner, params, spec, layout, shapes, paths) -> list[Any]:
     records = self._records(shapes, paths, layout)
-    self.store.create(records)
+    self.store.create(records, str(layout.treedef))
     self.store.generation = 1  # write generation 0, then commit it
     slots = jax.tree.leaves(params, is_leaf=layout_lib.is_masked)
     groups = _init_groups(layout, shapes, self.chunk_bytes, len(slots))
