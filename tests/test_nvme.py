@@ -152,6 +152,13 @@ def test_stale_state_is_refused(tmp_path):
   tier.close()
 
 
+def test_init_under_jit_is_refused(tmp_path):
+  tx = offlax.offload(optax.adam(1e-3), _tier(tmp_path))
+  with pytest.raises(offlax.InvalidTierError, match="must run eagerly"):
+    jax.eval_shape(tx.init, {"w": jax.ShapeDtypeStruct((3,), jnp.float32)})
+  assert not (tmp_path / "offlax.json").exists()
+
+
 def test_path_is_a_file(tmp_path):
   (tmp_path / "f").write_text("x")
   with pytest.raises(offlax.StoreError, match="not a directory"):

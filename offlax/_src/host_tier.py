@@ -10,6 +10,7 @@ import jax
 import numpy as np
 
 from offlax._src import errors
+from offlax._src import layout as layout_lib
 
 # Inside `jit`, JAX 0.10 types exactly one host memory space, `pinned_host`
 # (`jax.memory.Space.Host`); `unpinned_host` buffers are typed as device memory,
@@ -74,7 +75,7 @@ class HostTier:
 
   def offloads(self, leaf: Any) -> bool:
     """Whether a state leaf of this shape and dtype lives in host memory."""
-    return np.ndim(leaf) > 0 and _nbytes(leaf) >= self.min_offload_bytes
+    return np.ndim(leaf) > 0 and layout_lib.nbytes(leaf) >= self.min_offload_bytes
 
   def check_devices(self, devices: Iterable[Any]) -> None:
     """Raises `MemoryKindError` unless every device offers `memory_kind`."""
@@ -94,7 +95,3 @@ class HostTier:
   def to_device(x: jax.Array) -> jax.Array:
     """Moves `x` to device memory; valid inside and outside jit."""
     return jax.device_put(x, jax.memory.Space.Device)
-
-
-def _nbytes(leaf: Any) -> int:
-  return int(np.prod(np.shape(leaf), dtype=np.int64)) * np.dtype(leaf.dtype).itemsize

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import numpy as np
 import optax
 
 from offlax._src import coupling as coupling_lib
@@ -114,3 +115,28 @@ class StateLayout:
       slots = [MASKED() if s is MASK else s for s in slots]
       tops.append(self.spec.treedef.unflatten(slots))
     return self.treedef.unflatten(tops)
+
+
+def shape_of(x: Any) -> tuple[int, ...]:
+  return tuple(x.shape) if hasattr(x, "shape") else np.shape(x)
+
+
+def dtype_of(x: Any) -> Any:
+  """The dtype of `x`: a numpy dtype, a JAX extended dtype (PRNG keys) or a name."""
+  return x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
+
+
+def nbytes(x: Any) -> int:
+  """Bytes of an array, `ShapeDtypeStruct`, `OnDisk` or Python number."""
+  dtype = dtype_of(x)
+  itemsize = dtype.itemsize if hasattr(dtype, "itemsize") else np.dtype(dtype).itemsize
+  return int(np.prod(shape_of(x), dtype=np.int64)) * itemsize
+
+
+def leaf_bytes(items: Sequence[Any], owners: Sequence[int], n_leaves: int, counted) -> list[int]:
+  """Bytes of the items `counted(item)` selects, summed per owning leaf."""
+  total = [0] * n_leaves
+  for x, owner in zip(items, owners, strict=True):
+    if owner != coupling_lib.GLOBAL and counted(x):
+      total[owner] += nbytes(x)
+  return total

@@ -347,6 +347,11 @@ class NVMeTier:
 
   def init(self, inner: Any, params: Any, spec: layout_lib.ParamSpec) -> tuple[Any, Any]:
     """Creates or resumes the store; returns (inner state with OnDisk items, step)."""
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(params)):
+      raise errors.InvalidTierError(
+        "NVMeTier: init writes the store, so it must run eagerly, not under jax.jit or "
+        "jax.eval_shape."
+      )
     abstract = jax.eval_shape(inner.init, params)
     layout = layout_lib.StateLayout(abstract, spec)
     shapes = layout.split(abstract)
@@ -377,25 +382,24 @@ class NVMeTier:
       return "unknown"
 
   def _records(self, shapes, paths, layout) -> list[LeafRecord]:
-    leaf_bytes: dict[int, int] = {}
-    for x, o in zip(shapes, layout.owners, strict=True):
-      if o != coupling_lib.GLOBAL and self.host.offloads(x):
-        leaf_bytes[o] = leaf_bytes.get(o, 0) + _nbytes(x)
-    order = sorted(range(len(shapes)), key=lambda j: _nbytes(shapes[j]))
+    leaf_bytes = layout_lib.leaf_bytes(
+      shapes, layout.owners, len(layout.spec.shapes), self.offloads
+    )
+    order = sorted(range(len(shapes)), key=lambda j: layout_lib.nbytes(shapes[j]))
     hot, budget = set(), self.cache_bytes
     for j in order:
       x, o = shapes[j], layout.owners[j]
       if x.ndim == 0 or o == coupling_lib.GLOBAL:
         hot.add(j)  # scalars and global items always stay in RAM
-      elif _nbytes(x) <= budget:
+      elif layout_lib.nbytes(x) <= budget:
         hot.add(j)
-        budget -= _nbytes(x)
+        budget -= layout_lib.nbytes(x)
     records = []
     for j, x in enumerate(shapes):
       o = layout.owners[j]
       size = int(np.prod(x.shape, dtype=np.int64))
       chunk = size
-      if o != coupling_lib.GLOBAL and leaf_bytes.get(o, 0) > self.chunk_bytes and x.ndim:
+      if o != coupling_lib.GLOBAL and leaf_bytes[o] > self.chunk_bytes and x.ndim:
         # Align storage chunks with the pieces the schedule cuts this leaf into.
         flat, rows, step = schedule_lib.split_step(tuple(x.shape), leaf_bytes[o], self.chunk_bytes)
         chunk = step * (size // rows)
@@ -494,10 +498,7 @@ def _bound_malloc() -> None:
 
 def _init_groups(layout, shapes, chunk_bytes, n_slots) -> list[set[int]]:
   """Leaves initialised together: greedy in tree order, about `chunk_bytes` each."""
-  leaf_bytes = [0] * n_slots
-  for x, o in zip(shapes, layout.owners, strict=True):
-    if o != coupling_lib.GLOBAL:
-      leaf_bytes[o] += _nbytes(x)
+  leaf_bytes = layout_lib.leaf_bytes(shapes, layout.owners, n_slots, lambda x: True)
   groups: list[set[int]] = [set()]
   size = 0
   for i, b in enumerate(leaf_bytes):
@@ -514,10 +515,6 @@ def _item_paths(state: Any, layout: layout_lib.StateLayout) -> list[str]:
   flat = jax.tree_util.tree_flatten_with_path(state, is_leaf=layout_lib.is_masked)[0]
   by_id = {id(x): jax.tree_util.keystr(p) for p, x in flat}
   return [by_id[id(x)] for x in layout.split(state)]
-
-
-def _nbytes(x: Any) -> int:
-  return int(np.prod(x.shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
 
 
 def _progress(items, enabled: bool, desc: str):

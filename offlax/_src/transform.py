@@ -125,11 +125,8 @@ class _Step:
     shapes = [s for s in spec.shapes if s is not None]
     coupling = self._analyze(layout, items, leaves, shapes)
     offloaded = [self.tier.offloads(x) for x in items]
-    leaf_bytes = [0] * len(leaves)
-    position = {leaf: k for k, leaf in enumerate(leaves)}
-    for x, owner, off in zip(items, layout.owners, offloaded, strict=True):
-      if owner != coupling_lib.GLOBAL and off:
-        leaf_bytes[position[owner]] += _nbytes(x)
+    per_slot = layout_lib.leaf_bytes(items, layout.owners, len(spec.shapes), self.tier.offloads)
+    leaf_bytes = [per_slot[i] for i in leaves]
     slices = [
       tuple(dataclasses.replace(p, leaf=leaves[p.leaf]) for p in pieces)
       for pieces in schedule_lib.build(coupling, shapes, leaf_bytes, self.tier.chunk_bytes)
@@ -162,7 +159,9 @@ class _Step:
       new_u, new_state = self._update(spec, u_slots, layout.merge(s), p_slots, extra_args)
       return [new_u[i] for i in leaves], layout.split(new_state)
 
-    abstract = lambda xs: [jax.ShapeDtypeStruct(_shape(x), _dtype(x)) for x in xs]
+    abstract = lambda xs: [
+      jax.ShapeDtypeStruct(layout_lib.shape_of(x), layout_lib.dtype_of(x)) for x in xs
+    ]
     u_args = abstract([self.u_slots[i] for i in leaves])
     p_args = None if self.p_slots is None else abstract([self.p_slots[i] for i in leaves])
     jaxpr = jax.make_jaxpr(flat_update)(
@@ -234,7 +233,7 @@ class _Step:
     out_items = [
       new_items[j][0]
       if o == coupling_lib.GLOBAL or new_items[j][0] is None
-      else schedule_lib.join(pieces_of[o], new_items[j], _shape(items[j]))
+      else schedule_lib.join(pieces_of[o], new_items[j], layout_lib.shape_of(items[j]))
       for j, o in enumerate(owners)
     ]
     out_items = io.finish(out_items)
@@ -282,18 +281,6 @@ def _fill(slots, leaves, values):
 
 def _is_array(x: Any) -> bool:
   return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct, numbers.Number))
-
-
-def _shape(x: Any) -> tuple[int, ...]:
-  return tuple(x.shape) if hasattr(x, "shape") else np.shape(x)
-
-
-def _dtype(x: Any):
-  return x.dtype if hasattr(x, "dtype") else jax.numpy.asarray(x).dtype
-
-
-def _nbytes(x: Any) -> int:
-  return int(np.prod(_shape(x), dtype=np.int64)) * np.dtype(_dtype(x)).itemsize
 
 
 def _spec_of(tree: Any, what: str) -> ParamSpec:
