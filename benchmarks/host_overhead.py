@@ -44,14 +44,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
-import json
 import math
-import os
 import pathlib
-import platform
-import resource
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -63,6 +59,17 @@ import optax
 
 import offlax
 
+# benchmarks/_common.py holds what the benchmark scripts share. It is imported as
+# `benchmarks._common` however this file is run: `python -m benchmarks.<name>` has the repository
+# root on sys.path already, while `python benchmarks/<name>.py` (only this directory on sys.path)
+# and loading the file by path with importlib.util.spec_from_file_location (no parent package, so
+# no relative import either) do not; hence the repository root, this directory's parent, is added
+# when missing. Appended, not prepended, so installed packages (offlax itself) still come first.
+_REPO_ROOT = str(pathlib.Path(__file__).resolve().parent.parent)
+if _REPO_ROOT not in sys.path:
+  sys.path.append(_REPO_ROOT)
+from benchmarks import _common  # noqa: E402
+
 NUM_LAYERS = 20
 BASE_D_MODEL = 512  # d_model at --size-scale 1.0: 64.0M parameters
 VOCAB_PER_D_MODEL = 4  # vocab size = 4 * d_model
@@ -70,7 +77,6 @@ LEARNING_RATE = 1e-3
 GOAL_RATIO = 1.05
 ONE_SLICE_CHUNK_BYTES = 2**40
 BASELINE = "optax"
-DEFAULT_OUT = pathlib.Path(__file__).resolve().parent / "results"
 
 
 # -- model -------------------------------------------------------------------
@@ -178,15 +184,6 @@ def round_robin(variants: Sequence[Variant], rounds: int, grads: Any, record: bo
 # -- reporting ---------------------------------------------------------------
 
 
-def stats_of(times: Sequence[float]) -> dict[str, float]:
-  return {
-    "median_s": statistics.median(times),
-    "min_s": min(times),
-    "max_s": max(times),
-    "mean_s": statistics.fmean(times),
-  }
-
-
 def max_abs_diff(a: Any, b: Any) -> float:
   diffs = jax.tree.map(lambda x, y: jnp.max(jnp.abs(x - y)), a, b)
   return float(max(jax.tree.leaves(diffs)))
@@ -223,11 +220,7 @@ def summary_table(result: dict[str, Any]) -> str:
 
 
 def plot(result: dict[str, Any], path: pathlib.Path) -> None:
-  import matplotlib
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
+  plt = _common.pyplot()
   variants = result["variants"]
   names = [v["name"] for v in variants]
   med = np.array([v["median_s"] for v in variants]) * 1e3
@@ -251,15 +244,7 @@ def plot(result: dict[str, Any], path: pathlib.Path) -> None:
     text = f"{v['median_s'] * 1e3:.1f} ms"
     if ratio is not None:
       text += f"\n{ratio:.3f}x optax"
-    ax.annotate(
-      text,
-      (bar.get_x() + bar.get_width() / 2, top),
-      xytext=(0, 4),
-      textcoords="offset points",
-      ha="center",
-      va="bottom",
-      fontsize=9,
-    )
+    _common.label_above(ax, text, (bar.get_x() + bar.get_width() / 2, top), dy=4)
   ax.set_xticks(x, names)
   ax.set_xlabel("optimizer (AdamW, lr 1e-3); bar: median, whiskers: min to max")
   ax.set_ylabel("time per step (ms)")
@@ -273,16 +258,7 @@ def plot(result: dict[str, Any], path: pathlib.Path) -> None:
   ax.legend(loc="lower right", fontsize=9, framealpha=0.9)
   ax.grid(axis="y", alpha=0.3)
   fig.tight_layout()
-  tmp = path.with_suffix(".png.tmp")
-  fig.savefig(tmp, format="png")
-  plt.close(fig)
-  os.replace(tmp, path)
-
-
-def write_json(result: dict[str, Any], path: pathlib.Path) -> None:
-  tmp = path.with_suffix(".json.tmp")
-  tmp.write_text(json.dumps(result, indent=2) + "\n")
-  os.replace(tmp, path)
+  _common.save_png(fig, path)
 
 
 # -- main --------------------------------------------------------------------
@@ -290,25 +266,16 @@ def write_json(result: dict[str, Any], path: pathlib.Path) -> None:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--steps", type=int, default=10, help="timed steps per variant (10)")
-  parser.add_argument("--warmup", type=int, default=2, help="untimed steps after compiling (2)")
+  _common.add_steps_arguments(parser, steps=10, warmup_help="untimed steps after compiling (2)")
   parser.add_argument(
     "--size-scale",
     type=float,
     default=1.0,
     help="scale of the parameter count; 1.0 is about 64M params (1.0)",
   )
-  parser.add_argument(
-    "--out",
-    type=pathlib.Path,
-    default=DEFAULT_OUT,
-    help=f"directory for host_overhead.json/.png ({DEFAULT_OUT})",
-  )
+  _common.add_out_argument(parser, "host_overhead")
   args = parser.parse_args(argv)
-  if args.steps < 1:
-    parser.error("--steps must be >= 1")
-  if args.warmup < 0:
-    parser.error("--warmup must be >= 0")
+  _common.check_steps_arguments(parser, args)
   if not args.size_scale > 0:
     parser.error("--size-scale must be > 0")
   return args
@@ -348,7 +315,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       {
         "name": v.name,
         "chunk_bytes": v.chunk_bytes,
-        **stats_of(v.times_s),
+        **_common.stats_of(v.times_s, suffix="_s"),
+        "mean_s": statistics.fmean(v.times_s),
         "times_s": v.times_s,
         "compile_s": v.compile_s,
         "max_abs_diff_vs_optax": 0.0 if v is base else max_abs_diff(v.params, base.params),
@@ -361,15 +329,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   base_median = records[0]["median_s"]
   result = {
     "benchmark": "host_overhead",
-    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    "jax_version": jax.__version__,
-    "optax_version": optax.__version__,
-    "offlax_version": offlax.__version__,
-    "backend": jax.default_backend(),
-    "devices": [str(dev) for dev in jax.devices()],
-    "cpu_count": os.cpu_count(),
-    "platform": platform.platform(),
-    "python": platform.python_version(),
+    **_common.environment(devices=True),
     "size_scale": args.size_scale,
     "d_model": d,
     "num_layers": NUM_LAYERS,
@@ -381,16 +341,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     "goal_ratio": GOAL_RATIO,
     "variants": records,
     "ratios": {r["name"]: r["median_s"] / base_median for r in records[1:]},
-    "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    "peak_rss_bytes": _common.maxrss_bytes(),
   }
   result["wall_s"] = time.perf_counter() - wall_start
 
-  args.out.mkdir(parents=True, exist_ok=True)
-  json_path, png_path = args.out / "host_overhead.json", args.out / "host_overhead.png"
-  write_json(result, json_path)
-  plot(result, png_path)
-  print(f"wrote {json_path} and {png_path} ({result['wall_s']:.0f} s in all)\n")
-  print(summary_table(result), flush=True)
+  _common.write_outputs(result, args.out, "host_overhead", plot, summary_table)
   return result
 
 

@@ -47,3 +47,15 @@ def test_nvme_example_trains_and_resumes(tmp_path, capsys):
   assert loss < float(out.split("loss ")[1].split()[0])
   example.main(["--steps", "5", "--resume", *args])
   assert "starting at step 30" in capsys.readouterr().out
+
+
+def test_nvme_throughput_benchmark_runs(tmp_path):
+  _load("benchmarks/nvme_throughput.py").main(
+    ["--params-m", "2", "--raw-gib", "0.05", "--steps", "1", "--out", str(tmp_path)]
+  )
+  result = json.loads((tmp_path / "nvme_throughput.json").read_text())
+  assert (tmp_path / "nvme_throughput.png").stat().st_size > 10_000
+  assert result["raw"]["read_bytes_per_s"] > 0 and result["state_bytes"] > 0
+  tier = result["tier"]["fsync"]
+  assert tier["bytes_read_per_step"] > 0.5 * result["state_bytes"]  # most state streamed
+  assert tier["ratio_vs_raw"]["median"] > 0

@@ -1,0 +1,148 @@
+"""What the benchmark scripts share: run metadata, statistics, arguments, plots and output files.
+
+Private to `benchmarks/`, not part of offlax. Only the standard library is imported at the top:
+jax, optax, offlax and matplotlib load inside the functions that need them, so a script can
+import this module before deciding whether it needs them at all (as nvme_throughput.py's parent
+process does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import platform
+import resource
+import statistics
+from collections.abc import Callable, Sequence
+from typing import Any
+
+DEFAULT_OUT = pathlib.Path(__file__).resolve().parent / "results"
+
+
+# -- run metadata and statistics -------------------------------------------------
+
+
+def environment(devices: bool = False) -> dict[str, Any]:
+  """The date (UTC), versions and machine of a run, for the head of a result JSON.
+
+  Keys, in this order: date, jax_version, optax_version, offlax_version, backend, devices (only
+  with `devices=True`: `str` of each of `jax.devices()`), cpu_count, platform, python.
+  """
+  import jax
+  import optax
+
+  import offlax
+
+  env: dict[str, Any] = {
+    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    "jax_version": jax.__version__,
+    "optax_version": optax.__version__,
+    "offlax_version": offlax.__version__,
+    "backend": jax.default_backend(),
+  }
+  if devices:
+    env["devices"] = [str(dev) for dev in jax.devices()]
+  env["cpu_count"] = os.cpu_count()
+  env["platform"] = platform.platform()
+  env["python"] = platform.python_version()
+  return env
+
+
+def maxrss_bytes() -> int:
+  """Peak resident set size of this process so far (`ru_maxrss`), in bytes (Linux: KiB * 1024)."""
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def stats_of(values: Sequence[float], suffix: str = "") -> dict[str, float]:
+  """Median, min and max of `values`, keyed `median`, `min`, `max` with `suffix` appended."""
+  return {
+    f"median{suffix}": statistics.median(values),
+    f"min{suffix}": min(values),
+    f"max{suffix}": max(values),
+  }
+
+
+# -- arguments -------------------------------------------------------------------
+
+
+def add_steps_arguments(parser: argparse.ArgumentParser, steps: int, warmup_help: str) -> None:
+  """Adds `--steps` (timed steps per variant, default `steps`) and `--warmup` (default 2)."""
+  parser.add_argument("--steps", type=int, default=steps, help=f"timed steps per variant ({steps})")
+  parser.add_argument("--warmup", type=int, default=2, help=warmup_help)
+
+
+def add_out_argument(parser: argparse.ArgumentParser, name: str) -> None:
+  """Adds `--out`, the directory for `<name>.json` and `<name>.png` (default `DEFAULT_OUT`)."""
+  parser.add_argument(
+    "--out",
+    type=pathlib.Path,
+    default=DEFAULT_OUT,
+    help=f"directory for {name}.json/.png ({DEFAULT_OUT})",
+  )
+
+
+def check_steps_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+  """Exits with a usage error unless `--steps` >= 1 and `--warmup` >= 0."""
+  if args.steps < 1:
+    parser.error("--steps must be >= 1")
+  if args.warmup < 0:
+    parser.error("--warmup must be >= 0")
+
+
+# -- plots -----------------------------------------------------------------------
+
+
+def pyplot() -> Any:
+  """`matplotlib.pyplot` on the non-interactive Agg backend (no display needed)."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  return plt
+
+
+def label_above(ax: Any, text: str, xy: tuple[float, float], dy: float) -> None:
+  """Writes `text` in 9-point type centred `dy` points above the point `xy` (a bar's top)."""
+  ax.annotate(
+    text, xy, xytext=(0, dy), textcoords="offset points", ha="center", va="bottom", fontsize=9
+  )
+
+
+# -- output files ------------------------------------------------------------------
+
+
+def save_png(fig: Any, path: pathlib.Path) -> None:
+  """Writes `fig` to `path` as PNG via a temporary file and a rename (atomic), then closes it."""
+  tmp = path.with_suffix(".png.tmp")
+  fig.savefig(tmp, format="png")
+  import matplotlib.pyplot as plt
+
+  plt.close(fig)
+  os.replace(tmp, path)
+
+
+def write_json(result: dict[str, Any], path: pathlib.Path) -> None:
+  """Writes `result` to `path` as indented JSON via a temporary file and a rename (atomic)."""
+  tmp = path.with_suffix(".json.tmp")
+  tmp.write_text(json.dumps(result, indent=2) + "\n")
+  os.replace(tmp, path)
+
+
+def write_outputs(
+  result: dict[str, Any],
+  out: pathlib.Path,
+  name: str,
+  plot: Callable[[dict[str, Any], pathlib.Path], None],
+  summary_table: Callable[[dict[str, Any]], str],
+) -> None:
+  """Writes `<out>/<name>.json` and the plot `<out>/<name>.png`, then prints the summary table."""
+  out.mkdir(parents=True, exist_ok=True)
+  json_path, png_path = out / f"{name}.json", out / f"{name}.png"
+  write_json(result, json_path)
+  plot(result, png_path)
+  print(f"wrote {json_path} and {png_path} ({result['wall_s']:.0f} s in all)\n")
+  print(summary_table(result), flush=True)
