@@ -59,3 +59,14 @@ def test_nvme_throughput_benchmark_runs(tmp_path):
   tier = result["tier"]["fsync"]
   assert tier["bytes_read_per_step"] > 0.5 * result["state_bytes"]  # most state streamed
   assert tier["ratio_vs_raw"]["median"] > 0
+
+
+def test_gpu_check_code_path_runs_on_cpu(tmp_path):
+  """The prepared GPU script runs end to end; its figures only mean something on a GPU."""
+  result = _load("benchmarks/gpu_check.py").main(
+    ["--size-scale", "0.001", "--steps", "2", "--out", str(tmp_path)]
+  )
+  assert json.loads((tmp_path / "gpu_check.json").read_text())["benchmark"] == "gpu_check"
+  assert result["correctness"]["one_slice"]["bit_exact"]
+  assert result["correctness"]["streamed"]["max_abs_diff"] < 1e-6
+  assert result["memory"]["on_device"]["device_bytes_per_param"] > 0

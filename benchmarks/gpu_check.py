@@ -1,0 +1,262 @@
+"""GPU check of the host tier: correctness, device bytes, step time, bandwidth, overlap.
+
+What the CPU cannot show, checked in one run of a few minutes on a GPU machine:
+
+1. correctness: `offlax.offload(optax.adamw)` streamed in small slices (leaves cut into rows and
+   rejoined on the host) and in one slice, against plain optax on the same GPU, over 3 steps;
+2. device memory: `compiled.memory_analysis()` of a jitted AdamW step on ~1B parameters
+   (compiled from shapes, nothing allocated), all state on the device vs the host tier:
+   device and host bytes, and device bytes per parameter;
+3. step time at a size that fits both ways (median of `--steps` after warm-up, synchronised):
+   state on the device vs streamed from `pinned_host`, and the overhead ratio (goal <= 1.15x);
+4. host<->device bandwidth of one large transfer each way;
+5. overlap: the share of the state traffic hidden behind compute,
+   1 - (t_stream - t_device) / (state bytes moved / bandwidth).
+
+Writes `<out>/gpu_check.json` and prints a short table last. On a CPU it runs too (at
+`--size-scale 0.001` in the test suite) but its figures mean nothing there.
+
+    python benchmarks/gpu_check.py                   # on the GPU machine
+    python benchmarks/gpu_check.py --size-scale 0.1  # quicker
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+if __package__ in (None, ""):  # run as a file: make `benchmarks` importable
+  sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+
+from benchmarks import _common  # noqa: E402
+
+
+def _params(n_params: float, layers: int = 16):
+  """A transformer-shaped fp32 tree of about `n_params` parameters."""
+  import jax
+  import jax.numpy as jnp
+
+  d = max(8, int((n_params / (layers * 12)) ** 0.5) // 8 * 8)
+  shapes = {}
+  for i in range(layers):
+    shapes[f"layer{i:02d}"] = {
+      "qkv": (d, 3 * d),
+      "out": (d, d),
+      "up": (d, 4 * d),
+      "down": (4 * d, d),
+      "bias": (4 * d,),
+      "scale": (d,),
+    }
+  return jax.tree.map(
+    lambda s: jax.ShapeDtypeStruct(s, jnp.float32), shapes, is_leaf=lambda s: isinstance(s, tuple)
+  )
+
+
+def _step(tx):
+  import optax
+
+  def step(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  return step
+
+
+def _materialise(shapes, seed):
+  import jax
+
+  keys = iter(jax.random.split(jax.random.key(seed), len(jax.tree.leaves(shapes))))
+  return jax.tree.map(lambda s: jax.random.normal(next(keys), s.shape, s.dtype) * 0.1, shapes)
+
+
+def check_correctness(offlax, optax, jax, np):
+  shapes = _params(2e5, layers=2)
+  params = _materialise(shapes, 0)
+  inner = optax.adamw(1e-3)
+  results = {}
+  for name, chunk in (("one_slice", 2**40), ("streamed", 64 * 1024)):
+    txs = {"plain": inner, "offlax": offlax.offload(inner, chunk_bytes=chunk)}
+    out = {}
+    for label, tx in txs.items():
+      p, s = params, tx.init(params)
+      step = jax.jit(_step(tx))
+      for i in range(3):
+        p, s = step(p, s, jax.tree.map(lambda x, i=i: jax.numpy.sin(x * (i + 1)), p))
+      out[label] = p
+    diff = max(
+      float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+      for a, b in zip(jax.tree.leaves(out["plain"]), jax.tree.leaves(out["offlax"]), strict=True)
+    )
+    results[name] = {"max_abs_diff": diff, "bit_exact": diff == 0.0}
+  return results
+
+
+def memory_analysis(offlax, optax, jax, n_params):
+  shapes = _params(n_params)
+  device = jax.devices()[0]
+  out = {"params": sum(int(np.prod(s.shape)) for s in jax.tree.leaves(shapes))}
+  host = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+  on_dev = jax.sharding.SingleDeviceSharding(device)
+  param_specs = jax.tree.map(
+    lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=on_dev), shapes
+  )
+  for name, tx in (
+    ("on_device", optax.adamw(1e-3)),
+    ("host_tier", offlax.offload(optax.adamw(1e-3))),
+  ):
+    offloaded = name == "host_tier"
+    state_specs = jax.tree.map(
+      lambda s, offloaded=offloaded: jax.ShapeDtypeStruct(
+        s.shape, s.dtype, sharding=host if offloaded and s.ndim else on_dev
+      ),
+      jax.eval_shape(tx.init, shapes),
+    )
+    compiled = (
+      jax.jit(_step(tx), donate_argnums=(0, 1))
+      .lower(param_specs, state_specs, param_specs)
+      .compile()
+    )
+    m = compiled.memory_analysis()
+    fields = (
+      "argument_size_in_bytes",
+      "output_size_in_bytes",
+      "temp_size_in_bytes",
+      "alias_size_in_bytes",
+      "host_argument_size_in_bytes",
+      "host_output_size_in_bytes",
+      "host_temp_size_in_bytes",
+    )
+    row = {f: int(getattr(m, f, 0) or 0) for f in fields}
+    row["device_peak_bytes"] = (
+      row["argument_size_in_bytes"] + row["output_size_in_bytes"] - row["alias_size_in_bytes"]
+    ) + row["temp_size_in_bytes"]
+    row["device_bytes_per_param"] = row["device_peak_bytes"] / out["params"]
+    out[name] = row
+  return out
+
+
+def _time(fn, args, steps, warmup, jax):
+  for _ in range(warmup):
+    args = fn(*args)
+  jax.block_until_ready(args)
+  times = []
+  for _ in range(steps):
+    start = time.perf_counter()
+    args = fn(*args)
+    jax.block_until_ready(args)
+    times.append(time.perf_counter() - start)
+  return times
+
+
+def step_times(offlax, optax, jax, n_params, steps, warmup):
+  shapes = _params(n_params)
+  grads = _materialise(shapes, 1)
+  out = {}
+  for name, tx in (
+    ("on_device", optax.adamw(1e-3)),
+    ("stream", offlax.offload(optax.adamw(1e-3))),
+    ("one_slice", offlax.offload(optax.adamw(1e-3), chunk_bytes=2**40)),
+  ):
+    params = _materialise(shapes, 0)
+    state = tx.init(params)
+    step = jax.jit(_step(tx), donate_argnums=(0, 1))
+    times = _time(
+      lambda p, s, step=step: (*step(p, s, grads),), (params, state), steps, warmup, jax
+    )
+    out[name] = _common.stats_of(times, "_s")
+    del params, state
+  base = out["on_device"]["median_s"]
+  for name in ("stream", "one_slice"):
+    out[name]["ratio"] = out[name]["median_s"] / base
+  return out
+
+
+def bandwidth(jax, n_bytes):
+  import jax.numpy as jnp
+
+  x = jnp.ones(n_bytes // 4, jnp.float32)
+  jax.block_until_ready(x)
+  out = {}
+  for name, space in (("device_to_host", jax.memory.Space.Host),):
+    h = jax.device_put(x, space)
+    jax.block_until_ready(h)
+    times = []
+    for _ in range(5):
+      start = time.perf_counter()
+      jax.block_until_ready(jax.device_put(x, space))
+      times.append(time.perf_counter() - start)
+    out[name] = n_bytes / statistics.median(times)
+    times = []
+    for _ in range(5):
+      start = time.perf_counter()
+      jax.block_until_ready(jax.device_put(h, jax.memory.Space.Device))
+      times.append(time.perf_counter() - start)
+    out["host_to_device"] = n_bytes / statistics.median(times)
+  return out
+
+
+def main(argv=None) -> dict:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--size-scale", type=float, default=1.0)
+  _common.add_steps_arguments(parser, steps=20, warmup_help="untimed steps after compiling (2)")
+  _common.add_out_argument(parser, "gpu_check")
+  args = parser.parse_args(argv)
+
+  import jax
+  import optax
+
+  import offlax
+
+  scale = args.size_scale
+  result = {"benchmark": "gpu_check", **_common.environment(devices=True), "size_scale": scale}
+  result["memories"] = [m.kind for m in jax.devices()[0].addressable_memories()]
+  result["correctness"] = check_correctness(offlax, optax, jax, np)
+  result["memory"] = memory_analysis(offlax, optax, jax, 1e9 * scale)
+  result["time"] = step_times(offlax, optax, jax, 2.5e8 * scale, args.steps, args.warmup)
+  result["bandwidth_bytes_per_s"] = bandwidth(jax, int(2**30 * scale) // 4 * 4 or 4096)
+
+  # State bytes moved per streamed step: mu and nu in and out (4 x 4 bytes per parameter).
+  n = sum(int(np.prod(s.shape)) for s in jax.tree.leaves(_params(2.5e8 * scale)))
+  bw = min(result["bandwidth_bytes_per_s"].values())
+  transfer_s = 16 * n / bw
+  extra_s = result["time"]["stream"]["median_s"] - result["time"]["on_device"]["median_s"]
+  result["overlap"] = {
+    "state_bytes_moved": 16 * n,
+    "transfer_s_at_bandwidth": transfer_s,
+    "extra_step_s": extra_s,
+    "hidden_fraction": max(0.0, min(1.0, 1 - extra_s / transfer_s)) if transfer_s else None,
+  }
+
+  def table(r):
+    mem = r["memory"]
+    t = r["time"]
+    lines = [
+      f"gpu_check on {r['devices']} (jax {r['jax_version']}), memories {r['memories']}",
+      f"correctness: one slice max|diff| {r['correctness']['one_slice']['max_abs_diff']:.3g}, "
+      f"streamed {r['correctness']['streamed']['max_abs_diff']:.3g}",
+      f"device bytes/param ({mem['params']:,} params): on device "
+      f"{mem['on_device']['device_bytes_per_param']:.2f}, host tier "
+      f"{mem['host_tier']['device_bytes_per_param']:.2f} (host args "
+      f"{mem['host_tier']['host_argument_size_in_bytes'] / 2**30:.2f} GiB)",
+      f"step: on device {t['on_device']['median_s'] * 1e3:.1f} ms, stream "
+      f"{t['stream']['median_s'] * 1e3:.1f} ms ({t['stream']['ratio']:.3f}x, goal <= 1.15x), "
+      f"one slice {t['one_slice']['median_s'] * 1e3:.1f} ms ({t['one_slice']['ratio']:.3f}x)",
+      "bandwidth: "
+      + ", ".join(f"{k} {v / 1e9:.1f} GB/s" for k, v in r["bandwidth_bytes_per_s"].items()),
+      f"overlap: {r['overlap']['hidden_fraction']} of the state traffic hidden behind compute",
+    ]
+    print("\n".join(lines))
+
+  args.out.mkdir(parents=True, exist_ok=True)
+  _common.write_json(result, args.out / "gpu_check.json")
+  table(result)
+  return result
+
+
+if __name__ == "__main__":
+  main()
