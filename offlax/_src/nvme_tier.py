@@ -424,14 +424,10 @@ class NVMeTier:
       values = layout.split(init(spec.treedef.unflatten(masked)))
       for j, (x, r) in enumerate(zip(values, records, strict=True)):
         owner = layout.owners[j]
-        if (
-          owner == coupling_lib.GLOBAL
-          and n > 0
-          or owner != coupling_lib.GLOBAL
-          and owner not in group
-        ):
-          continue
-        items[j] = self._place(r, x)
+        first_time = n == 0 if owner == coupling_lib.GLOBAL else owner in group
+        if first_time:
+          self.store.write(r.index, 0, np.asarray(x))
+          items[j] = self._entry(r, x)
     self.store.commit(0)
     return items
 
@@ -453,14 +449,13 @@ class NVMeTier:
     for r in _progress(records, self.progress, f"offlax: resuming {self.path}"):
       if r.hot:
         value = self.store.result(self.store.read(r.index, 0, r.size)).reshape(r.shape)
-        items.append(self._place(r, jnp.asarray(value)))
+        items.append(self._entry(r, jnp.asarray(value)))
       else:
         items.append(layout_lib.OnDisk(r.index, r.shape, r.dtype))
     return items
 
-  def _place(self, r: LeafRecord, x: Any) -> Any:
-    """Writes a fresh item to the generation being built; returns its state entry."""
-    self.store.write(r.index, 0, np.asarray(x))
+  def _entry(self, r: LeafRecord, x: Any) -> Any:
+    """What the state holds for item `r` of value `x`: the array, placed, or OnDisk."""
     if not r.hot:
       return layout_lib.OnDisk(r.index, r.shape, r.dtype)
     return self.host.to_host(x) if self.host.offloads(x) else x
