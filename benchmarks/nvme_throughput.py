@@ -147,16 +147,21 @@ def auto_tier_bytes(state_bytes: int, cache: int | None, chunk: int | None) -> t
 # -- memory and files ----------------------------------------------------------
 
 
-def proc_status_bytes(field: str) -> int | None:
-  """A `kB` field of /proc/self/status (VmRSS, VmHWM) in bytes; None if unavailable."""
+def _kb_field(path: str, field: str) -> int | None:
+  """A `kB` field of a /proc file in bytes; None if unavailable."""
   try:
-    with open("/proc/self/status") as f:
+    with open(path) as f:
       for line in f:
         if line.startswith(field + ":"):
           return int(line.split()[1]) * 1024
   except OSError:
     pass
   return None
+
+
+def proc_status_bytes(field: str) -> int | None:
+  """A `kB` field of /proc/self/status (VmRSS, VmHWM) in bytes; None if unavailable."""
+  return _kb_field("/proc/self/status", field)
 
 
 def reset_peak_rss() -> bool:
@@ -175,14 +180,8 @@ def peak_rss() -> int:
 
 
 def meminfo_bytes(field: str) -> int | None:
-  try:
-    with open("/proc/meminfo") as f:
-      for line in f:
-        if line.startswith(field + ":"):
-          return int(line.split()[1]) * 1024
-  except OSError:
-    pass
-  return None
+  """A `kB` field of /proc/meminfo in bytes; None if unavailable."""
+  return _kb_field("/proc/meminfo", field)
 
 
 def tree_bytes(path: pathlib.Path) -> int:
