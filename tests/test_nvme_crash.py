@@ -42,7 +42,7 @@ CHILD = textwrap.dedent(
   start = int(state.step)
   for i in range(start, start + 1000):
     updates, state = step(params, state, grads(i))
-    if i == start:
+    if i == start + 1:  # the second call compiles again (committed scalars)
       jax.block_until_ready(state)
       print("ready", start, flush=True)  # compiled: kills now land in steps
   """
@@ -69,7 +69,9 @@ def _stored(path, like):
 def run_trials(path, trials: int, seed: int) -> dict:
   inner = optax.adamw(1e-3)
   params = _params()
-  update = jax.jit(lambda s, i: inner.update(_grads(i), s, params)[1], static_argnums=1)
+  # Gradients are computed eagerly here as in the child: inside this jit XLA would
+  # constant-fold `sin` with its own evaluator, a different rounding.
+  update = jax.jit(lambda s, g: inner.update(g, s, params)[1])
   references = [inner.init(params)]
   rng = np.random.default_rng(seed)
   steps_seen = []
@@ -90,7 +92,7 @@ def run_trials(path, trials: int, seed: int) -> dict:
       child.wait(timeout=60)
     stored, step = _stored(path, references[0])
     while len(references) <= step:
-      references.append(update(references[-1], len(references) - 1))
+      references.append(update(references[-1], _grads(len(references) - 1)))
     assert_trees_equal(stored, references[step])
     steps_seen.append(step)
   return {"trials": trials, "committed_steps": steps_seen, "lost_or_torn": 0}
@@ -98,7 +100,9 @@ def run_trials(path, trials: int, seed: int) -> dict:
 
 def test_sigkill_keeps_the_last_committed_state(tmp_path):
   figures = run_trials(tmp_path / "store", trials=4, seed=0)
-  assert figures["committed_steps"][-1] > 0, figures  # the children did make progress
+  steps = figures["committed_steps"]
+  # Kills land at random points of the steps that follow compilation (2 per child).
+  assert steps[-1] > 2 * len(steps), figures
 
 
 @pytest.mark.slow
