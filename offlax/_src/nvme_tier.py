@@ -567,11 +567,9 @@ class DiskIO:
     hot = [n for n in range(len(self.keys[k])) if n not in self.cold[k]]
     out: list[Any] = [None] * len(self.keys[k])
     if hot:
-      pieces = [self.keys[k][n][1].take(self.items[self.keys[k][n][0]]) for n in hot]
-      if after is not None:
-        _, pieces = jax.lax.optimization_barrier((after, pieces))
-      for n, x in zip(hot, pieces, strict=True):
-        out[n] = self.host.to_device(self.keys[k][n][0], x)
+      loaded = self.host.fetch([self.keys[k][n] for n in hot], after)
+      for n, x in zip(hot, loaded, strict=True):
+        out[n] = x
     if self.cold[k]:
       avals = [
         jax.ShapeDtypeStruct(shape, self.items[self.keys[k][n][0]].dtype)

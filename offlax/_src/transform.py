@@ -135,7 +135,7 @@ class _Step:
       io: Any = DiskIO(self.tier, items, offloaded, step)
     else:
       io = _HostIO(self.tier, items, offloaded)
-    return self._stream(layout, items, offloaded, slices, spec, io)
+    return self._stream(layout, items, slices, spec, io)
 
   def _update(self, spec, u_slots, state, p_slots, extra_args):
     updates = spec.treedef.unflatten(u_slots)
@@ -177,7 +177,7 @@ class _Step:
     out_owners = list(range(len(leaves))) + [owner(o) for o in layout.owners]
     return coupling_lib.analyze(jaxpr, in_owners, out_owners, shapes)
 
-  def _stream(self, layout, items, offloaded, slices, spec, io):
+  def _stream(self, layout, items, slices, spec, io):
     """Runs the inner update slice by slice; see README "The streaming schedule"."""
     owners = layout.owners
     by_leaf: dict[int, list[int]] = {}
@@ -257,10 +257,14 @@ class _HostIO:
     return self.tier.to_host(x) if self.offloaded[j] else x
 
   def load(self, k, after):
-    pieces = [p.take(self.items[j]) for j, p in self.keys[k]]
+    return self.fetch(self.keys[k], after)
+
+  def fetch(self, keys, after):
+    """Moves the given (item, piece) pairs to the device, not before `after` exists."""
+    pieces = [p.take(self.items[j]) for j, p in keys]
     if after is not None:
       _, pieces = jax.lax.optimization_barrier((after, pieces))
-    return [self.to_device(j, x) for (j, _), x in zip(self.keys[k], pieces, strict=True)]
+    return [self.to_device(j, x) for (j, _), x in zip(keys, pieces, strict=True)]
 
   def store(self, k, values):
     return [self.to_tier(j, x) for (j, _), x in zip(self.keys[k], values, strict=True)]
