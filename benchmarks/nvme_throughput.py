@@ -40,8 +40,9 @@ What is measured, in one run and on one filesystem (a fresh directory under
    For context, the same jitted step with plain `optax.adam` (state in RAM) is
    timed: the pure compute part of a step.
    Where the time of a tier step goes is recorded by wrapping (timing only)
-   the tier's callbacks: waiting for reads, handing writes off (copy and write
-   window), and the commit (draining writes, then the flush).
+   the tier's callbacks: waiting for reads, writing updated slices (to the page
+   cache), and the commit (cached arrays written, then the flush and the
+   metadata rename).
 3. Host RAM: each measurement of part 2 runs in a fresh subprocess
    (`--child`), which reports as JSON on stdout its RSS right after allocating
    params and grads (the baseline) and its peak RSS (VmHWM, reset with
@@ -364,7 +365,7 @@ class CallbackTimer:
   names (the tier changed) leave the breakdown empty rather than failing.
   """
 
-  NAMES = ("read_callback", "write_callback", "commit_callback", "commit_wait_writes")
+  NAMES = ("read_callback", "write_callback", "commit_callback", "commit_flush")
 
   def __init__(self):
     self._lock = threading.Lock()
@@ -394,13 +395,13 @@ class CallbackTimer:
       reader = nvme_tier._Reader
       for attr in ("read", "write", "commit"):
         getattr(reader, attr)
-      store.wait  # noqa: B018
+      store.commit  # noqa: B018
     except (ImportError, AttributeError):
       return
     self._wrap(reader, "read", "read_callback")
     self._wrap(reader, "write", "write_callback")
     self._wrap(reader, "commit", "commit_callback")
-    self._wrap(store, "wait", "commit_wait_writes")
+    self._wrap(store, "commit", "commit_flush")
     self.available = True
 
   def take(self) -> dict[str, float]:
@@ -692,11 +693,10 @@ def summary_table(result: dict[str, Any]) -> str:
     if b:
       step_s = t["step_s"]["median"]
       other = step_s - b["read_callback"] - b["write_callback"] - b["commit_callback"]
-      flush = b["commit_callback"] - b["commit_wait_writes"]
       lines.append(
         f"tier {name} step {step_s:.2f} s = read callbacks {b['read_callback']:.2f} + write"
-        f" callbacks {b['write_callback']:.2f} + commit {b['commit_callback']:.2f} (draining"
-        f" writes {b['commit_wait_writes']:.2f}, flush {flush:.2f}) + rest {other:.2f} s"
+        f" callbacks {b['write_callback']:.2f} + commit {b['commit_callback']:.2f} (flush"
+        f" {b['commit_flush']:.2f}) + rest {other:.2f} s"
         + ("" if compute_s is None else f" (plain adam step: {compute_s:.2f} s)")
       )
   for name, key in (("fsync=True", "fsync"), ("fsync=False", "nofsync")):

@@ -44,7 +44,7 @@ def _train(tx, params, steps, state=None):
 
 def _stored_state(path, like, params):
   """The committed state read back from the store at `path`, shaped like `like`."""
-  store = Store(str(path), fsync=False, window=1)
+  store = Store(str(path), fsync=False)
   store.read_metadata()
   values = [store.result(store.read(r.index, 0, r.size)).reshape(r.shape) for r in store.records]
   return StateLayout(like, _spec_of(params, "params")).merge(values), store.step
@@ -85,7 +85,7 @@ def test_state_placement(tmp_path):
   assert cached and sum(x.nbytes for x in cached) <= 300
   assert all(x.sharding.memory_kind == "pinned_host" for x in cached)
   meta = json.loads((tmp_path / "offlax.json").read_text())
-  assert meta["step"] == 0 and meta["format_version"] == 1
+  assert meta["step"] == 0 and meta["format_version"] == 2 and meta["chunk_bytes"] == 3000
   assert "namedtuple[ScaleByAdamState], [*, *, *]" in meta["state_structure"]
   paths = {r["path"] for r in meta["leaves"]}
   assert "[0].mu['layers'][0]['mlp']['kernel']" in paths
@@ -165,7 +165,7 @@ def test_path_is_a_file(tmp_path):
     offlax.offload(optax.adam(1e-3), _tier(tmp_path / "f")).init(_float_params())
 
 
-@pytest.mark.parametrize("bad", [dict(cache_bytes=-1), dict(window=0), dict(chunk_bytes=0)])
+@pytest.mark.parametrize("bad", [dict(cache_bytes=-1), dict(readahead=0), dict(chunk_bytes=0)])
 def test_bad_options(tmp_path, bad):
   with pytest.raises(offlax.InvalidTierError):
     _tier(tmp_path, **bad)
@@ -225,12 +225,12 @@ def test_corrupted_chunk_is_detected(tmp_path, damage):
   else:
     chunk.unlink()
   step = jax.jit(lambda p, s, g: tx.update(g, s, p))
-  with pytest.raises(Exception, match=r"corrupted chunk in .*leaf_\d+ \(state leaf .*\)"):
+  with pytest.raises(Exception, match=r"corrupted chunk in .*leaf_\d+/c/\d+ \(state leaf .*\)"):
     jax.block_until_ready(step(params, state, grads_like(params, 0)))
   assert (tmp_path / "offlax.json").read_bytes() == meta_before  # nothing committed
   tier.close()
   # Reading the damaged array later fails the same way, naming path and leaf.
-  store = Store(str(tmp_path), fsync=False, window=1)
+  store = Store(str(tmp_path), fsync=False)
   store.read_metadata()
   size = int(np.prod(record["shape"]))
   with pytest.raises(offlax.StoreCorruptedError, match=re.escape(record["path"])):
@@ -293,11 +293,13 @@ def test_disk_full_keeps_last_commit(tmp_path):
       f.write(b"\0" * max(0, free - 4096))
     meta_before = (mnt / "offlax.json").read_bytes()
     step = jax.jit(lambda p, s, g: tx.update(g, s, p))
-    with pytest.raises(Exception, match=r"I/O error on .*leaf_\d+ \(state leaf|cannot commit"):
+    with pytest.raises(
+      Exception, match=r"I/O error on .*leaf_\d+/c/\d+ \(state leaf|cannot commit"
+    ):
       jax.block_until_ready(step(params, state, jax.tree.map(jnp.ones_like, params)))
     assert (mnt / "offlax.json").read_bytes() == meta_before
     filler.unlink()
-    tier.store.close(wait=False)  # the failed step's writes are moot
+    tier.store.close()  # the failed step's writes are moot
     tier = offlax.NVMeTier(str(mnt), cache_bytes=0, chunk_bytes=8192, progress=False, resume=True)
     state = offlax.offload(optax.adam(1e-3), tier).init(params)
     assert int(state.step) == 0

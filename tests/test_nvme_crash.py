@@ -60,7 +60,7 @@ def _grads(i):
 
 
 def _stored(path, like):
-  store = Store(str(path), fsync=False, window=1)
+  store = Store(str(path), fsync=False)
   store.read_metadata()
   values = [store.result(store.read(r.index, 0, r.size)).reshape(r.shape) for r in store.records]
   return StateLayout(like, _spec_of(_params(), "params")).merge(values), store.step

@@ -8,7 +8,13 @@ Layout of a store directory::
   PATH/gen1/leaf_00000/   the same, generation 1
 
 Every state item is stored flat (1-D), uncompressed, with a crc32c checksum per
-chunk. A step reads generation `g` (the committed one) and writes generation
+chunk (the zarr3 `crc32c` codec), so tensorstore (or any zarr3 reader) opens
+and verifies it. Tensorstore creates the arrays; the step itself reads and
+writes the chunk files directly (`c/<i>`: the chunk's bytes, zero-padded to the
+chunk size, then their crc32c, little endian), since each piece of the
+streaming schedule is exactly one chunk: that saves tensorstore's buffer
+copies and fresh allocations, which cost more CPU than the disk time on small
+machines. A step reads generation `g` (the committed one) and writes generation
 `1 - g`; once every write of the step has completed and is flushed,
 `offlax.json` is replaced atomically (write, fsync, rename, fsync directory)
 with `step + 1` and generation `1 - g`. A process killed at any point leaves
@@ -22,6 +28,7 @@ in `offlax.json`.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import fcntl
 import functools
@@ -31,6 +38,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+import crc32c
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -43,7 +51,8 @@ from offlax._src import layout as layout_lib
 from offlax._src import schedule as schedule_lib
 from offlax._src.host_tier import HostTier
 
-FORMAT_VERSION = 1
+_DEFAULT_CHUNK = 16 * 2**20
+FORMAT_VERSION = 2  # 2: chunk_bytes recorded; step I/O on chunk files
 _METADATA = "offlax.json"
 _LOCK = ".lock"
 
@@ -70,19 +79,20 @@ class Store:
   Not thread-safe for concurrent steps; one training loop drives one store.
   """
 
-  def __init__(self, path: str, *, fsync: bool, window: int):
+  def __init__(self, path: str, *, fsync: bool, threads: int = 4):
     self.path = os.path.abspath(path)
     self.fsync = fsync
-    self.window = window
     self.step = 0
     self.generation = 0
+    self.chunk_bytes = 0  # the slice budget the chunks were cut for
     self.records: list[LeafRecord] = []
     self.structure = ""  # the inner state's treedef, for people reading offlax.json
-    self._arrays: dict[tuple[int, int], ts.TensorStore] = {}
     self._context = ts.Context({"file_io_sync": False, "cache_pool": {"total_bytes_limit": 0}})
     self._lock_fd: int | None = None
-    self._pending: list[Any] = []  # write futures of the step in flight
-    self._mutex = threading.Lock()
+    self._threads = threads
+    self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+    self._made_dirs: set[str] = set()
+    self._written: set[str] = set()  # chunk files written since the last commit
 
   # -- opening ---------------------------------------------------------------
 
@@ -105,15 +115,13 @@ class Store:
       ) from None
     self._lock_fd = fd
 
-  def close(self, wait: bool = True) -> None:
-    try:
-      if wait:
-        self.wait()
-    finally:
-      self._pending.clear()
-      if self._lock_fd is not None:
-        os.close(self._lock_fd)
-        self._lock_fd = None
+  def close(self) -> None:
+    if self._executor is not None:
+      self._executor.shutdown(wait=True)
+      self._executor = None
+    if self._lock_fd is not None:
+      os.close(self._lock_fd)
+      self._lock_fd = None
 
   def exists(self) -> bool:
     return os.path.exists(os.path.join(self.path, _METADATA))
@@ -136,28 +144,28 @@ class Store:
         for r in meta["leaves"]
       ]
       self.step, self.generation = int(meta["step"]), int(meta["generation"])
+      self.chunk_bytes = int(meta["chunk_bytes"])
       self.structure = str(meta.get("state_structure", ""))
     except (KeyError, TypeError, ValueError) as e:
       raise errors.StoreCorruptedError(f"{name} is malformed: {e!r}") from e
     return meta
 
-  def create(self, records: Sequence[LeafRecord], structure: str) -> None:
+  def create(self, records: Sequence[LeafRecord], structure: str, chunk_bytes: int) -> None:
     """Creates both generations of every item (no data written yet)."""
     self.records = list(records)
     self.structure = structure
+    self.chunk_bytes = chunk_bytes
     for gen in (0, 1):
       for r in self.records:
-        self._open_array(r, gen, create=True)
+        self.open_array(r, gen, create=True)
 
   # -- arrays ----------------------------------------------------------------
 
   def _array_path(self, index: int, gen: int) -> str:
     return os.path.join(self.path, f"gen{gen}", f"leaf_{index:05d}")
 
-  def _open_array(self, r: LeafRecord, gen: int, create: bool = False) -> ts.TensorStore:
-    key = (r.index, gen)
-    if key in self._arrays and not create:
-      return self._arrays[key]
+  def open_array(self, r: LeafRecord, gen: int, create: bool = False) -> ts.TensorStore:
+    """Item `r` of generation `gen` as a tensorstore array (created if `create`)."""
     spec: dict[str, Any] = {
       "driver": "zarr3",
       "kvstore": {"driver": "file", "path": self._array_path(r.index, gen)},
@@ -181,67 +189,152 @@ class Store:
     try:
       array = ts.open(spec, context=self._context).result()
     except Exception as e:  # tensorstore raises ValueError for every status
-      raise self._error(e, r, gen) from e
-    if not create and (
-      tuple(array.shape) != (r.size,) or array.dtype.numpy_dtype != np.dtype(r.dtype)
-    ):
+      raise errors.StoreError(f"I/O error on {self._where(r, gen)}: {e}") from e
+    if tuple(array.shape) != (r.size,) or array.dtype.numpy_dtype != np.dtype(r.dtype):
       raise errors.StoreCorruptedError(
-        f"{self._array_path(r.index, gen)} (state leaf {r.path}) holds "
-        f"{array.dtype.numpy_dtype}[{array.shape[0]}], metadata says {r.dtype}[{r.size}]."
+        f"{self._where(r, gen)} holds {array.dtype.numpy_dtype}[{array.shape[0]}], "
+        f"metadata says {r.dtype}[{r.size}]."
       )
-    self._arrays[key] = array
     return array
 
-  def _error(self, e: Exception, r: LeafRecord, gen: int) -> errors.OffloadError:
-    where = f"{self._array_path(r.index, gen)} (state leaf {r.path})"
-    text = str(e)
-    if "DATA_LOSS" in text or "NOT_FOUND" in text or "Not enough data" in text:
-      return errors.StoreCorruptedError(f"corrupted chunk in {where}: {text}")
-    return errors.StoreError(f"I/O error on {where}: {text}")
+  def _where(self, r: LeafRecord, gen: int, chunk: int | None = None) -> str:
+    name = self._array_path(r.index, gen)
+    if chunk is not None:
+      name = os.path.join(name, "c", str(chunk))
+    return f"{name} (state leaf {r.path})"
 
-  def read(self, index: int, start: int, stop: int, gen: int | None = None) -> Any:
-    """Starts reading elements [start, stop) of an item; returns a future."""
+  def _chunks(self, r: LeafRecord, start: int, stop: int):
+    """The chunks holding elements [start, stop): (chunk, first, end) of each."""
+    chunk = max(1, min(r.chunk, r.size))
+    for c in range(start // chunk, -(-stop // chunk)):
+      yield c, c * chunk, min((c + 1) * chunk, r.size)
+
+  # -- the step's I/O: whole chunk files, crc32c-checked ---------------------
+
+  def read(self, index: int, start: int, stop: int, gen: int | None = None, out=None) -> Any:
+    """Starts reading elements [start, stop) of an item; returns a future.
+
+    The result is `out` (a flat array of the item's dtype) if given, filled.
+    """
     r = self.records[index]
     gen = self.generation if gen is None else gen
-    return self._open_array(r, gen)[start:stop].read(), r, gen
+    if out is None:
+      out = np.empty(stop - start, np.dtype(r.dtype))
+    return self._submit(self._read, r, gen, start, stop, out)
 
-  def result(self, pending: Any) -> np.ndarray:
-    future, r, gen = pending
+  def _submit(self, fn, *args) -> concurrent.futures.Future:
+    if self._executor is None:
+      self._executor = concurrent.futures.ThreadPoolExecutor(
+        self._threads, thread_name_prefix="offlax-io"
+      )
+    return self._executor.submit(fn, *args)
+
+  def result(self, future: Any) -> np.ndarray:
+    return future.result()
+
+  def _read(self, r: LeafRecord, gen: int, start: int, stop: int, out: np.ndarray) -> np.ndarray:
+    for c, first, end in self._chunks(r, start, stop):
+      a, b = max(first, start), min(end, stop)
+      whole = (a, b) == (first, end)
+      data = out[a - start : b - start] if whole else np.empty(end - first, out.dtype)
+      self._read_chunk(r, gen, c, data.view(np.uint8))
+      if not whole:
+        out[a - start : b - start] = data[a - first : b - first]
+    return out
+
+  def _read_chunk(self, r: LeafRecord, gen: int, c: int, data: np.ndarray) -> None:
+    name = os.path.join(self._array_path(r.index, gen), "c", str(c))
+    chunk_nbytes = max(1, min(r.chunk, r.size)) * np.dtype(r.dtype).itemsize
     try:
-      return future.result()
-    except Exception as e:
-      raise self._error(e, r, gen) from e
+      fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+      raise errors.StoreCorruptedError(
+        f"corrupted chunk in {self._where(r, gen, c)}: the file is missing."
+      ) from None
+    except OSError as e:
+      raise errors.StoreError(f"I/O error on {self._where(r, gen, c)}: {e}") from e
+    try:
+      size = os.fstat(fd).st_size
+      if size != chunk_nbytes + 4:
+        raise errors.StoreCorruptedError(
+          f"corrupted chunk in {self._where(r, gen, c)}: {size} bytes, expected "
+          f"{chunk_nbytes + 4} (truncated or overwritten)."
+        )
+      _pread_into(fd, data, 0)
+      stored = int.from_bytes(os.pread(fd, 4, chunk_nbytes), "little")
+      # The rest of a short last chunk is zero padding, as zarr3 writes it.
+      if _crc(data, chunk_nbytes - data.nbytes) != stored:
+        raise errors.StoreCorruptedError(
+          f"corrupted chunk in {self._where(r, gen, c)}: crc32c checksum mismatch."
+        )
+      # The data is ours now; leave the page cache to data that is used again.
+      os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    except OSError as e:
+      raise errors.StoreError(f"I/O error on {self._where(r, gen, c)}: {e}") from e
+    finally:
+      os.close(fd)
+
+  def write_all(self, writes) -> None:
+    """Runs `write(*args)` for each of `writes` on the I/O threads, a few at a time."""
+    pending: list[concurrent.futures.Future] = []
+    try:
+      for args in writes:
+        pending.append(self._submit(self.write, *args))
+        if len(pending) > self._threads:
+          pending.pop(0).result()
+    finally:
+      for p in pending:
+        p.result()
 
   def write(self, index: int, start: int, value: np.ndarray) -> None:
-    """Starts writing into the next generation; bounded by `window` in flight."""
+    """Writes elements starting at `start` into the next generation, now.
+
+    The range must consist of whole chunks (the schedule cuts pieces on chunk
+    boundaries), so no chunk is ever read back and merged.
+    """
     r = self.records[index]
     gen = 1 - self.generation
     flat = np.ascontiguousarray(value).reshape(-1)
-    future = self._open_array(r, gen)[start : start + flat.size].write(flat)
-    with self._mutex:
-      self._pending.append((future, r, gen))
-      try:
-        while len(self._pending) > self.window:
-          self.result(self._pending.pop(0))
-      except errors.OffloadError:
-        self._pending.clear()  # the step fails as a whole; its other writes are moot
-        raise
+    for c, first, end in self._chunks(r, start, start + flat.size):
+      if first < start or end > start + flat.size:
+        raise AssertionError(
+          f"write of {self._where(r, gen)} [{start}, +{flat.size}) cuts chunk {c}"
+        )
+      self._write_chunk(r, gen, c, flat[first - start : end - start].view(np.uint8))
 
-  def wait(self) -> None:
-    with self._mutex:
-      pending, self._pending = self._pending, []
-    for p in pending:
-      self.result(p)
+  def _write_chunk(self, r: LeafRecord, gen: int, c: int, data: np.ndarray) -> None:
+    directory = os.path.join(self._array_path(r.index, gen), "c")
+    chunk_nbytes = max(1, min(r.chunk, r.size)) * np.dtype(r.dtype).itemsize
+    pad = chunk_nbytes - data.nbytes
+    crc = _crc(data, pad).to_bytes(4, "little")
+    try:
+      if directory not in self._made_dirs:
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        self._made_dirs.add(directory)
+      name = os.path.join(directory, str(c))
+      fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+      self._written.add(name)
+      try:
+        # In place: this generation is not the committed one, so a torn file
+        # here is never read back.
+        _pwrite_all(fd, [data, *_zero_parts(pad), crc], 0)
+        os.ftruncate(fd, chunk_nbytes + 4)
+      finally:
+        os.close(fd)
+    except OSError as e:
+      raise errors.StoreError(f"I/O error on {self._where(r, gen, c)}: {e}") from e
 
   def commit(self, step: int) -> None:
-    """Makes the next generation current, atomically, once its writes are done."""
-    self.wait()
+    """Makes the next generation current, atomically; its writes are done."""
     if self.fsync:
-      _syncfs(self.path)  # flush the chunks (written by rename) before the pointer
+      _syncfs(self.path)  # flush the chunks before the pointer
+      _drop_cached(self._written)  # clean now; they are read again in two steps, from disk
+    self._written.clear()
     meta = {
       "format_version": FORMAT_VERSION,
       "step": step,
       "generation": 1 - self.generation,
+      "chunk_bytes": self.chunk_bytes,
       "state_structure": self.structure,
       "leaves": [dataclasses.asdict(r) for r in self.records],
     }
@@ -273,24 +366,25 @@ class NVMeTier:
   docstring for the layout and the commit protocol). Arrays that fit in
   `cache_bytes` (smallest first; scalars always) stay in host memory between
   steps, like the host tier; the others are read from disk slice by slice
-  inside the jitted step, by `io_callback`s that prefetch the next slice while
-  the current one is updated and write results back asynchronously, at most
-  `window` writes in flight. Each step ends with an
-  atomic commit; the whole state, cached arrays included, is on disk after it.
+  inside the jitted step, by `io_callback`s that read `readahead` slices ahead
+  of the one being updated and write each updated slice back to the page cache
+  (whose writeback starts at once). Each step ends with an atomic commit; the
+  whole state, cached arrays included, is on disk after it.
 
   Args:
     path: the store directory; created if missing.
     cache_bytes: bytes of state held in RAM between steps.
-    chunk_bytes: slice budget of the streamed update, and storage chunk size.
-      RAM in use while streaming is about 10 to 17 times this (reads in
-      flight, XLA's copies, write copies), so the default is smaller than the
-      host tier's; 16 MiB chunks already reach most of a disk's bandwidth.
+    chunk_bytes: slice budget of the streamed update, and storage chunk size;
+      default 16 MiB, which already reaches most of a disk's bandwidth. Fixed
+      when the store is created: a resumed store keeps its own, and passing a
+      different one is an error. RAM in use while streaming is a few times
+      this (slices read ahead, XLA's copies).
     resume: open an existing store and continue from its last committed step.
       Without it, `init` refuses a directory that already holds a store.
     fsync: flush data and metadata to the device at each commit, so a commit
       also survives power loss (a killed process needs no flush).
     progress: show a progress bar for the initial write and for a resume.
-    window: writes in flight before a new one waits.
+    readahead: slices read ahead of the one being updated.
 
   Example:
     >>> import tempfile, jax.numpy as jnp, optax, offlax
@@ -307,25 +401,30 @@ class NVMeTier:
     path: str | os.PathLike,
     *,
     cache_bytes: int = 256 * 2**20,
-    chunk_bytes: int = 16 * 2**20,
+    chunk_bytes: int | None = None,
     resume: bool = False,
     fsync: bool = True,
     progress: bool = True,
-    window: int = 4,
+    readahead: int = 2,
   ):
-    for name, value, low in (("cache_bytes", cache_bytes, 0), ("window", window, 1)):
+    for name, value, low in (("cache_bytes", cache_bytes, 0), ("readahead", readahead, 1)):
       if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
         raise errors.InvalidTierError(f"NVMeTier.{name} must be an int >= {low}, got {value!r}.")
     if not isinstance(path, (str, os.PathLike)) or not str(path):
       raise errors.InvalidTierError(f"NVMeTier.path must be a directory path, got {path!r}.")
-    self.host = HostTier(chunk_bytes=chunk_bytes)
+    self.host = HostTier(chunk_bytes=_DEFAULT_CHUNK if chunk_bytes is None else chunk_bytes)
     _bound_malloc()
     self.path = os.fspath(path)
     self.cache_bytes = int(cache_bytes)
-    self.chunk_bytes = self.host.chunk_bytes
+    self._chunk_bytes_given = chunk_bytes is not None
     self.resume = resume
     self.progress = progress
-    self.store = Store(self.path, fsync=fsync, window=window)
+    self.readahead = int(readahead)
+    self.store = Store(self.path, fsync=fsync)
+
+  @property
+  def chunk_bytes(self) -> int:
+    return self.host.chunk_bytes
 
   def __repr__(self) -> str:
     return (
@@ -343,7 +442,7 @@ class NVMeTier:
     return self.host.to_device(x)
 
   def close(self) -> None:
-    """Waits for writes in flight and releases the store's lock."""
+    """Waits for reads in flight and releases the store's lock."""
     self.store.close()
 
   # -- init ------------------------------------------------------------------
@@ -373,7 +472,7 @@ class NVMeTier:
           raise errors.StoreError(f"NVMeTier(resume=True): no offlax store in {self.path}.")
         items = self._create(inner, params, spec, layout, shapes, paths)
     except BaseException:
-      self.store.close(wait=False)  # release the lock; nothing was committed
+      self.store.close()  # release the lock; nothing was committed
       raise
     return layout.merge(items), jnp.asarray(self.store.step, jnp.int32)
 
@@ -413,26 +512,36 @@ class NVMeTier:
 
   def _create(self, inner, params, spec, layout, shapes, paths) -> list[Any]:
     records = self._records(shapes, paths, layout)
-    self.store.create(records, str(layout.treedef))
+    self.store.create(records, str(layout.treedef), self.chunk_bytes)
     self.store.generation = 1  # write generation 0, then commit it
     slots = jax.tree.leaves(params, is_leaf=layout_lib.is_masked)
     groups = _init_groups(layout, shapes, self.chunk_bytes, len(slots))
     init = jax.jit(inner.init)
     items: list[Any] = [None] * len(shapes)
-    for n, group in enumerate(_progress(groups, self.progress, f"offlax: writing {self.path}")):
-      masked = [s if i in group else layout_lib.MASKED() for i, s in enumerate(slots)]
-      values = layout.split(init(spec.treedef.unflatten(masked)))
-      for j, (x, r) in enumerate(zip(values, records, strict=True)):
-        owner = layout.owners[j]
-        first_time = n == 0 if owner == coupling_lib.GLOBAL else owner in group
-        if first_time:
-          self.store.write(r.index, 0, np.asarray(x))
-          items[j] = self._entry(r, x)
+
+    def writes():  # computes each group as the writes of the one before proceed
+      for n, group in enumerate(_progress(groups, self.progress, f"offlax: writing {self.path}")):
+        masked = [s if i in group else layout_lib.MASKED() for i, s in enumerate(slots)]
+        values = layout.split(init(spec.treedef.unflatten(masked)))
+        for j, (x, r) in enumerate(zip(values, records, strict=True)):
+          owner = layout.owners[j]
+          if n == 0 if owner == coupling_lib.GLOBAL else owner in group:
+            items[j] = self._entry(r, x)
+            yield r.index, 0, np.asarray(x)
+
+    self.store.write_all(writes())
     self.store.commit(0)
     return items
 
   def _resume(self, shapes, paths) -> list[Any]:
     self.store.read_metadata()
+    if self.store.chunk_bytes != self.chunk_bytes:
+      if self._chunk_bytes_given:
+        raise errors.StoreMismatchError(
+          f"{self.path} was created with chunk_bytes={self.store.chunk_bytes}; got "
+          f"chunk_bytes={self.chunk_bytes}. A store keeps its chunking: omit chunk_bytes."
+        )
+      self.host = dataclasses.replace(self.host, chunk_bytes=self.store.chunk_bytes)
     records = self.store.records
     if len(records) != len(shapes):
       raise errors.StoreMismatchError(
@@ -459,6 +568,69 @@ class NVMeTier:
     if not r.hot:
       return layout_lib.OnDisk(r.index, r.shape, r.dtype)
     return self.host.to_host(x) if self.host.offloads(x) else x
+
+
+def _crc(data: np.ndarray, zeros: int) -> int:
+  """crc32c of `data` followed by `zeros` zero bytes (the GIL is released)."""
+  crc = crc32c.crc32c(data.data)
+  while zeros:
+    n = min(zeros, _ZERO_BLOCK)
+    crc = crc32c.crc32c(_zeros(n), value=crc)
+    zeros -= n
+  return crc
+
+
+_ZERO_BLOCK = 1 << 20
+
+
+@functools.cache
+def _zero_block() -> bytes:
+  return bytes(_ZERO_BLOCK)
+
+
+def _zeros(n: int) -> memoryview:
+  """`n` <= `_ZERO_BLOCK` zero bytes, without allocating."""
+  return memoryview(_zero_block())[:n]
+
+
+def _zero_parts(n: int) -> list[memoryview]:
+  """`n` zero bytes as blocks of at most `_ZERO_BLOCK`."""
+  return [_zeros(min(_ZERO_BLOCK, n - i)) for i in range(0, n, _ZERO_BLOCK)]
+
+
+def _pread_into(fd: int, data: np.ndarray, offset: int) -> None:
+  view = data.data.cast("B")
+  done = 0
+  while done < len(view):
+    n = os.preadv(fd, [view[done:]], offset + done)
+    if n == 0:
+      raise OSError(f"unexpected end of file after {done} of {len(view)} bytes")
+    done += n
+
+
+def _pwrite_all(fd: int, parts: Sequence[Any], offset: int) -> None:
+  """Writes `parts` back to back at `offset` (one pwritev, repeated if short)."""
+  views = [memoryview(p).cast("B") for p in parts if len(p)]
+  while views:
+    n = os.pwritev(fd, views, offset)
+    offset += n
+    while views and n >= len(views[0]):
+      n -= len(views.pop(0))
+    if views:
+      views[0] = views[0][n:]
+
+
+def _drop_cached(names) -> None:
+  """Drops the page cache of files (clean pages only; dirty ones stay)."""
+  for name in names:
+    try:
+      fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+      continue  # only a hint
+    try:
+      os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+      os.close(fd)
 
 
 def _syncfs(path: str) -> None:
@@ -528,8 +700,8 @@ class DiskIO:
 
   Cached items move like the host tier's. Items on disk are read by one
   `io_callback` per slice, which returns slice k (prefetched by the previous
-  call) and starts reading the next one; new values go back by a callback that
-  starts the writes and returns a ticket at once. The callbacks are unordered
+  call) and starts reading the next ones; new values go back by a callback that
+  writes them and returns a ticket. The callbacks are unordered
   (JAX 0.10 cannot lower ordered callbacks beside host-memory outputs), so
   data dependencies order them: the read of slice k takes the ticket of slice
   k-2, and the last callback, which writes the cached items and commits, takes
@@ -555,7 +727,7 @@ class DiskIO:
       reads.append(
         [(self.items[ks[n][0]].index, *_flat_range(self.items[ks[n][0]], ks[n][1])) for n in cold]
       )
-    self.reader = _Reader(self.tier.store, reads)
+    self.reader = _Reader(self.tier.store, reads, self.tier.readahead)
 
   def to_device(self, j, x):
     return self.host.to_device(j, x)
@@ -619,21 +791,45 @@ def _flat_range(item: layout_lib.OnDisk, piece) -> tuple[int, int, tuple[int, ..
 
 
 class _Reader:
-  """The Python side of one traced step's callbacks; reused by every call."""
+  """The Python side of one traced step's callbacks; reused by every call.
 
-  def __init__(self, store: Store, reads):
-    self.store, self.reads = store, reads
-    self._futures: dict[tuple[int, int], list[Any]] = {}
+  Slice k is read into one buffer (from a small pool, so the step does not
+  touch fresh memory: first touches cost more than the copies here), which
+  returns to the pool when slice k's write callback runs: that callback
+  depends on the update of slice k, hence on XLA having copied the buffer.
+  """
+
+  def __init__(self, store: Store, reads, readahead: int):
+    self.store, self.reads, self.readahead = store, reads, readahead
+    self._nonempty = [k for k, r in enumerate(reads) if r]
+    self._futures: dict[tuple[int, int], tuple[Any, np.ndarray]] = {}
+    self._buffers: list[np.ndarray] = []  # free slice buffers
+    self._in_use: dict[int, np.ndarray] = {}
     self._lock = threading.Lock()  # XLA may run callbacks on several threads
+
+  def _buffer(self, nbytes: int) -> np.ndarray:
+    for i, b in enumerate(self._buffers):
+      if b.nbytes >= nbytes:
+        return self._buffers.pop(i)
+    return np.empty(nbytes, np.uint8)
 
   def _issue(self, k: int) -> None:
     # Keyed by step: XLA may run the callbacks of one step out of order, and a
     # prefetch of a slice already read must not be consumed by the next step.
     with self._lock:
-      if k < len(self.reads) and (self.store.step, k) not in self._futures:
-        self._futures[self.store.step, k] = [
-          self.store.read(index, a, b) for index, a, b, _ in self.reads[k]
-        ]
+      if (self.store.step, k) in self._futures:
+        return
+      offsets, total = [], 0
+      for index, a, b, _ in self.reads[k]:
+        offsets.append(total)
+        total += -(-(b - a) * np.dtype(self.store.records[index].dtype).itemsize // 64) * 64
+      buffer = self._buffer(total)
+      outs = []
+      for (index, a, b, shape), offset in zip(self.reads[k], offsets, strict=True):
+        dtype = np.dtype(self.store.records[index].dtype)
+        out = buffer[offset : offset + (b - a) * dtype.itemsize].view(dtype)
+        outs.append((self.store.read(index, a, b, out=out), shape))
+      self._futures[self.store.step, k] = (outs, buffer)
 
   def _check(self, step) -> None:
     if int(step) != self.store.step:
@@ -645,29 +841,30 @@ class _Reader:
       )
 
   def read(self, k: int, step, after) -> list[np.ndarray]:
-    if k == min(i for i, r in enumerate(self.reads) if r):
+    if k == self._nonempty[0]:
       self._check(step)
     self._issue(k)
     with self._lock:
-      futures = self._futures.pop((self.store.step, k))
-    nxt = next((i for i in range(k + 1, len(self.reads)) if self.reads[i]), None)
-    if nxt is not None:
+      outs, buffer = self._futures.pop((self.store.step, k))
+      self._in_use[k] = buffer
+    position = self._nonempty.index(k)
+    for nxt in self._nonempty[position + 1 : position + 1 + self.readahead]:
       self._issue(nxt)  # overlaps the update of slice k
-    return [
-      self.store.result(f).reshape(shape)
-      for f, (_, _, _, shape) in zip(futures, self.reads[k], strict=True)
-    ]
+    return [self.store.result(f).reshape(shape) for f, shape in outs]
 
   def write(self, k: int, *values) -> np.ndarray:
     for (index, a, _, _), v in zip(self.reads[k], values, strict=True):
-      # XLA owns the callback's buffers once it returns; the write outlives it.
-      self.store.write(index, a, np.array(v, copy=True))
+      self.store.write(index, a, v)
+    with self._lock:
+      self._buffers.append(self._in_use.pop(k))
+      del self._buffers[: -self.readahead - 2]  # more were only needed by an odd schedule
     return np.asarray(k, np.int32)
 
   def commit(self, hot: list[int], n_tickets: int, step, *args) -> None:
     self._check(step)
     for j, v in zip(hot, args[n_tickets:], strict=True):
-      self.store.write(j, 0, np.array(v, copy=True))
+      self.store.write(j, 0, v)
     self.store.commit(int(step) + 1)
     with self._lock:
       self._futures.clear()  # prefetches of slices this step had already read
+      self._in_use.clear()
