@@ -11,6 +11,12 @@ import offlax
 STREAM = 1024  # small slices, so that every test below streams
 
 
+@pytest.fixture(params=["device", "host"])
+def opts(request):
+  """Each test runs in both compute modes (device: streamed in small slices)."""
+  return dict(chunk_bytes=STREAM, compute=request.param)
+
+
 def _params():
   k = jax.random.split(jax.random.key(1), 2)
   return {
@@ -41,23 +47,21 @@ def _same_training(plain, wrapped, steps=3):
   return want_state, got_state
 
 
-def test_chain_clip_then_offload():
+def test_chain_clip_then_offload(opts):
   _same_training(
     optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)),
-    optax.chain(
-      optax.clip_by_global_norm(1.0), offlax.offload(optax.adamw(1e-3), chunk_bytes=STREAM)
-    ),
+    optax.chain(optax.clip_by_global_norm(1.0), offlax.offload(optax.adamw(1e-3), **opts)),
   )
 
 
-def test_offload_chain():
+def test_offload_chain(opts):
   inner = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
-  _same_training(inner, offlax.offload(inner, chunk_bytes=STREAM))
+  _same_training(inner, offlax.offload(inner, **opts))
 
 
-def test_inject_hyperparams_readable_and_settable():
+def test_inject_hyperparams_readable_and_settable(opts):
   make = lambda: optax.inject_hyperparams(optax.adamw)(learning_rate=1e-3, weight_decay=0.1)
-  tx = offlax.offload(make(), chunk_bytes=STREAM)
+  tx = offlax.offload(make(), **opts)
   params = _params()
   state = tx.init(params)
   lr = optax.tree_utils.tree_get(state, "learning_rate")
@@ -76,48 +80,46 @@ def test_inject_hyperparams_readable_and_settable():
   assert mu["w"].sharding.memory_kind == "pinned_host"
 
 
-def test_multi_steps_outside_offload():
+def test_multi_steps_outside_offload(opts):
   """Works on the CPU; on a GPU prefer offload(MultiSteps(...)) (see README)."""
   _same_training(
     optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2),
-    optax.MultiSteps(offlax.offload(optax.adam(1e-2), chunk_bytes=STREAM), every_k_schedule=2),
+    optax.MultiSteps(offlax.offload(optax.adam(1e-2), **opts), every_k_schedule=2),
     steps=4,
   )
 
 
-def test_multi_steps_inside_offload():
+def test_multi_steps_inside_offload(opts):
   inner = optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2).gradient_transformation()
-  want_state, got_state = _same_training(inner, offlax.offload(inner, chunk_bytes=STREAM), steps=4)
+  want_state, got_state = _same_training(inner, offlax.offload(inner, **opts), steps=4)
   acc = optax.tree_utils.tree_get(got_state, "acc_grads")
   assert acc["w"].sharding.memory_kind == "pinned_host"
 
 
-def test_multi_transform_and_masked():
+def test_multi_transform_and_masked(opts):
   labels = {"w": "adam", "b": "sgd", "v": "adam"}
   _same_training(
     optax.multi_transform({"adam": optax.adam(1e-3), "sgd": optax.sgd(1e-2)}, labels),
     optax.multi_transform(
-      {"adam": offlax.offload(optax.adam(1e-3), chunk_bytes=STREAM), "sgd": optax.sgd(1e-2)},
+      {"adam": offlax.offload(optax.adam(1e-3), **opts), "sgd": optax.sgd(1e-2)},
       labels,
     ),
   )
   decay_mask = lambda p: jax.tree.map(lambda x: x.ndim > 1, p)
   masked = optax.chain(optax.adam(1e-3), optax.masked(optax.add_decayed_weights(0.1), decay_mask))
-  _same_training(masked, offlax.offload(masked, chunk_bytes=STREAM))
-  masked_inside = optax.masked(offlax.offload(optax.adam(1e-3), chunk_bytes=STREAM), decay_mask)
+  _same_training(masked, offlax.offload(masked, **opts))
+  masked_inside = optax.masked(offlax.offload(optax.adam(1e-3), **opts), decay_mask)
   _same_training(optax.masked(optax.adam(1e-3), decay_mask), masked_inside)
 
 
-def test_schedules():
+def test_schedules(opts):
   schedule = optax.join_schedules(
     [optax.linear_schedule(0.0, 1e-2, 2), optax.exponential_decay(1e-2, 3, 0.5)], [2]
   )
-  _same_training(
-    optax.adam(schedule), offlax.offload(optax.adam(schedule), chunk_bytes=STREAM), steps=5
-  )
+  _same_training(optax.adam(schedule), offlax.offload(optax.adam(schedule), **opts), steps=5)
 
 
-def test_extra_args_reach_the_inner_update():
+def test_extra_args_reach_the_inner_update(opts):
   """L-BFGS needs value, grad and value_fn; they are passed through unchanged."""
   target = jnp.linspace(-1.0, 1.0, 40)
 
@@ -139,7 +141,7 @@ def test_extra_args_reach_the_inner_update():
     return params
 
   want = solve(optax.lbfgs())
-  got = solve(offlax.offload(optax.lbfgs(), chunk_bytes=STREAM))
+  got = solve(offlax.offload(optax.lbfgs(), **opts))
   assert_trees_equal(got, want)
   assert float(loss(got)) < 1e-3
 
@@ -154,7 +156,7 @@ def test_plain_gradient_transformation_gets_extra_args_support():
   assert_trees_equal(updates, params)
 
 
-def test_stateless_inner():
-  _same_training(optax.sgd(1e-2), offlax.offload(optax.sgd(1e-2), chunk_bytes=STREAM))
+def test_stateless_inner(opts):
+  _same_training(optax.sgd(1e-2), offlax.offload(optax.sgd(1e-2), **opts))
   params = _params()
   assert jax.tree.leaves(offlax.offload(optax.sgd(1e-2)).init(params)) == []

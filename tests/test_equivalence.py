@@ -53,8 +53,9 @@ def test_bit_identical_to_inner(name):
   params = model_params()
   inner = with_int_leaves(OPTIMIZERS[name]())
   want_params, want_state, want_updates = run(inner, params)
-  for chunk in CHUNKS.values():
-    got_params, got_state, got_updates = run(offlax.offload(inner, chunk_bytes=chunk), params)
+  tiers = [offlax.HostTier(chunk_bytes=c) for c in CHUNKS.values()]
+  for tier in [*tiers, offlax.HostTier(compute="host")]:
+    got_params, got_state, got_updates = run(offlax.offload(inner, tier), params)
     assert_trees_equal(got_params, want_params)
     assert_trees_equal(got_updates, want_updates)
     assert_trees_equal(got_state.inner_state, want_state)

@@ -30,36 +30,40 @@ def _float_params():
   return params
 
 
+MODES = ("device", "host")
+
 COMPOSITIONS = {
-  "adamw": lambda: offlax.offload(optax.adamw(1e-3), chunk_bytes=2048),
-  "one_slice": lambda: offlax.offload(optax.adamw(1e-3)),
-  "clip_then_offload": lambda: optax.chain(
-    optax.clip_by_global_norm(1.0), offlax.offload(optax.adamw(1e-3), chunk_bytes=2048)
+  "adamw": lambda m: offlax.offload(optax.adamw(1e-3), compute=m, chunk_bytes=2048),
+  "one_slice": lambda m: offlax.offload(optax.adamw(1e-3), compute=m),
+  "clip_then_offload": lambda m: optax.chain(
+    optax.clip_by_global_norm(1.0), offlax.offload(optax.adamw(1e-3), compute=m, chunk_bytes=2048)
   ),
-  "offload_chain": lambda: offlax.offload(
-    optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)), chunk_bytes=2048
+  "offload_chain": lambda m: offlax.offload(
+    optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)), compute=m, chunk_bytes=2048
   ),
-  "inject_hyperparams": lambda: offlax.offload(
-    optax.inject_hyperparams(optax.adamw)(learning_rate=1e-3), chunk_bytes=2048
+  "inject_hyperparams": lambda m: offlax.offload(
+    optax.inject_hyperparams(optax.adamw)(learning_rate=1e-3), compute=m, chunk_bytes=2048
   ),
   # MultiSteps outside offload selects old/new state with jnp.where, which is
   # compute on host memory; inside, the accumulators are offloaded too.
-  "multi_steps": lambda: offlax.offload(
+  "multi_steps": lambda m: offlax.offload(
     optax.MultiSteps(optax.adam(1e-3), every_k_schedule=2).gradient_transformation(),
+    compute=m,
     chunk_bytes=2048,
   ),
-  "masked": lambda: offlax.offload(
+  "masked": lambda m: offlax.offload(
     optax.masked(optax.adam(1e-3), lambda p: jax.tree.map(lambda x: x.ndim > 1, p)),
+    compute=m,
     chunk_bytes=2048,
   ),
-  "multi_transform": lambda: optax.multi_transform(
-    {"a": offlax.offload(optax.adam(1e-3), chunk_bytes=2048), "b": optax.sgd(1e-2)},
+  "multi_transform": lambda m: optax.multi_transform(
+    {"a": offlax.offload(optax.adam(1e-3), compute=m, chunk_bytes=2048), "b": optax.sgd(1e-2)},
     lambda p: jax.tree.map(lambda x: "a" if x.ndim > 1 else "b", p),
   ),
-  "lion_schedule": lambda: offlax.offload(
-    optax.lion(optax.linear_schedule(1e-3, 0.0, 100)), chunk_bytes=700
+  "lion_schedule": lambda m: offlax.offload(
+    optax.lion(optax.linear_schedule(1e-3, 0.0, 100)), compute=m, chunk_bytes=700
   ),
-  "adafactor": lambda: offlax.offload(optax.adafactor(1e-3), chunk_bytes=2048),
+  "adafactor": lambda m: offlax.offload(optax.adafactor(1e-3), compute=m, chunk_bytes=2048),
 }
 
 
@@ -87,10 +91,11 @@ def _main_signature(module: str) -> tuple[str, str]:
   return header.group(1), header.group(2)
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", COMPOSITIONS)
-def test_exports_for_cuda_with_host_annotations(name):
+def test_exports_for_cuda_with_host_annotations(name, mode):
   params = _float_params()
-  tx = COMPOSITIONS[name]()
+  tx = COMPOSITIONS[name](mode)
   state = tx.init(params)
   grads = grads_like(params, 0)
   mesh = jax.make_mesh((1,), ("d",))
@@ -107,31 +112,43 @@ def test_exports_for_cuda_with_host_annotations(name):
   args, results = _main_signature(module)
   assert args.count('mhlo.memory_kind = "pinned_host"') == host_leaves
   assert results.count('mhlo.memory_kind = "pinned_host"') == host_leaves
+  assert ('_xla_compute_type = "host"' in module) == (mode == "host")
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", COMPOSITIONS)
-def test_host_values_are_only_moved_or_sliced(name):
+def test_host_values_are_only_moved_or_sliced(name, mode):
+  """Outside the host computation (`compute_on`, host mode only), that is."""
   params = _float_params()
-  tx = COMPOSITIONS[name]()
+  tx = COMPOSITIONS[name](mode)
   state = tx.init(params)
   jaxpr = jax.make_jaxpr(_step(tx))(params, state, grads_like(params, 0))
-  bad = list(_compute_on_host(jaxpr.jaxpr))
+  allowed = _HOST_OPS | ({"compute_on"} if mode == "host" else set())
+  bad = list(_compute_on_host(jaxpr.jaxpr, allowed))
   assert not bad, f"computation on host-resident values: {bad[:5]}"
+  assert (mode == "host") == any(e.primitive.name == "compute_on" for e in _eqns(jaxpr.jaxpr))
 
 
 def _is_host(v) -> bool:
   return getattr(getattr(v, "aval", None), "memory_space", None) == jax.memory.Space.Host
 
 
-def _compute_on_host(jaxpr):
+def _eqns(jaxpr):
+  """Every equation, in nested jaxprs too (except inside `compute_on`)."""
   for eqn in jaxpr.eqns:
-    name = eqn.primitive.name
-    if name == "cond":
+    yield eqn
+    if eqn.primitive.name == "cond":
       for branch in eqn.params["branches"]:
-        yield from _compute_on_host(branch.jaxpr)
-    elif name in ("jit", "pjit", "closed_call"):
-      yield from _compute_on_host(eqn.params["jaxpr"].jaxpr)
-    elif name not in _HOST_OPS and any(_is_host(v) for v in eqn.invars):
+        yield from _eqns(branch.jaxpr)
+    elif eqn.primitive.name in ("jit", "pjit", "closed_call"):
+      yield from _eqns(eqn.params["jaxpr"].jaxpr)
+
+
+def _compute_on_host(jaxpr, allowed):
+  for eqn in _eqns(jaxpr):
+    name = eqn.primitive.name
+    nested = name in ("cond", "jit", "pjit", "closed_call")
+    if not nested and name not in allowed and any(_is_host(v) for v in eqn.invars):
       yield name
 
 

@@ -17,22 +17,28 @@ from offlax._src import layout as layout_lib
 # so a program could silently compute on them. Refuse the others up front.
 _HOST_KINDS = ("pinned_host",)
 _DEFAULT_CHUNK_BYTES = 64 * 2**20
+_COMPUTE = ("device", "host")
 
 
 @dataclasses.dataclass(frozen=True)
 class HostTier:
-  """Keeps optimizer state in host memory and streams it through the device.
+  """Keeps optimizer state in host memory; updates it on the device or the host.
 
-  The state lives in arrays with memory kind ``memory_kind``. Each update moves
-  the state to the device in slices of at most ``chunk_bytes``, runs the inner
-  update on the slice and moves the new state back (see ``README.md``, "The
-  streaming schedule").
+  The state lives in arrays with memory kind ``memory_kind``. With
+  ``compute="device"`` each update moves the state to the device in slices of
+  at most ``chunk_bytes``, runs the inner update on the slice and moves the new
+  state back (see ``README.md``, "The streaming schedule"). With
+  ``compute="host"`` (ZeRO-Offload style) the state never moves: the gradients
+  (and params) go to host memory, the inner update runs on the host CPU
+  (``compute_on("device_host")``), and only the updates come back.
 
   Attributes:
     chunk_bytes: upper bound on the bytes of offloaded state in one slice.
     memory_kind: the host memory kind holding the state; only
       ``"pinned_host"`` can be addressed inside ``jax.jit`` in this JAX.
     min_offload_bytes: state leaves with fewer bytes stay in device memory.
+    compute: ``"device"`` (stream the state through the device) or ``"host"``
+      (run the update on the host CPU).
 
   Placement rule: a state leaf lives in host memory iff it has at least one
   dimension and at least ``min_offload_bytes`` bytes. Scalars (``count``,
@@ -44,12 +50,13 @@ class HostTier:
   Example:
     >>> import offlax
     >>> offlax.HostTier(chunk_bytes=2**20)
-    HostTier(chunk_bytes=1048576, memory_kind='pinned_host', min_offload_bytes=0)
+    HostTier(chunk_bytes=1048576, memory_kind='pinned_host', min_offload_bytes=0, compute='device')
   """
 
   chunk_bytes: int = _DEFAULT_CHUNK_BYTES
   memory_kind: str = "pinned_host"
   min_offload_bytes: int = 0
+  compute: str = "device"
 
   def __post_init__(self):
     for name in ("chunk_bytes", "min_offload_bytes"):
@@ -65,6 +72,10 @@ class HostTier:
     if self.min_offload_bytes < 0:
       raise errors.InvalidTierError(
         f"HostTier.min_offload_bytes must be >= 0, got {self.min_offload_bytes}."
+      )
+    if self.compute not in _COMPUTE:
+      raise errors.InvalidTierError(
+        f"HostTier.compute must be one of {_COMPUTE}, got {self.compute!r}."
       )
     if self.memory_kind not in _HOST_KINDS:
       raise errors.MemoryKindError(

@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 import optax
+from jax.experimental.compute_on import compute_on2
 
 from offlax._src import coupling as coupling_lib
 from offlax._src import errors
@@ -121,6 +122,8 @@ class _Step:
   def run(self, spec: ParamSpec, step: Any):
     layout = layout_lib.StateLayout(self.inner_state, spec)
     items = layout.split(self.inner_state)
+    if isinstance(self.tier, HostTier) and self.tier.compute == "host":
+      return self._on_host(layout, items, spec)
     leaves = [i for i, s in enumerate(spec.shapes) if s is not None]
     shapes = [s for s in spec.shapes if s is not None]
     coupling = self._analyze(layout, items, leaves, shapes)
@@ -142,6 +145,38 @@ class _Step:
     params = None if p_slots is None else spec.treedef.unflatten(p_slots)
     new_updates, new_state = self.inner.update(updates, state, params, **extra_args)
     return jax.tree.leaves(new_updates, is_leaf=layout_lib.is_masked), new_state
+
+  def _on_host(self, layout, items, spec):
+    """The whole inner update on the host CPU; the state stays where it is."""
+    leaves = [i for i, s in enumerate(spec.shapes) if s is not None]
+    extra_leaves, extra_def = jax.tree.flatten(self.extra_args)
+    arrays = [i for i, x in enumerate(extra_leaves) if _is_array(x)]
+    to_host = lambda xs: [jax.device_put(x, jax.memory.Space.Host) for x in xs]
+
+    def update(*args):
+      # Typed as device values inside the host computation: the inner update
+      # makes constants (device-typed), and ops need one memory space.
+      u, s, p, e = jax.tree.map(HostTier.to_device, args)
+      extra_args = jax.tree.unflatten(extra_def, _fill(extra_leaves, arrays, e))
+      p_slots = None if p is None else _fill(self.p_slots, leaves, p)
+      new_u, new_state = self._update(
+        spec, _fill(self.u_slots, leaves, u), layout.merge(s), p_slots, extra_args
+      )
+      return [new_u[i] for i in leaves], layout.split(new_state)
+
+    on_host = compute_on2(
+      update, compute_type="device_host", out_memory_spaces=jax.memory.Space.Host
+    )
+    new_u, new_items = on_host(
+      to_host([self.u_slots[i] for i in leaves]),
+      to_host(items),
+      None if self.p_slots is None else to_host([self.p_slots[i] for i in leaves]),
+      to_host([extra_leaves[i] for i in arrays]),
+    )
+    out_u = _fill(self.u_slots, leaves, [HostTier.to_device(x) for x in new_u])
+    # Items the tier does not offload (scalars) go back to the device.
+    out_items = [x if self.tier.offloads(x) else HostTier.to_device(x) for x in new_items]
+    return spec.treedef.unflatten(out_u), OffloadState(layout.merge(out_items), spec)
 
   def _analyze(self, layout, items, leaves, shapes) -> coupling_lib.Coupling:
     """Traces the inner update on the whole tree and derives its coupling."""
