@@ -15,6 +15,7 @@ from offlax._src.errors import (
 )
 from offlax._src.host_tier import HostTier
 from offlax._src.layout import OnDisk, ParamSpec
+from offlax._src.master import MasterWeightsState, master_weights
 from offlax._src.nvme_tier import NVMeTier
 from offlax._src.transform import OffloadState, offload
 
@@ -24,6 +25,7 @@ __all__ = [
   "HostTier",
   "InvalidTierError",
   "LeafTypeError",
+  "MasterWeightsState",
   "MemoryKindError",
   "NVMeTier",
   "OffloadError",
@@ -37,5 +39,6 @@ __all__ = [
   "StoreLockedError",
   "StoreMismatchError",
   "TreeMismatchError",
+  "master_weights",
   "offload",
 ]

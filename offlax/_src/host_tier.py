@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+import re
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
@@ -39,9 +40,18 @@ class HostTier:
     min_offload_bytes: state leaves with fewer bytes stay in device memory.
     compute: ``"device"`` (stream the state through the device) or ``"host"``
       (run the update on the host CPU).
+    fraction: the share of the offloadable state bytes to offload (partial
+      offload, like DeepSpeed's ``ratio``); the rest stays on the device.
+    select: which state leaves may be offloaded: a regular expression searched
+      in the leaf's key path in the inner state (e.g. ``"mu|nu"``, or
+      ``"embed"`` for the moments of embedding params), or a callable taking
+      that key path and returning a bool. ``None``: all.
 
-  Placement rule: a state leaf lives in host memory iff it has at least one
-  dimension and at least ``min_offload_bytes`` bytes. Scalars (``count``,
+  Placement rule: a state leaf may live in host memory iff it has at least one
+  dimension, at least ``min_offload_bytes`` bytes and ``select`` accepts its
+  key path. Of those, the largest are offloaded first (ties in tree order)
+  until ``fraction`` of their bytes is offloaded; with the default
+  ``fraction=1.0`` all are. Scalars (``count``,
   injected hyperparameters, ...) stay on the device: every slice needs them, so
   offloading one would cost a latency-bound transfer each way per step and save
   a few bytes; on the device they also stay usable by wrappers such as
@@ -50,13 +60,15 @@ class HostTier:
   Example:
     >>> import offlax
     >>> offlax.HostTier(chunk_bytes=2**20)
-    HostTier(chunk_bytes=1048576, memory_kind='pinned_host', min_offload_bytes=0, compute='device')
+    HostTier(chunk_bytes=1048576, memory_kind='pinned_host', min_offload_bytes=0, compute='device', fraction=1.0, select=None)
   """
 
   chunk_bytes: int = _DEFAULT_CHUNK_BYTES
   memory_kind: str = "pinned_host"
   min_offload_bytes: int = 0
   compute: str = "device"
+  fraction: float = 1.0
+  select: str | Callable[[str], bool] | None = None
 
   def __post_init__(self):
     for name in ("chunk_bytes", "min_offload_bytes"):
@@ -73,6 +85,23 @@ class HostTier:
       raise errors.InvalidTierError(
         f"HostTier.min_offload_bytes must be >= 0, got {self.min_offload_bytes}."
       )
+    if isinstance(self.fraction, bool) or not isinstance(self.fraction, (int, float)):
+      raise errors.InvalidTierError(
+        f"HostTier.fraction must be a number in [0, 1], got {self.fraction!r}."
+      )
+    if not 0.0 <= self.fraction <= 1.0:
+      raise errors.InvalidTierError(f"HostTier.fraction must be in [0, 1], got {self.fraction}.")
+    if isinstance(self.select, str):
+      try:
+        re.compile(self.select)
+      except re.error as e:
+        raise errors.InvalidTierError(
+          f"HostTier.select is not a valid regular expression ({e}): {self.select!r}."
+        ) from None
+    elif self.select is not None and not callable(self.select):
+      raise errors.InvalidTierError(
+        f"HostTier.select must be a regex string, a callable or None, got {self.select!r}."
+      )
     if self.compute not in _COMPUTE:
       raise errors.InvalidTierError(
         f"HostTier.compute must be one of {_COMPUTE}, got {self.compute!r}."
@@ -85,8 +114,32 @@ class HostTier:
       )
 
   def offloads(self, leaf: Any) -> bool:
-    """Whether a state leaf of this shape and dtype lives in host memory."""
+    """Whether a state leaf of this shape and dtype may live in host memory."""
     return np.ndim(leaf) > 0 and layout_lib.nbytes(leaf) >= self.min_offload_bytes
+
+  def placement(self, state: Any) -> Any:
+    """Which leaves of `state` live in host memory: a tree of bools like it."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(state)
+    candidates = [
+      i
+      for i, (path, x) in enumerate(flat)
+      if self.offloads(x) and self._selects(jax.tree_util.keystr(path))
+    ]
+    budget = self.fraction * sum(layout_lib.nbytes(flat[i][1]) for i in candidates)
+    chosen, done = set(), 0
+    for i in sorted(candidates, key=lambda i: -layout_lib.nbytes(flat[i][1])):
+      if done >= budget and self.fraction < 1.0:
+        break
+      chosen.add(i)
+      done += layout_lib.nbytes(flat[i][1])
+    return treedef.unflatten([i in chosen for i in range(len(flat))])
+
+  def _selects(self, path: str) -> bool:
+    if self.select is None:
+      return True
+    if isinstance(self.select, str):
+      return re.search(self.select, path) is not None
+    return bool(self.select(path))
 
   def check_devices(self, devices: Iterable[Any]) -> None:
     """Raises `MemoryKindError` unless every device offers `memory_kind`."""

@@ -92,7 +92,9 @@ def offload(
       return OffloadState(inner_state, spec, step)
     tier.check_devices(_devices_of(params))
     inner_state = inner.init(params)
-    placed = jax.tree.map(lambda x: tier.to_host(x) if tier.offloads(x) else x, inner_state)
+    placed = jax.tree.map(
+      lambda x, host: tier.to_host(x) if host else x, inner_state, tier.placement(inner_state)
+    )
     return OffloadState(placed, spec)
 
   def update_fn(updates, state, params=None, **extra_args):
@@ -127,8 +129,8 @@ class _Step:
     leaves = [i for i, s in enumerate(spec.shapes) if s is not None]
     shapes = [s for s in spec.shapes if s is not None]
     coupling = self._analyze(layout, items, leaves, shapes)
-    offloaded = [self.tier.offloads(x) for x in items]
-    per_slot = layout_lib.leaf_bytes(items, layout.owners, len(spec.shapes), self.tier.offloads)
+    offloaded = [_offloaded(x) for x in items]
+    per_slot = layout_lib.leaf_bytes(items, layout.owners, len(spec.shapes), _offloaded)
     leaf_bytes = [per_slot[i] for i in leaves]
     slices = [
       tuple(dataclasses.replace(p, leaf=leaves[p.leaf]) for p in pieces)
@@ -174,8 +176,11 @@ class _Step:
       to_host([extra_leaves[i] for i in arrays]),
     )
     out_u = _fill(self.u_slots, leaves, [HostTier.to_device(x) for x in new_u])
-    # Items the tier does not offload (scalars) go back to the device.
-    out_items = [x if self.tier.offloads(x) else HostTier.to_device(x) for x in new_items]
+    # Items that were on the device (scalars, partial offload) go back there.
+    out_items = [
+      x if _offloaded(old) else HostTier.to_device(x)
+      for old, x in zip(items, new_items, strict=True)
+    ]
     return spec.treedef.unflatten(out_u), OffloadState(layout.merge(out_items), spec)
 
   def _analyze(self, layout, items, leaves, shapes) -> coupling_lib.Coupling:
@@ -309,6 +314,13 @@ class _HostIO:
 
   def next_step(self):
     return None
+
+
+def _offloaded(x: Any) -> bool:
+  """Whether a state item lives off the device (where init put it)."""
+  if isinstance(x, layout_lib.OnDisk):
+    return True
+  return getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
 
 
 def _fill(slots, leaves, values):

@@ -1,0 +1,95 @@
+"""`master_weights`: a high-precision copy of the params kept in the optimizer state."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from offlax._src import errors
+
+
+class MasterWeightsState(NamedTuple):
+  """State of `master_weights`.
+
+  Attributes:
+    master: the params in the master dtype; the inner transformation updates these.
+    inner_state: the inner transformation's state, built on `master`.
+  """
+
+  master: Any
+  inner_state: Any
+
+
+def master_weights(
+  inner: optax.GradientTransformation, *, dtype: Any = jnp.float32
+) -> optax.GradientTransformationExtraArgs:
+  """Updates a `dtype` master copy of the params and returns updates that round to it.
+
+  Mixed precision as in ZeRO-Offload: the model's params are low precision
+  (e.g. bf16) and the optimizer keeps an fp32 master copy. Each update casts
+  the gradients to `dtype`, runs `inner` on the master params, and returns, in
+  `dtype`, the difference between the new master rounded to each param's dtype
+  and the param, so that `optax.apply_updates(params, updates)` gives exactly
+  the rounded master. Small steps that a bf16 param cannot represent
+  accumulate in the master instead of being lost.
+
+  The master is per-parameter state, so `offlax.offload(master_weights(inner))`
+  keeps it in the tier and streams it with the moments (or updates it on the
+  host with ``HostTier(compute="host")``). Leaves that are not floating point
+  are passed through: their updates are returned as `inner` returns them.
+
+  Args:
+    inner: the transformation to run on the master params.
+    dtype: the master dtype.
+
+  Returns:
+    A `optax.GradientTransformationExtraArgs` whose state is a
+    `MasterWeightsState`; `update` requires `params`.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, offlax
+    >>> params = {"w": jnp.ones(3, jnp.bfloat16)}
+    >>> tx = offlax.master_weights(optax.sgd(1e-4))
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update({"w": jnp.ones(3, jnp.bfloat16)}, state, params)
+    >>> optax.apply_updates(params, updates)["w"]  # 1 - 1e-4 rounds back to 1 in bf16
+    Array([1, 1, 1], dtype=bfloat16)
+    >>> state.master["w"]  # ... but the master moved
+    Array([0.9999, 0.9999, 0.9999], dtype=float32)
+  """
+  inner = optax.with_extra_args_support(inner)
+  dtype = jnp.dtype(dtype)
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise errors.InvalidTierError(f"master_weights: dtype must be floating point, got {dtype}.")
+
+  def to_master(x):
+    return jnp.asarray(x, dtype) if jnp.issubdtype(jnp.result_type(x), jnp.floating) else x
+
+  def init_fn(params):
+    master = jax.tree.map(to_master, params)
+    return MasterWeightsState(master, inner.init(master))
+
+  def update_fn(updates, state, params=None, **extra_args):
+    if params is None:
+      raise errors.TreeMismatchError(
+        "master_weights.update needs params: the updates it returns are the rounded new "
+        "master minus the params."
+      )
+    grads = jax.tree.map(to_master, updates)
+    steps, inner_state = inner.update(grads, state.inner_state, state.master, **extra_args)
+    master = optax.apply_updates(state.master, steps)
+
+    def delta(new, p, step):
+      if not jnp.issubdtype(jnp.result_type(p), jnp.floating):
+        return step
+      # Both operands are exact in `dtype` (the rounded master and the param),
+      # so p + delta recovers the rounded master exactly in apply_updates.
+      return new.astype(jnp.result_type(p)).astype(dtype) - jnp.asarray(p, dtype)
+
+    out = jax.tree.map(delta, master, params, steps)
+    return out, MasterWeightsState(master, inner_state)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
