@@ -59,8 +59,9 @@ class HostTier:
 
   Example:
     >>> import offlax
-    >>> offlax.HostTier(chunk_bytes=2**20)
-    HostTier(chunk_bytes=1048576, memory_kind='pinned_host', min_offload_bytes=0, compute='device', fraction=1.0, select=None)
+    >>> tier = offlax.HostTier(chunk_bytes=2**20, compute="host", select="mu|nu")
+    >>> tier.compute, tier.fraction
+    ('host', 1.0)
   """
 
   chunk_bytes: int = _DEFAULT_CHUNK_BYTES
