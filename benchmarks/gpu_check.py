@@ -3,12 +3,15 @@
 What the CPU cannot show, checked in one run of a few minutes on a GPU machine:
 
 1. correctness: `offlax.offload(optax.adamw)` streamed in small slices (leaves cut into rows and
-   rejoined on the host) and in one slice, against plain optax on the same GPU, over 3 steps;
+   rejoined on the host), in one slice, and with `HostTier(compute="host")` (the update under
+   `compute_on("device_host")`), against plain optax on the same GPU, over 3 steps;
 2. device memory: `compiled.memory_analysis()` of a jitted AdamW step on ~1B parameters
-   (compiled from shapes, nothing allocated), all state on the device vs the host tier:
+   (compiled from shapes, nothing allocated), all state on the device vs the host tier vs
+   host compute:
    device and host bytes, and device bytes per parameter;
 3. step time at a size that fits both ways (median of `--steps` after warm-up, synchronised):
-   state on the device vs streamed from `pinned_host`, and the overhead ratio (goal <= 1.15x);
+   state on the device vs streamed from `pinned_host` vs host compute, and the overhead ratio
+   (goal <= 1.15x for the stream);
 4. host<->device bandwidth of one large transfer each way;
 5. overlap: the share of the state traffic hidden behind compute,
    1 - (t_stream - t_device) / (state bytes moved / bandwidth).
@@ -79,8 +82,12 @@ def check_correctness(offlax, optax, jax, np):
   params = _materialise(shapes, 0)
   inner = optax.adamw(1e-3)
   results = {}
-  for name, chunk in (("one_slice", 2**40), ("streamed", 64 * 1024)):
-    txs = {"plain": inner, "offlax": offlax.offload(inner, chunk_bytes=chunk)}
+  for name, tier in (
+    ("one_slice", offlax.HostTier(chunk_bytes=2**40)),
+    ("streamed", offlax.HostTier(chunk_bytes=64 * 1024)),
+    ("host_compute", offlax.HostTier(compute="host")),
+  ):
+    txs = {"plain": inner, "offlax": offlax.offload(inner, tier)}
     out = {}
     for label, tx in txs.items():
       p, s = params, tx.init(params)
@@ -108,8 +115,9 @@ def memory_analysis(offlax, optax, jax, n_params):
   for name, tx in (
     ("on_device", optax.adamw(1e-3)),
     ("host_tier", offlax.offload(optax.adamw(1e-3))),
+    ("host_compute", offlax.offload(optax.adamw(1e-3), compute="host")),
   ):
-    offloaded = name == "host_tier"
+    offloaded = name != "on_device"
     state_specs = jax.tree.map(
       lambda s, offloaded=offloaded: jax.ShapeDtypeStruct(
         s.shape, s.dtype, sharding=host if offloaded and s.ndim else on_dev
@@ -161,6 +169,7 @@ def step_times(offlax, optax, jax, n_params, steps, warmup):
     ("on_device", optax.adamw(1e-3)),
     ("stream", offlax.offload(optax.adamw(1e-3))),
     ("one_slice", offlax.offload(optax.adamw(1e-3), chunk_bytes=2**40)),
+    ("host_compute", offlax.offload(optax.adamw(1e-3), compute="host")),
   ):
     params = _materialise(shapes, 0)
     state = tx.init(params)
@@ -171,7 +180,7 @@ def step_times(offlax, optax, jax, n_params, steps, warmup):
     out[name] = _common.stats_of(times, "_s")
     del params, state
   base = out["on_device"]["median_s"]
-  for name in ("stream", "one_slice"):
+  for name in ("stream", "one_slice", "host_compute"):
     out[name]["ratio"] = out[name]["median_s"] / base
   return out
 
@@ -238,14 +247,18 @@ def main(argv=None) -> dict:
     lines = [
       f"gpu_check on {r['devices']} (jax {r['jax_version']}), memories {r['memories']}",
       f"correctness: one slice max|diff| {r['correctness']['one_slice']['max_abs_diff']:.3g}, "
-      f"streamed {r['correctness']['streamed']['max_abs_diff']:.3g}",
+      f"streamed {r['correctness']['streamed']['max_abs_diff']:.3g}, host compute "
+      f"{r['correctness']['host_compute']['max_abs_diff']:.3g}",
       f"device bytes/param ({mem['params']:,} params): on device "
       f"{mem['on_device']['device_bytes_per_param']:.2f}, host tier "
       f"{mem['host_tier']['device_bytes_per_param']:.2f} (host args "
-      f"{mem['host_tier']['host_argument_size_in_bytes'] / 2**30:.2f} GiB)",
+      f"{mem['host_tier']['host_argument_size_in_bytes'] / 2**30:.2f} GiB), host compute "
+      f"{mem['host_compute']['device_bytes_per_param']:.2f}",
       f"step: on device {t['on_device']['median_s'] * 1e3:.1f} ms, stream "
       f"{t['stream']['median_s'] * 1e3:.1f} ms ({t['stream']['ratio']:.3f}x, goal <= 1.15x), "
-      f"one slice {t['one_slice']['median_s'] * 1e3:.1f} ms ({t['one_slice']['ratio']:.3f}x)",
+      f"one slice {t['one_slice']['median_s'] * 1e3:.1f} ms ({t['one_slice']['ratio']:.3f}x), "
+      f"host compute {t['host_compute']['median_s'] * 1e3:.1f} ms "
+      f"({t['host_compute']['ratio']:.3f}x)",
       "bandwidth: "
       + ", ".join(f"{k} {v / 1e9:.1f} GB/s" for k, v in r["bandwidth_bytes_per_s"].items()),
       f"overlap: {r['overlap']['hidden_fraction']} of the state traffic hidden behind compute",

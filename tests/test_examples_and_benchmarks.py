@@ -70,3 +70,24 @@ def test_gpu_check_code_path_runs_on_cpu(tmp_path):
   assert result["correctness"]["one_slice"]["bit_exact"]
   assert result["correctness"]["streamed"]["max_abs_diff"] < 1e-6
   assert result["memory"]["on_device"]["device_bytes_per_param"] > 0
+
+
+def test_host_adam_benchmark_runs(tmp_path):
+  result = _load("benchmarks/host_adam.py").main(
+    [
+      "--sizes-m",
+      "0.1",
+      "--steps",
+      "1",
+      "--torch-python",
+      str(tmp_path / "none"),
+      "--out",
+      str(tmp_path),
+    ]
+  )
+  assert (tmp_path / "host_adam.png").stat().st_size > 10_000
+  assert "no Python with torch" in result["torch_skipped"]
+  assert set(result["sizes"]["0.1M"]["params_per_s"]) == {
+    "offlax host compute",
+    "plain optax (XLA:CPU)",
+  }
