@@ -133,7 +133,7 @@ class HostTier:
         break
       chosen.add(i)
       done += layout_lib.nbytes(flat[i][1])
-    return treedef.unflatten([i in chosen for i in range(len(flat))])
+    return jax.tree_util.tree_unflatten(treedef, [i in chosen for i in range(len(flat))])
 
   def _selects(self, path: str) -> bool:
     if self.select is None:

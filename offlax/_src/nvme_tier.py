@@ -794,9 +794,12 @@ class _Reader:
   """The Python side of one traced step's callbacks; reused by every call.
 
   Slice k is read into one buffer (from a small pool, so the step does not
-  touch fresh memory: first touches cost more than the copies here), which
-  returns to the pool when slice k's write callback runs: that callback
-  depends on the update of slice k, hence on XLA having copied the buffer.
+  touch fresh memory: first touches cost more than the copies here). Slice
+  k's write callback, which depends on its update and hence on XLA having
+  copied that buffer, copies the new values into the same buffer and leaves
+  the writes to the I/O threads (at most `readahead` slices of writes in
+  flight), so no XLA thread waits on the disk; the buffer returns to the pool
+  when they are done, and the commit waits for all of them.
   """
 
   def __init__(self, store: Store, reads, readahead: int):
@@ -805,6 +808,7 @@ class _Reader:
     self._futures: dict[tuple[int, int], tuple[Any, np.ndarray]] = {}
     self._buffers: list[np.ndarray] = []  # free slice buffers
     self._in_use: dict[int, np.ndarray] = {}
+    self._writes: list[concurrent.futures.Future] = []  # in flight, oldest first
     self._lock = threading.Lock()  # XLA may run callbacks on several threads
 
   def _buffer(self, nbytes: int) -> np.ndarray:
@@ -819,17 +823,26 @@ class _Reader:
     with self._lock:
       if (self.store.step, k) in self._futures:
         return
-      offsets, total = [], 0
-      for index, a, b, _ in self.reads[k]:
-        offsets.append(total)
-        total += -(-(b - a) * np.dtype(self.store.records[index].dtype).itemsize // 64) * 64
-      buffer = self._buffer(total)
-      outs = []
-      for (index, a, b, shape), offset in zip(self.reads[k], offsets, strict=True):
-        dtype = np.dtype(self.store.records[index].dtype)
-        out = buffer[offset : offset + (b - a) * dtype.itemsize].view(dtype)
-        outs.append((self.store.read(index, a, b, out=out), shape))
+      views, buffer = self._views(k)
+      outs = [
+        (self.store.read(index, a, b, out=out), shape)
+        for (index, a, b, shape), out in zip(self.reads[k], views, strict=True)
+      ]
       self._futures[self.store.step, k] = (outs, buffer)
+
+  def _views(self, k: int, buffer: np.ndarray | None = None):
+    """Slice k's items laid out in one buffer (a pooled one unless given)."""
+    offsets, total = [], 0
+    for index, a, b, _ in self.reads[k]:
+      offsets.append(total)
+      total += -(-(b - a) * np.dtype(self.store.records[index].dtype).itemsize // 64) * 64
+    if buffer is None:
+      buffer = self._buffer(total)
+    views = []
+    for (index, a, b, _), offset in zip(self.reads[k], offsets, strict=True):
+      dtype = np.dtype(self.store.records[index].dtype)
+      views.append(buffer[offset : offset + (b - a) * dtype.itemsize].view(dtype))
+    return views, buffer
 
   def _check(self, step) -> None:
     if int(step) != self.store.step:
@@ -853,14 +866,40 @@ class _Reader:
     return [self.store.result(f).reshape(shape) for f, shape in outs]
 
   def write(self, k: int, *values) -> np.ndarray:
-    for (index, a, _, _), v in zip(self.reads[k], values, strict=True):
-      self.store.write(index, a, v)
     with self._lock:
-      self._buffers.append(self._in_use.pop(k))
-      del self._buffers[: -self.readahead - 2]  # more were only needed by an odd schedule
+      buffer = self._in_use.pop(k)
+    views, _ = self._views(k, buffer)
+    for view, v in zip(views, values, strict=True):
+      np.copyto(view, np.asarray(v).reshape(-1))  # XLA owns `v` only during this call
+    writes = [(index, a, view) for (index, a, _, _), view in zip(self.reads[k], views, strict=True)]
+    future = self.store._submit(self._write, writes, buffer)
+    with self._lock:
+      self._writes.append(future)
+      oldest = self._writes.pop(0) if len(self._writes) > self.readahead else None
+    if oldest is not None:
+      oldest.result()  # bounds the buffers in flight; raises the write's error
     return np.asarray(k, np.int32)
 
+  def _write(self, writes, buffer: np.ndarray) -> None:
+    try:
+      for index, a, view in writes:
+        self.store.write(index, a, view)
+    finally:
+      with self._lock:
+        self._buffers.append(buffer)
+        del self._buffers[: -2 * self.readahead - 2]  # more only for an odd schedule
+
+  def _drain(self) -> None:
+    with self._lock:
+      writes, self._writes = self._writes, []
+    for w in writes:
+      w.result()
+
   def commit(self, hot: list[int], n_tickets: int, step, *args) -> None:
+    try:
+      self._drain()
+    finally:
+      self._writes.clear()
     self._check(step)
     for j, v in zip(hot, args[n_tickets:], strict=True):
       self.store.write(j, 0, v)
