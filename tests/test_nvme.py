@@ -318,3 +318,33 @@ def test_read_only_directory(tmp_path):
       )
   finally:
     _umount(mnt)
+
+
+def test_failed_step_then_a_different_step(tmp_path, monkeypatch):
+  """Writes left in flight by a failed step never land on the next step's data."""
+  params = _float_params()
+  tier = _tier(tmp_path, cache_bytes=0)
+  tx = offlax.offload(optax.adam(1e-3), tier)
+  state = tx.init(params)
+  step = jax.jit(lambda p, s, g: tx.update(g, s, p))
+  write, calls = Store.write, []
+
+  def flaky(self, index, start, value):
+    calls.append(index)
+    if len(calls) == 3:
+      raise offlax.StoreError("injected write failure")
+    return write(self, index, start, value)
+
+  monkeypatch.setattr(Store, "write", flaky)
+  with pytest.raises(Exception, match="injected write failure"):
+    jax.block_until_ready(step(params, state, grads_like(params, 0)))
+  monkeypatch.undo()
+  # The same state, other gradients: exactly one plain Adam step with those.
+  grads = grads_like(params, 7)
+  _, new_state = step(params, state, grads)
+  jax.block_until_ready(new_state)
+  tier.close()
+  want = optax.adam(1e-3).update(grads, optax.adam(1e-3).init(params), params)[1]
+  stored, committed = _stored_state(tmp_path, want, params)
+  assert committed == 1
+  assert_trees_equal(stored, want)

@@ -367,9 +367,9 @@ class NVMeTier:
   `cache_bytes` (smallest first; scalars always) stay in host memory between
   steps, like the host tier; the others are read from disk slice by slice
   inside the jitted step, by `io_callback`s that read `readahead` slices ahead
-  of the one being updated and write each updated slice back to the page cache
-  (whose writeback starts at once). Each step ends with an atomic commit; the
-  whole state, cached arrays included, is on disk after it.
+  of the one being updated and hand each updated slice to I/O threads to
+  write. Each step ends with an atomic commit; the whole state, cached arrays
+  included, is on disk after it.
 
   Args:
     path: the store directory; created if missing.
@@ -384,7 +384,8 @@ class NVMeTier:
     fsync: flush data and metadata to the device at each commit, so a commit
       also survives power loss (a killed process needs no flush).
     progress: show a progress bar for the initial write and for a resume.
-    readahead: slices read ahead of the one being updated.
+    readahead: slices read ahead of the one being updated; also the slices of
+      writes in flight before a write callback waits.
 
   Example:
     >>> import tempfile, jax.numpy as jnp, optax, offlax
@@ -808,7 +809,10 @@ class _Reader:
     self._futures: dict[tuple[int, int], tuple[Any, np.ndarray]] = {}
     self._buffers: list[np.ndarray] = []  # free slice buffers
     self._in_use: dict[int, np.ndarray] = {}
-    self._writes: list[concurrent.futures.Future] = []  # in flight, oldest first
+    self._writes: list[tuple[int, concurrent.futures.Future]] = []  # (epoch, write), oldest first
+    # Bumped when a callback fails. Writes of an earlier epoch belong to a failed
+    # step and target the generation the next step writes: it waits for them.
+    self._epoch = 0
     self._lock = threading.Lock()  # XLA may run callbacks on several threads
 
   def _buffer(self, nbytes: int) -> np.ndarray:
@@ -853,7 +857,25 @@ class _Reader:
         "last update returned."
       )
 
+  def _settle(self) -> None:
+    with self._lock:
+      old = [f for e, f in self._writes if e < self._epoch]
+      self._writes = [(e, f) for e, f in self._writes if e == self._epoch]
+    concurrent.futures.wait(old)  # their errors were the failed step's
+
+  def _failed(self) -> None:
+    with self._lock:
+      self._epoch += 1
+
   def read(self, k: int, step, after) -> list[np.ndarray]:
+    try:
+      return self._read(k, step)
+    except BaseException:
+      self._failed()
+      raise
+
+  def _read(self, k: int, step) -> list[np.ndarray]:
+    self._settle()
     if k == self._nonempty[0]:
       self._check(step)
     self._issue(k)
@@ -866,6 +888,14 @@ class _Reader:
     return [self.store.result(f).reshape(shape) for f, shape in outs]
 
   def write(self, k: int, *values) -> np.ndarray:
+    try:
+      return self._write_slice(k, values)
+    except BaseException:
+      self._failed()
+      raise
+
+  def _write_slice(self, k: int, values) -> np.ndarray:
+    self._settle()
     with self._lock:
       buffer = self._in_use.pop(k)
     views, _ = self._views(k, buffer)
@@ -874,8 +904,8 @@ class _Reader:
     writes = [(index, a, view) for (index, a, _, _), view in zip(self.reads[k], views, strict=True)]
     future = self.store._submit(self._write, writes, buffer)
     with self._lock:
-      self._writes.append(future)
-      oldest = self._writes.pop(0) if len(self._writes) > self.readahead else None
+      self._writes.append((self._epoch, future))
+      oldest = self._writes.pop(0)[1] if len(self._writes) > self.readahead else None
     if oldest is not None:
       oldest.result()  # bounds the buffers in flight; raises the write's error
     return np.asarray(k, np.int32)
@@ -889,17 +919,19 @@ class _Reader:
         self._buffers.append(buffer)
         del self._buffers[: -2 * self.readahead - 2]  # more only for an odd schedule
 
-  def _drain(self) -> None:
-    with self._lock:
-      writes, self._writes = self._writes, []
-    for w in writes:
-      w.result()
-
   def commit(self, hot: list[int], n_tickets: int, step, *args) -> None:
     try:
-      self._drain()
-    finally:
-      self._writes.clear()
+      self._commit(hot, n_tickets, step, *args)
+    except BaseException:
+      self._failed()
+      raise
+
+  def _commit(self, hot: list[int], n_tickets: int, step, *args) -> None:
+    self._settle()
+    with self._lock:
+      writes, self._writes = self._writes, []
+    for _, w in writes:
+      w.result()
     self._check(step)
     for j, v in zip(hot, args[n_tickets:], strict=True):
       self.store.write(j, 0, v)
