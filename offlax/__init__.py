@@ -13,6 +13,7 @@ from offlax._src.errors import (
   StoreMismatchError,
   TreeMismatchError,
 )
+from offlax._src.host_adam import adam, adamw
 from offlax._src.host_tier import HostTier
 from offlax._src.layout import OnDisk, ParamSpec
 from offlax._src.master import MasterWeightsState, master_weights
@@ -39,6 +40,8 @@ __all__ = [
   "StoreLockedError",
   "StoreMismatchError",
   "TreeMismatchError",
+  "adam",
+  "adamw",
   "master_weights",
   "offload",
 ]

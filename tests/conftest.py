@@ -13,11 +13,15 @@ configuration in a subprocess, with the tolerance stated there.
 """
 
 import os
+import tempfile
 
 os.environ["XLA_FLAGS"] = (
   os.environ.get("XLA_FLAGS", "") + " --xla_disable_hlo_passes=algsimp --xla_cpu_max_isa=SSE4_2"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The native Adam kernel is built per test session (a few seconds), never taken
+# from a user's cache built under other flags.
+os.environ.setdefault("OFFLAX_CACHE_DIR", tempfile.mkdtemp(prefix="offlax-test-cache-"))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -89,5 +89,7 @@ def test_host_adam_benchmark_runs(tmp_path):
   assert "no Python with torch" in result["torch_skipped"]
   assert set(result["sizes"]["0.1M"]["params_per_s"]) == {
     "offlax host compute",
+    "offlax.adam (native moments)",
     "plain optax (XLA:CPU)",
+    "fused kernel, update only",
   }

@@ -79,7 +79,7 @@ class Store:
   Not thread-safe for concurrent steps; one training loop drives one store.
   """
 
-  def __init__(self, path: str, *, fsync: bool, threads: int = 4):
+  def __init__(self, path: str, *, fsync: bool, threads: int = 4, direct: bool = True):
     self.path = os.path.abspath(path)
     self.fsync = fsync
     self.step = 0
@@ -90,7 +90,12 @@ class Store:
     self._context = ts.Context({"file_io_sync": False, "cache_pool": {"total_bytes_limit": 0}})
     self._lock_fd: int | None = None
     self._threads = threads
+    # Direct I/O skips the page cache copy both ways and the kernel's writeback
+    # (DeepSpeed's ZeRO-Infinity does the same); tmpfs and some others refuse it,
+    # which the first chunk I/O finds out.
+    self._direct_ok: bool | None = None if direct else False
     self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+    self._closed = False
     self._made_dirs: set[str] = set()
     self._written: set[str] = set()  # chunk files written since the last commit
 
@@ -114,8 +119,12 @@ class Store:
         f"NVMe store {self.path} is open for writing by another process (lock {_LOCK})."
       ) from None
     self._lock_fd = fd
+    self._closed = False
 
   def close(self) -> None:
+    # Callbacks of a failed step may still run on XLA threads: they must not
+    # start I/O on a store whose lock is released.
+    self._closed = True
     if self._executor is not None:
       self._executor.shutdown(wait=True)
       self._executor = None
@@ -219,10 +228,13 @@ class Store:
     r = self.records[index]
     gen = self.generation if gen is None else gen
     if out is None:
-      out = np.empty(stop - start, np.dtype(r.dtype))
+      dtype = np.dtype(r.dtype)
+      out = aligned_empty((stop - start) * dtype.itemsize).view(dtype)
     return self._submit(self._read, r, gen, start, stop, out)
 
   def _submit(self, fn, *args) -> concurrent.futures.Future:
+    if self._closed:
+      raise errors.StoreError(f"{self.path}: the tier was closed.")
     if self._executor is None:
       self._executor = concurrent.futures.ThreadPoolExecutor(
         self._threads, thread_name_prefix="offlax-io"
@@ -246,7 +258,8 @@ class Store:
     name = os.path.join(self._array_path(r.index, gen), "c", str(c))
     chunk_nbytes = max(1, min(r.chunk, r.size)) * np.dtype(r.dtype).itemsize
     try:
-      fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW)
+      direct = self._direct(data)
+      fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | (_O_DIRECT if direct else 0))
     except FileNotFoundError:
       raise errors.StoreCorruptedError(
         f"corrupted chunk in {self._where(r, gen, c)}: the file is missing."
@@ -260,15 +273,18 @@ class Store:
           f"corrupted chunk in {self._where(r, gen, c)}: {size} bytes, expected "
           f"{chunk_nbytes + 4} (truncated or overwritten)."
         )
-      _pread_into(fd, data, 0)
+      _pread_into(fd, data, 0)  # direct: from the disk to `data`, no page cache copy
+      if direct:
+        _set_direct(fd, False)  # the 4-byte checksum is not a whole block
       stored = int.from_bytes(os.pread(fd, 4, chunk_nbytes), "little")
       # The rest of a short last chunk is zero padding, as zarr3 writes it.
       if _crc(data, chunk_nbytes - data.nbytes) != stored:
         raise errors.StoreCorruptedError(
           f"corrupted chunk in {self._where(r, gen, c)}: crc32c checksum mismatch."
         )
-      # The data is ours now; leave the page cache to data that is used again.
-      os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+      if not direct:
+        # The data is ours now; leave the page cache to data that is used again.
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     except OSError as e:
       raise errors.StoreError(f"I/O error on {self._where(r, gen, c)}: {e}") from e
     finally:
@@ -312,23 +328,43 @@ class Store:
         os.makedirs(directory, mode=0o700, exist_ok=True)
         self._made_dirs.add(directory)
       name = os.path.join(directory, str(c))
-      fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+      direct = pad == 0 and self._direct(data)
+      flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (_O_DIRECT if direct else 0)
+      fd = os.open(name, flags, 0o600)
       self._written.add(name)
       try:
         # In place: this generation is not the committed one, so a torn file
         # here is never read back.
-        _pwrite_all(fd, [data, *_zero_parts(pad), crc], 0)
+        if direct:
+          _pwrite_all(fd, [data], 0)  # to the disk, no page cache copy or writeback
+          _set_direct(fd, False)  # the 4-byte checksum is not a whole block
+          _pwrite_all(fd, [crc], chunk_nbytes)
+        else:
+          _pwrite_all(fd, [data, *_zero_parts(pad), crc], 0)
         os.ftruncate(fd, chunk_nbytes + 4)
+        if not direct:
+          # Starts this chunk's writeback now (an I/O thread waits, not XLA): the
+          # disk writes while the step goes on, and the commit's flush does not
+          # find the whole step still dirty.
+          os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
       finally:
         os.close(fd)
     except OSError as e:
       raise errors.StoreError(f"I/O error on {self._where(r, gen, c)}: {e}") from e
 
+  def _direct(self, data: np.ndarray) -> bool:
+    """Whether `data` moves with direct I/O: whole, aligned blocks, a filesystem that can."""
+    if data.nbytes % _BLOCK or data.ctypes.data % _BLOCK:
+      return False
+    if self._direct_ok is None:
+      self._direct_ok = _supports_direct(self.path)
+    return self._direct_ok
+
   def commit(self, step: int) -> None:
     """Makes the next generation current, atomically; its writes are done."""
     if self.fsync:
       _syncfs(self.path)  # flush the chunks before the pointer
-      _drop_cached(self._written)  # clean now; they are read again in two steps, from disk
+      _drop_cached(self._written)  # now clean; read again in two steps, from disk
     self._written.clear()
     meta = {
       "format_version": FORMAT_VERSION,
@@ -443,7 +479,8 @@ class NVMeTier:
     return self.host.to_device(x)
 
   def close(self) -> None:
-    """Waits for reads in flight and releases the store's lock."""
+    """Waits for steps in flight (`jax.effects_barrier`) and releases the store's lock."""
+    jax.effects_barrier()  # a dispatched step's callbacks have yet to run
     self.store.close()
 
   # -- init ------------------------------------------------------------------
@@ -597,6 +634,36 @@ def _zeros(n: int) -> memoryview:
 def _zero_parts(n: int) -> list[memoryview]:
   """`n` zero bytes as blocks of at most `_ZERO_BLOCK`."""
   return [_zeros(min(_ZERO_BLOCK, n - i)) for i in range(0, n, _ZERO_BLOCK)]
+
+
+_BLOCK = 4096  # direct I/O alignment (offsets, sizes and addresses)
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+def _supports_direct(path: str) -> bool:
+  """Whether files under `path` can be opened with O_DIRECT."""
+  if not _O_DIRECT:
+    return False
+  probe = os.path.join(path, f".direct-probe-{os.getpid()}-{threading.get_ident()}")
+  try:
+    fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_DIRECT, 0o600)
+  except OSError:
+    return False
+  os.close(fd)
+  os.unlink(probe)
+  return True
+
+
+def _set_direct(fd: int, on: bool) -> None:
+  flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+  fcntl.fcntl(fd, fcntl.F_SETFL, flags | _O_DIRECT if on else flags & ~_O_DIRECT)
+
+
+def aligned_empty(nbytes: int) -> np.ndarray:
+  """`nbytes` uninitialised bytes starting on a direct I/O block boundary."""
+  raw = np.empty(nbytes + _BLOCK, np.uint8)
+  start = -raw.ctypes.data % _BLOCK
+  return raw[start : start + nbytes]
 
 
 def _pread_into(fd: int, data: np.ndarray, offset: int) -> None:
@@ -819,7 +886,7 @@ class _Reader:
     for i, b in enumerate(self._buffers):
       if b.nbytes >= nbytes:
         return self._buffers.pop(i)
-    return np.empty(nbytes, np.uint8)
+    return aligned_empty(nbytes)
 
   def _issue(self, k: int) -> None:
     # Keyed by step: XLA may run the callbacks of one step out of order, and a
@@ -839,7 +906,8 @@ class _Reader:
     offsets, total = [], 0
     for index, a, b, _ in self.reads[k]:
       offsets.append(total)
-      total += -(-(b - a) * np.dtype(self.store.records[index].dtype).itemsize // 64) * 64
+      # Block-aligned, so whole chunks move with direct I/O.
+      total += -(-(b - a) * np.dtype(self.store.records[index].dtype).itemsize // _BLOCK) * _BLOCK
     if buffer is None:
       buffer = self._buffer(total)
     views = []

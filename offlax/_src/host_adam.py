@@ -1,0 +1,394 @@
+"""`adam` and `adamw`: optax's, with the moments updated by one native pass on the CPU.
+
+The host step of Adam is memory-bound. XLA:CPU compiles `optax.adam` into one
+loop per moment and one for the update (fused with `optax.apply_updates`):
+40 bytes of traffic per fp32 parameter. These factories return
+transformations with optax's state and results, bit for bit, whose moments
+are updated, for each float32 leaf of an XLA:CPU program, by a small C++
+kernel (`native/adam.cc`, called through the XLA FFI on XLA's intra-op
+threads) that reads the gradient and both moments once and writes the moments
+in place: 36 bytes. The update stays in JAX, in optax's expressions, so that
+XLA fuses it into `apply_updates` and rounds it as it rounds optax's program.
+
+On other platforms (a GPU, including the host computation of a GPU program,
+which is lowered for the GPU's platform) and for leaves the kernel does not
+cover, the same arithmetic runs as plain JAX, or optax itself runs. The
+kernel is compiled with the system C++ compiler on first use and cached; if
+that fails, or `OFFLAX_NATIVE=0`, plain JAX runs everywhere, with the same
+results.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import pathlib
+import platform
+import re
+import subprocess
+import tempfile
+import threading
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from optax._src import numerics
+
+_LOG = logging.getLogger("offlax")
+_TARGET = "offlax_adam_f32"
+_MOMENTS = "offlax_adam_moments_f32"
+_SOURCE = pathlib.Path(__file__).parent / "native" / "adam.cc"
+_FLAGS = ["-std=c++17", "-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno"]
+
+
+def adam(
+  learning_rate: optax.ScalarOrSchedule,
+  b1: float = 0.9,
+  b2: float = 0.999,
+  eps: float = 1e-8,
+  eps_root: float = 0.0,
+  mu_dtype: Any = None,
+  *,
+  nesterov: bool = False,
+) -> optax.GradientTransformationExtraArgs:
+  """`optax.adam`, with the moments updated by one native pass on XLA:CPU.
+
+  Same arguments, state and results (bit for bit) as `optax.adam`. In an
+  XLA:CPU program the moments of each float32 leaf are updated in place by a
+  C++ kernel (an XLA FFI call, built with the system compiler on first use and
+  cached in ``$OFFLAX_CACHE_DIR``, default ``~/.cache/offlax``;
+  ``OFFLAX_NATIVE=0`` turns it off); the update is computed as optax computes
+  it, so XLA fuses it into `optax.apply_updates`. Elsewhere (a GPU program,
+  other dtypes) plain JAX or optax itself runs. Use it as the inner
+  transformation of `offload(..., HostTier(compute="host"))`, or anywhere
+  `optax.adam` goes.
+
+  Args:
+    learning_rate: a float or an optax schedule.
+    b1: decay of the first moment.
+    b2: decay of the second moment.
+    eps: added to the denominator.
+    eps_root: added inside the square root.
+    mu_dtype: dtype of the first moment; anything but None or float32 runs
+      `optax.adam` itself.
+    nesterov: Nesterov momentum; True runs `optax.adam` itself.
+
+  Returns:
+    A `optax.GradientTransformationExtraArgs` with `optax.adam`'s state.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, offlax
+    >>> params = {"w": jnp.linspace(-1.0, 1.0, 5)}
+    >>> grads = {"w": jnp.full(5, 0.5)}
+    >>> tx, ref = offlax.adam(1e-2), optax.adam(1e-2)
+    >>> u, _ = jax.jit(tx.update)(grads, tx.init(params))
+    >>> r, _ = jax.jit(ref.update)(grads, ref.init(params))
+    >>> bool((u["w"] == r["w"]).all())
+    True
+  """
+  reference = optax.adam(learning_rate, b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov)
+  return _fused(reference, learning_rate, (b1, b2, eps, eps_root), None, None, nesterov, mu_dtype)
+
+
+def adamw(
+  learning_rate: optax.ScalarOrSchedule,
+  b1: float = 0.9,
+  b2: float = 0.999,
+  eps: float = 1e-8,
+  eps_root: float = 0.0,
+  mu_dtype: Any = None,
+  weight_decay: float = 1e-4,
+  mask: Any = None,
+  *,
+  nesterov: bool = False,
+) -> optax.GradientTransformationExtraArgs:
+  """`optax.adamw`, with the moments updated by one native pass on XLA:CPU.
+
+  Same arguments, state and results (bit for bit) as `optax.adamw`; see `adam`.
+  A `weight_decay` schedule, or a `mask` that is not a tree of Python bools
+  shaped like the params (after calling it, if callable), runs `optax.adamw`
+  itself.
+
+  Args:
+    learning_rate: a float or an optax schedule.
+    b1: decay of the first moment.
+    b2: decay of the second moment.
+    eps: added to the denominator.
+    eps_root: added inside the square root.
+    mu_dtype: dtype of the first moment (see `adam`).
+    weight_decay: decoupled weight decay.
+    mask: which leaves are decayed, as in `optax.adamw`.
+    nesterov: Nesterov momentum; True runs `optax.adamw` itself.
+
+  Returns:
+    A `optax.GradientTransformationExtraArgs` with `optax.adamw`'s state;
+    `update` requires `params`.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, offlax
+    >>> params = {"w": jnp.linspace(-1.0, 1.0, 5), "b": jnp.ones(2)}
+    >>> grads = jax.tree.map(jnp.ones_like, params)
+    >>> mask = {"w": True, "b": False}
+    >>> tx, ref = offlax.adamw(1e-2, mask=mask), optax.adamw(1e-2, mask=mask)
+    >>> u, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+    >>> r, _ = jax.jit(ref.update)(grads, ref.init(params), params)
+    >>> all(bool((u[k] == r[k]).all()) for k in params)
+    True
+  """
+  reference = optax.adamw(
+    learning_rate, b1, b2, eps, eps_root, mu_dtype, weight_decay, mask, nesterov=nesterov
+  )
+  return _fused(
+    reference, learning_rate, (b1, b2, eps, eps_root), weight_decay, mask, nesterov, mu_dtype
+  )
+
+
+def _fused(reference, learning_rate, betas, weight_decay, mask, nesterov, mu_dtype):
+  b1, b2, eps, eps_root = betas
+  fusable = (
+    not nesterov
+    and (mu_dtype is None or jnp.dtype(mu_dtype) == jnp.float32)
+    and not callable(weight_decay)
+  )
+  # optax skips a weight decay that is a constant zero (no `+ 0 * p`).
+  decays = weight_decay is not None and not (
+    isinstance(weight_decay, (int, float)) and weight_decay == 0.0
+  )
+
+  def update_fn(updates, state, params=None, **extra_args):
+    del extra_args
+    adam_state, lr_state = state[0], state[-1]
+    if decays and params is None:
+      raise ValueError("offlax.adamw: update needs params (the weight decay reads them).")
+    flags = _decay_flags(updates, params, mask) if decays else None
+    leaves, treedef = jax.tree.flatten(updates)
+    if not (fusable and _all_f32(leaves, adam_state.mu, adam_state.nu) and flags is not False):
+      return reference.update(updates, state, params)
+    count_inc = numerics.safe_increment(adam_state.count)
+    if callable(learning_rate):
+      step_size = -1 * learning_rate(lr_state.count)
+      lr_state = type(lr_state)(count=numerics.safe_increment(lr_state.count))
+    else:
+      step_size = -1 * learning_rate
+    hyper = _Hyper(
+      b1,
+      b2,
+      _bias_correction(b1, count_inc),
+      _bias_correction(b2, count_inc),
+      eps,
+      eps_root,
+      step_size,
+      callable(learning_rate),
+      weight_decay if decays else 0.0,
+    )
+    vector = hyper.vector()
+    p_leaves = jax.tree.leaves(params) if decays else [None] * len(leaves)
+    out = [
+      _step(g, m, v, p, hyper, vector, d)
+      for g, m, v, p, d in zip(
+        leaves,
+        jax.tree.leaves(adam_state.mu),
+        jax.tree.leaves(adam_state.nu),
+        p_leaves,
+        flags or [False] * len(leaves),
+        strict=True,
+      )
+    ]
+    new_u, mu, nu = (
+      (treedef.unflatten(list(x)) for x in zip(*out, strict=True))
+      if out
+      else (
+        updates,
+        adam_state.mu,
+        adam_state.nu,
+      )
+    )
+    new_adam = adam_state._replace(count=count_inc, mu=mu, nu=nu)
+    return new_u, (new_adam, *state[1:-1], lr_state)
+
+  return optax.GradientTransformationExtraArgs(reference.init, update_fn)
+
+
+@functools.partial(jax.jit, inline=True)
+def _bias_correction(decay, count):
+  # As optax.tree.bias_correction computes it (a jitted function of the decay).
+  return 1 - decay**count
+
+
+def _all_f32(leaves, mu, nu) -> bool:
+  others = jax.tree.leaves(mu) + jax.tree.leaves(nu)
+  return len(others) == 2 * len(leaves) and all(
+    isinstance(x, jax.Array | jax.ShapeDtypeStruct | np.ndarray) and x.dtype == jnp.float32
+    for x in leaves + others
+  )
+
+
+def _decay_flags(updates, params, mask) -> list[bool] | bool:
+  """Which leaves `mask` decays, or False where the fused path cannot tell."""
+  n = len(jax.tree.leaves(updates))
+  if mask is None:
+    return [True] * n
+  tree = mask(updates) if callable(mask) else mask
+  try:
+    flat = jax.tree.leaves(jax.tree.map(lambda _, m: m, updates, tree))
+  except (ValueError, TypeError):
+    return False  # a prefix or otherwise shaped mask: optax.masked's rules apply
+  if len(flat) != n or not all(isinstance(m, bool | np.bool_) for m in flat):
+    return False
+  if params is not None and any(
+    jnp.result_type(p) != jnp.float32
+    for p, m in zip(jax.tree.leaves(params), flat, strict=True)
+    if m
+  ):
+    return False
+  return [bool(m) for m in flat]
+
+
+class _Hyper(NamedTuple):
+  """One step's hyperparameters, as optax holds them (Python floats or arrays)."""
+
+  b1: Any
+  b2: Any
+  bc1: Any  # 1 - b1**count, float32
+  bc2: Any
+  eps: Any
+  eps_root: Any
+  step_size: Any  # -learning_rate
+  scheduled: bool  # step_size is a schedule's value (optax casts it)
+  weight_decay: Any
+
+  def vector(self, moments_only: bool = True) -> jax.Array:
+    """The float32 values native/adam.cc reads, in its order.
+
+    Only constants for the moments: sharing the bias corrections with the
+    update would change how XLA rewrites the update (and round it differently).
+    """
+    values: tuple[Any, ...] = (1 - self.b1, self.b1, 1 - self.b2, self.b2)
+    if not moments_only:
+      values += (self.bc1, self.bc2, self.eps_root, self.eps, self.step_size, self.weight_decay)
+    return jnp.stack([jnp.asarray(x, jnp.float32) for x in values])
+
+
+def _step(g, m, v, p, hyper: _Hyper, vector, decay: bool):
+  """One leaf: moments by the native kernel on XLA:CPU, else by JAX; update by JAX.
+
+  The update is left to XLA, in optax's expressions, so that XLA fuses it with
+  what consumes it (`optax.apply_updates`: one pass over the params) and
+  rewrites it exactly as it rewrites optax's program.
+  """
+
+  def moments(g, m, v, vector):
+    return (1 - hyper.b1) * g + hyper.b1 * m, (1 - hyper.b2) * (g * g) + hyper.b2 * v
+
+  if g.size and native_available():
+    moments = functools.partial(jax.lax.platform_dependent, cpu=_native_moments, default=moments)
+  m, v = moments(g, m, v, vector)
+  u = (m / hyper.bc1.astype(m.dtype)) / (
+    jnp.sqrt(v / hyper.bc2.astype(v.dtype) + hyper.eps_root) + hyper.eps
+  )
+  if decay:
+    u = u + hyper.weight_decay * p
+  step_size = jnp.array(hyper.step_size, u.dtype) if hyper.scheduled else hyper.step_size
+  return step_size * u, m, v
+
+
+def _native_moments(g, m, v, vector):
+  out = jax.ShapeDtypeStruct(g.shape, jnp.float32)
+  # In place: XLA copies a moment first only if it is still used afterwards.
+  call = jax.ffi.ffi_call(_MOMENTS, (out, out), input_output_aliases={1: 0, 2: 1})
+  return call(g, m, v, vector)
+
+
+def fused_update(g, m, v, p, vector, *, decay: bool):
+  """The whole Adam step of one leaf in one native pass: (update, m, v).
+
+  Not used by `adam`: with the update written to memory, `apply_updates` would
+  read it back, where XLA fuses optax's update into it. It is what a host step
+  costs when the update leaves the host (ZeRO-Offload), measured by
+  benchmarks/host_adam.py and tried under a GPU's host computation by
+  benchmarks/gpu_check.py. Call `native_available()` first.
+  """
+  out = jax.ShapeDtypeStruct(g.shape, jnp.float32)
+  # In place: the update into the gradient's buffer, the moments into theirs.
+  call = jax.ffi.ffi_call(_TARGET, (out, out, out), input_output_aliases={0: 0, 1: 1, 2: 2})
+  return call(g, m, v, p, vector, decay=decay)
+
+
+_lock = threading.Lock()
+_registered: bool | None = None
+
+
+def native_available() -> bool:
+  """Builds (once per machine) and registers the kernel; False if it cannot."""
+  global _registered
+  with _lock:
+    if _registered is None:
+      _registered = _register()
+    return _registered
+
+
+def _register() -> bool:
+  if os.environ.get("OFFLAX_NATIVE", "1") == "0":
+    return False
+  try:
+    library = ctypes.CDLL(str(_build()))
+    for name, symbol in (
+      (_TARGET, library.OfflaxAdamF32),
+      (_MOMENTS, library.OfflaxAdamMomentsF32),
+    ):
+      jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(symbol), platform="cpu")
+  except (OSError, subprocess.SubprocessError, AttributeError) as e:
+    _LOG.warning("offlax: native Adam kernel unavailable, using plain JAX: %s", e)
+    return False
+  return True
+
+
+def _flags() -> list[str]:
+  """Compiler flags; no FMA where XLA:CPU is told not to use it (as it then does not)."""
+  isa = re.search(r"--xla_cpu_max_isa=(\w+)", os.environ.get("XLA_FLAGS", ""))
+  if isa and isa.group(1).upper() in ("SSE4_2", "AVX", "NEON"):
+    return [*_FLAGS, "-mno-fma"]
+  return list(_FLAGS)
+
+
+def _build() -> pathlib.Path:
+  """Compiles native/adam.cc into the cache directory, unless it is there."""
+  include = jax.ffi.include_dir()
+  flags = _flags()
+  key = hashlib.sha256()
+  for part in (_SOURCE.read_bytes(), " ".join(flags).encode(), include.encode(), _cpu_id()):
+    key.update(part)
+  cache = pathlib.Path(
+    os.environ.get("OFFLAX_CACHE_DIR")
+    or pathlib.Path(os.environ.get("XDG_CACHE_HOME", pathlib.Path.home() / ".cache")) / "offlax"
+  )
+  target = cache / f"adam-{key.hexdigest()[:16]}.so"
+  if target.exists():
+    return target
+  cache.mkdir(parents=True, exist_ok=True)
+  compiler = os.environ.get("CXX", "c++")
+  # Built beside the target and renamed: concurrent builders never load half a file.
+  with tempfile.TemporaryDirectory(dir=cache) as tmp:
+    out = pathlib.Path(tmp) / target.name
+    cmd = [compiler, *flags, "-fPIC", "-shared", f"-I{include}", str(_SOURCE), "-o", str(out)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if run.returncode != 0:
+      raise OSError(f"{' '.join(cmd)} failed: {run.stderr.strip()[-2000:]}")
+    os.replace(out, target)
+  return target
+
+
+def _cpu_id() -> bytes:
+  """What -march=native compiles for: the machine and its CPU's flags."""
+  flags = ""
+  try:
+    with open("/proc/cpuinfo") as f:
+      flags = next((line for line in f if line.startswith("flags")), "")
+  except OSError:
+    pass
+  return f"{platform.machine()} {flags}".encode()

@@ -1,0 +1,221 @@
+"""`offlax.adam`/`adamw`: optax's results, bit for bit, with the native moments kernel."""
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import assert_trees_equal, grads_like, model_params
+
+import offlax
+from offlax._src import host_adam
+
+
+def _float_params():
+  params = model_params()
+  del params["steps_seen"]
+  return params
+
+
+def _f32_params():
+  return jax.tree.map(lambda x: x.astype(jnp.float32), _float_params())
+
+
+def _train(tx, params, steps=4):
+  state = tx.init(params)
+  step = jax.jit(lambda p, s, g: tx.update(g, s, p))
+  for i in range(steps):
+    updates, state = step(params, state, grads_like(params, i))
+    params = optax.apply_updates(params, updates)
+  return params, state
+
+
+@pytest.fixture(params=["native", "jax"])
+def native(request, monkeypatch):
+  """Runs a test with the kernel, and again with the plain-JAX path."""
+  if request.param == "jax":
+    monkeypatch.setattr(host_adam, "_registered", False)
+  else:
+    assert host_adam.native_available(), "the kernel did not build (see the log)"
+  return request.param == "native"
+
+
+schedule = optax.warmup_cosine_decay_schedule(0.0, 1e-2, 2, 10)
+CASES = {
+  "adam": lambda m: m.adam(1e-3),
+  "adam_schedule": lambda m: m.adam(schedule),
+  "adam_hyper": lambda m: m.adam(3e-3, b1=0.8, b2=0.99, eps=1e-6, eps_root=1e-9),
+  "adamw": lambda m: m.adamw(1e-3, weight_decay=0.1),
+  "adamw_no_decay": lambda m: m.adamw(1e-3, weight_decay=0.0),
+  "adamw_mask": lambda m: m.adamw(1e-3, mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p)),
+  "adamw_schedule": lambda m: m.adamw(schedule, weight_decay=0.05),
+  "inject": lambda m: optax.inject_hyperparams(m.adam)(learning_rate=1e-3, b1=0.85),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bit_identical_to_optax(case, native):
+  params = _f32_params()
+  want = _train(CASES[case](optax), params)
+  got = _train(CASES[case](offlax), params)
+  assert_trees_equal(got, want)
+
+
+def test_the_kernel_runs_on_cpu_and_not_for_cuda():
+  assert host_adam.native_available()
+  tx = offlax.adam(1e-3)
+  params = _f32_params()
+  step = jax.jit(lambda p, s, g: tx.update(g, s, p))
+  args = (params, tx.init(params), params)
+  assert "offlax_adam_moments_f32" in step.lower(*args).as_text()
+  specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
+  exported = jax.export.export(step, platforms=["cuda"])(*specs)
+  assert "offlax_adam" not in exported.mlir_module()
+
+
+@pytest.mark.parametrize(
+  "make",
+  [
+    lambda m: m.adam(1e-3, mu_dtype=jnp.bfloat16),
+    lambda m: m.adam(1e-3, nesterov=True),
+    lambda m: m.adamw(1e-3, weight_decay=lambda c: 1e-4 * c),
+    lambda m: m.adamw(1e-3, mask={"w": True}),  # a prefix mask: optax.masked's rules
+  ],
+  ids=["mu_dtype", "nesterov", "decay_schedule", "prefix_mask"],
+)
+def test_what_the_kernel_does_not_cover_runs_optax(make):
+  params = {"w": {"a": jnp.linspace(-1, 1, 12).reshape(3, 4), "b": jnp.ones(4)}}
+  assert_trees_equal(_train(make(offlax), params), _train(make(optax), params))
+
+
+def test_bf16_leaves_run_optax():
+  params = _float_params()  # a bf16 embedding among fp32 leaves
+  assert_trees_equal(_train(offlax.adam(1e-3), params), _train(optax.adam(1e-3), params))
+
+
+@pytest.mark.parametrize("mode", ["device", "host"])
+def test_under_offload(mode, native):
+  params = _f32_params()
+  want = _train(optax.adamw(1e-3), params)
+  tier = offlax.HostTier(compute=mode, chunk_bytes=1024)
+  got_params, got_state = _train(offlax.offload(offlax.adamw(1e-3), tier), params)
+  assert_trees_equal(got_params, want[0])
+  assert_trees_equal(got_state.inner_state, want[1])
+
+
+def test_under_the_nvme_tier(tmp_path):
+  params = _f32_params()
+  want, _ = _train(optax.adam(1e-3), params)
+  tier = offlax.NVMeTier(str(tmp_path), chunk_bytes=3000, cache_bytes=0, progress=False)
+  got, _ = _train(offlax.offload(offlax.adam(1e-3), tier), params)
+  tier.close()
+  assert_trees_equal(got, want)
+
+
+def test_adamw_needs_params():
+  tx = offlax.adamw(1e-3)
+  params = _f32_params()
+  with pytest.raises(ValueError, match="params"):
+    tx.update(params, tx.init(params))
+
+
+def test_fused_update_matches_optax_to_rounding():
+  """The whole step in one pass (update written out): optax's maths, rounded its own way.
+
+  It divides once, m / (bc1 * denominator), where this test's XLA divides twice;
+  the moments are bit-identical. Tolerance: 2e-6 relative, 1e-10 absolute (the
+  updates are about 1e-3; the absolute term covers updates where the weight
+  decay cancels the Adam step).
+  """
+  assert host_adam.native_available()
+  k = jax.random.split(jax.random.key(1), 2)
+  p = {"a": jax.random.normal(k[0], (1000,)), "b": jax.random.normal(k[1], (37,))}
+  ref = optax.adamw(1e-3, weight_decay=0.1)
+  state = ref.init(p)
+  for i in range(3):
+    g = jax.tree.map(lambda x, i=i: jnp.sin(x * (i + 1)), p)
+    hyper = host_adam._Hyper(
+      0.9,
+      0.999,
+      1 - 0.9 ** jnp.float32(i + 1),
+      1 - 0.999 ** jnp.float32(i + 1),
+      1e-8,
+      0.0,
+      -1e-3,
+      False,
+      0.1,
+    )
+    vector = hyper.vector(moments_only=False)
+    got = {
+      k: jax.jit(host_adam.fused_update, static_argnames="decay")(
+        g[k], state[0].mu[k], state[0].nu[k], p[k], vector, decay=True
+      )
+      for k in p
+    }
+    want, state = jax.jit(ref.update)(g, state, p)
+    for k in p:
+      np.testing.assert_allclose(got[k][0], want[k], rtol=2e-6, atol=1e-10)
+      assert_trees_equal((got[k][1], got[k][2]), (state[0].mu[k], state[0].nu[k]))
+
+
+def test_a_failed_build_falls_back_to_jax(tmp_path, monkeypatch, caplog):
+  monkeypatch.setattr(host_adam, "_registered", None)
+  monkeypatch.setenv("OFFLAX_CACHE_DIR", str(tmp_path))
+  monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+  with caplog.at_level(logging.WARNING, logger="offlax"):
+    assert not host_adam.native_available()
+  assert "native Adam kernel unavailable" in caplog.text
+  params = _f32_params()
+  assert_trees_equal(_train(offlax.adam(1e-3), params), _train(optax.adam(1e-3), params))
+
+
+DEFAULT_FLAGS = textwrap.dedent(
+  """
+    import json, jax, jax.numpy as jnp, numpy as np, optax, offlax
+    from offlax._src import host_adam
+    k = jax.random.split(jax.random.key(0), 3)
+    trees = {"one leaf": {"w": jax.random.normal(k[0], (4096,))},
+             "three leaves": {"w": jax.random.normal(k[0], (64, 32)), "b": jnp.zeros(32),
+                              "e": jax.random.normal(k[1], (50, 16))}}
+
+    def run(tx, params, steps=5):
+      state, p = tx.init(params), params
+      step = jax.jit(lambda p, s, g: tx.update(g, s, p))
+      for i in range(steps):
+        g = jax.tree.map(lambda x: jnp.sin(x * (i + 1)) * 10.0 ** (i - 3), p)
+        u, state = step(p, state, g)
+        p = optax.apply_updates(p, u)
+      return p, state
+
+    def same(a, b):
+      return all(np.asarray(x).tobytes() == np.asarray(y).tobytes()
+                 for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+    out = {"native": host_adam.native_available()}
+    for name, params in trees.items():
+      for opt in ("adam", "adamw"):
+        out[f"{opt}, {name}"] = same(run(getattr(offlax, opt)(1e-3), params),
+                                     run(getattr(optax, opt)(1e-3), params))
+    print(json.dumps(out))
+    """
+)
+
+
+def test_bit_identical_under_default_xla_flags(tmp_path):
+  """With XLA's rewrites and FMA on, as users run it (conftest turns them off)."""
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env["OFFLAX_CACHE_DIR"] = str(tmp_path)
+  result = subprocess.run(
+    [sys.executable, "-c", DEFAULT_FLAGS], env=env, capture_output=True, text=True, timeout=600
+  )
+  assert result.returncode == 0, result.stderr[-3000:]
+  out = json.loads(result.stdout.strip().splitlines()[-1])
+  assert out.pop("native") is True
+  assert all(out.values()), out
