@@ -355,12 +355,11 @@ def test_direct_io(tmp_path, monkeypatch):
   from offlax._src import nvme_tier
 
   direct = []
-  set_direct = nvme_tier._set_direct
-  monkeypatch.setattr(
-    nvme_tier, "_set_direct", lambda fd, on: direct.append(fd) or set_direct(fd, on)
-  )
+  clear_direct = nvme_tier._clear_direct
+  monkeypatch.setattr(nvme_tier, "_clear_direct", lambda fd: direct.append(fd) or clear_direct(fd))
   # Chunks of 8 KiB: "a" two whole ones; "b" a whole one and a short one of one
-  # block (direct, its padding not); "c" a short one of 1 KiB (page cache).
+  # block (read directly, written through the page cache with its padding); "c"
+  # a short one of 1 KiB (page cache both ways).
   params = {"a": jnp.linspace(-1, 1, 4096), "b": jnp.linspace(0, 2, 3072), "c": jnp.ones(256)}
   want_params, want_state = _train(optax.adam(1e-3), params, 3)
   tier = _tier(tmp_path, chunk_bytes=8192, cache_bytes=0)
@@ -380,3 +379,16 @@ def test_direct_io(tmp_path, monkeypatch):
   store.read_metadata()
   with pytest.raises(offlax.StoreCorruptedError, match=r"checksum mismatch"):
     store.result(store.read(record["index"], 0, 4096))
+
+
+def test_no_io_after_close(tmp_path):
+  params = _float_params()
+  tier = _tier(tmp_path)
+  tx = offlax.offload(optax.adam(1e-3), tier)
+  state = tx.init(params)
+  step = jax.jit(lambda p, s, g: tx.update(g, s, p))
+  _, state = step(params, state, grads_like(params, 0))  # not waited for: close() waits
+  tier.close()
+  assert int(state.step) == 1 and tier.store.step == 1
+  with pytest.raises(Exception, match="the tier was closed"):
+    jax.block_until_ready(step(params, state, grads_like(params, 1)))

@@ -165,9 +165,10 @@ def _fused(reference, learning_rate, betas, weight_decay, mask, nesterov, mu_dty
     adam_state, lr_state = state[0], state[-1]
     if decays and params is None:
       raise ValueError("offlax.adamw: update needs params (the weight decay reads them).")
-    flags = _decay_flags(updates, params, mask) if decays else None
+    flags = _decay_flags(updates, mask) if decays else None
     leaves, treedef = jax.tree.flatten(updates)
-    if not (fusable and _all_f32(leaves, adam_state.mu, adam_state.nu) and flags is not False):
+    fused = leaves and fusable and flags is not False
+    if not (fused and _all_f32(leaves, adam_state.mu, adam_state.nu)):
       return reference.update(updates, state, params)
     count_inc = numerics.safe_increment(adam_state.count)
     if callable(learning_rate):
@@ -199,15 +200,7 @@ def _fused(reference, learning_rate, betas, weight_decay, mask, nesterov, mu_dty
         strict=True,
       )
     ]
-    new_u, mu, nu = (
-      (treedef.unflatten(list(x)) for x in zip(*out, strict=True))
-      if out
-      else (
-        updates,
-        adam_state.mu,
-        adam_state.nu,
-      )
-    )
+    new_u, mu, nu = (treedef.unflatten(list(x)) for x in zip(*out, strict=True))
     new_adam = adam_state._replace(count=count_inc, mu=mu, nu=nu)
     return new_u, (new_adam, *state[1:-1], lr_state)
 
@@ -228,7 +221,7 @@ def _all_f32(leaves, mu, nu) -> bool:
   )
 
 
-def _decay_flags(updates, params, mask) -> list[bool] | bool:
+def _decay_flags(updates, mask) -> list[bool] | bool:
   """Which leaves `mask` decays, or False where the fused path cannot tell."""
   n = len(jax.tree.leaves(updates))
   if mask is None:
@@ -239,12 +232,6 @@ def _decay_flags(updates, params, mask) -> list[bool] | bool:
   except (ValueError, TypeError):
     return False  # a prefix or otherwise shaped mask: optax.masked's rules apply
   if len(flat) != n or not all(isinstance(m, bool | np.bool_) for m in flat):
-    return False
-  if params is not None and any(
-    jnp.result_type(p) != jnp.float32
-    for p, m in zip(jax.tree.leaves(params), flat, strict=True)
-    if m
-  ):
     return False
   return [bool(m) for m in flat]
 

@@ -79,7 +79,7 @@ class Store:
   Not thread-safe for concurrent steps; one training loop drives one store.
   """
 
-  def __init__(self, path: str, *, fsync: bool, threads: int = 4, direct: bool = True):
+  def __init__(self, path: str, *, fsync: bool, threads: int = 4):
     self.path = os.path.abspath(path)
     self.fsync = fsync
     self.step = 0
@@ -93,7 +93,7 @@ class Store:
     # Direct I/O skips the page cache copy both ways and the kernel's writeback
     # (DeepSpeed's ZeRO-Infinity does the same); tmpfs and some others refuse it,
     # which the first chunk I/O finds out.
-    self._direct_ok: bool | None = None if direct else False
+    self._direct_ok: bool | None = None
     self._executor: concurrent.futures.ThreadPoolExecutor | None = None
     self._closed = False
     self._made_dirs: set[str] = set()
@@ -229,7 +229,7 @@ class Store:
     gen = self.generation if gen is None else gen
     if out is None:
       dtype = np.dtype(r.dtype)
-      out = aligned_empty((stop - start) * dtype.itemsize).view(dtype)
+      out = _aligned_empty((stop - start) * dtype.itemsize).view(dtype)
     return self._submit(self._read, r, gen, start, stop, out)
 
   def _submit(self, fn, *args) -> concurrent.futures.Future:
@@ -275,7 +275,7 @@ class Store:
         )
       _pread_into(fd, data, 0)  # direct: from the disk to `data`, no page cache copy
       if direct:
-        _set_direct(fd, False)  # the 4-byte checksum is not a whole block
+        _clear_direct(fd)  # the 4-byte checksum is not a whole block
       stored = int.from_bytes(os.pread(fd, 4, chunk_nbytes), "little")
       # The rest of a short last chunk is zero padding, as zarr3 writes it.
       if _crc(data, chunk_nbytes - data.nbytes) != stored:
@@ -337,7 +337,7 @@ class Store:
         # here is never read back.
         if direct:
           _pwrite_all(fd, [data], 0)  # to the disk, no page cache copy or writeback
-          _set_direct(fd, False)  # the 4-byte checksum is not a whole block
+          _clear_direct(fd)  # the 4-byte checksum is not a whole block
           _pwrite_all(fd, [crc], chunk_nbytes)
         else:
           _pwrite_all(fd, [data, *_zero_parts(pad), crc], 0)
@@ -654,12 +654,11 @@ def _supports_direct(path: str) -> bool:
   return True
 
 
-def _set_direct(fd: int, on: bool) -> None:
-  flags = fcntl.fcntl(fd, fcntl.F_GETFL)
-  fcntl.fcntl(fd, fcntl.F_SETFL, flags | _O_DIRECT if on else flags & ~_O_DIRECT)
+def _clear_direct(fd: int) -> None:
+  fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_DIRECT)
 
 
-def aligned_empty(nbytes: int) -> np.ndarray:
+def _aligned_empty(nbytes: int) -> np.ndarray:
   """`nbytes` uninitialised bytes starting on a direct I/O block boundary."""
   raw = np.empty(nbytes + _BLOCK, np.uint8)
   start = -raw.ctypes.data % _BLOCK
@@ -886,7 +885,7 @@ class _Reader:
     for i, b in enumerate(self._buffers):
       if b.nbytes >= nbytes:
         return self._buffers.pop(i)
-    return aligned_empty(nbytes)
+    return _aligned_empty(nbytes)
 
   def _issue(self, k: int) -> None:
     # Keyed by step: XLA may run the callbacks of one step out of order, and a
