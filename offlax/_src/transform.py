@@ -14,6 +14,7 @@ from jax.experimental.compute_on import compute_on2
 
 from offlax._src import coupling as coupling_lib
 from offlax._src import errors
+from offlax._src import flax_glue
 from offlax._src import layout as layout_lib
 from offlax._src import schedule as schedule_lib
 from offlax._src.host_tier import HostTier
@@ -85,6 +86,7 @@ def offload(
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
+    params = flax_glue.unbox(params)
     spec = _spec_of(params, "params")
     if isinstance(tier, NVMeTier):
       tier.host.check_devices(_devices_of(params))
