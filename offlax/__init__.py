@@ -1,5 +1,6 @@
 """offlax: optimizer state off the accelerator, as an optax wrapper."""
 
+from offlax._src.checkpoint import abstract_state
 from offlax._src.errors import (
   InvalidTierError,
   LeafTypeError,
@@ -40,6 +41,7 @@ __all__ = [
   "StoreLockedError",
   "StoreMismatchError",
   "TreeMismatchError",
+  "abstract_state",
   "adam",
   "adamw",
   "master_weights",

@@ -13,8 +13,7 @@ import optax
 from jax.experimental.compute_on import compute_on2
 
 from offlax._src import coupling as coupling_lib
-from offlax._src import errors
-from offlax._src import flax_glue
+from offlax._src import errors, flax_glue
 from offlax._src import layout as layout_lib
 from offlax._src import schedule as schedule_lib
 from offlax._src.host_tier import HostTier

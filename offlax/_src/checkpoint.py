@@ -1,0 +1,60 @@
+"""Checkpoints: the abstract offloaded state that orbax restores into."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import optax
+
+from offlax._src import errors, flax_glue
+from offlax._src.host_tier import HostTier
+from offlax._src.transform import OffloadState, _devices_of, _spec_of
+
+
+def abstract_state(
+  inner: optax.GradientTransformation, params: Any, tier: HostTier | None = None
+) -> OffloadState:
+  """The state `offload(inner, tier).init(params)` would return, as shapes and shardings.
+
+  Nothing is allocated: the leaves are `jax.ShapeDtypeStruct`s whose shardings
+  carry the memory kind each leaf would have (``pinned_host`` for the ones the
+  tier offloads). Pass it to orbax as the restore target, and orbax builds
+  every leaf directly in its tier, e.g.
+  ``mngr.restore(step, args=ocp.args.StandardRestore(abstract_state(...)))``;
+  its ``inner_state`` is the target for a checkpoint of the plain optimizer.
+
+  Args:
+    inner: the offloaded transformation.
+    params: the params, or their `jax.ShapeDtypeStruct`s.
+    tier: a `HostTier`; None means the default one. The NVMe tier keeps its
+      own store, see the README's "Checkpoints".
+
+  Returns:
+    An `OffloadState` of `jax.ShapeDtypeStruct`s.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, offlax
+    >>> params = {"w": jax.ShapeDtypeStruct((4, 3), jnp.float32)}
+    >>> state = offlax.abstract_state(optax.adam(1e-3), params)
+    >>> state.inner_state[0].mu["w"].sharding.memory_kind
+    'pinned_host'
+  """
+  tier = HostTier() if tier is None else tier
+  if not isinstance(tier, HostTier):
+    raise errors.InvalidTierError(
+      f"abstract_state takes a HostTier, got {type(tier).__name__}: an NVMeTier's state is "
+      "its store (see the README's Checkpoints)."
+    )
+  params = flax_glue.unbox(params)
+  spec = _spec_of(params, "params")
+  device = min(_devices_of(params), key=lambda d: d.id)
+  shapes = jax.eval_shape(optax.with_extra_args_support(inner).init, params)
+  placement = tier.placement(shapes)
+  sharding = jax.sharding.SingleDeviceSharding(device)
+
+  def place(x, host):
+    kind = tier.memory_kind if host else sharding.memory_kind
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding.with_memory_kind(kind))
+
+  return OffloadState(jax.tree.map(place, shapes, placement), spec)
