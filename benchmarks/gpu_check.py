@@ -206,6 +206,15 @@ def memory_analysis(offlax, optax, jax, n_params):
     ) + row["temp_size_in_bytes"]
     row["device_bytes_per_param"] = row["device_peak_bytes"] / out["params"]
     out[name] = row
+  # The planner's accounting beside the compiler's (it counts params, gradients
+  # and state; the compiled step adds its temporaries).
+  plan = offlax.plan(shapes, optax.adamw(1e-3), device_bytes=2**62, host_bytes=2**62)
+  a = plan.assumptions
+  out["planner"] = {
+    "param_grad_state_bytes": a["param_bytes"] + a["grad_bytes"] + a["state_bytes"],
+    "state_bytes": a["state_bytes"],
+    "host_tier_host_argument_bytes": out["host_tier"]["host_argument_size_in_bytes"],
+  }
   return out
 
 

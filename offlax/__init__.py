@@ -19,6 +19,7 @@ from offlax._src.host_tier import HostTier
 from offlax._src.layout import OnDisk, ParamSpec
 from offlax._src.master import MasterWeightsState, master_weights
 from offlax._src.nvme_tier import NVMeTier
+from offlax._src.planner import Plan, plan
 from offlax._src.transform import OffloadState, offload
 
 __version__ = "0.1.0"
@@ -34,6 +35,7 @@ __all__ = [
   "OffloadState",
   "OnDisk",
   "ParamSpec",
+  "Plan",
   "StaleStateError",
   "StoreCorruptedError",
   "StoreError",
@@ -46,4 +48,5 @@ __all__ = [
   "adamw",
   "master_weights",
   "offload",
+  "plan",
 ]

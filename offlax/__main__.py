@@ -1,0 +1,88 @@
+"""`python -m offlax plan ...`: the planner on the command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(prog="python -m offlax", description="offlax tools")
+  sub = parser.add_subparsers(dest="command", required=True)
+  p = sub.add_parser("plan", help="where the optimizer state should live, and what it costs")
+  p.add_argument("--params", type=float, required=True, help="number of parameters, e.g. 13e9")
+  p.add_argument("--device-mem", required=True, help="accelerator memory, e.g. 24GB")
+  p.add_argument("--host-mem", required=True, help="host RAM for the state, e.g. 128GB")
+  p.add_argument("--nvme", default="0", help="free disk for an NVMe store, e.g. 2TB (0)")
+  p.add_argument("--activations", default="0", help="activations and temporaries (0)")
+  p.add_argument("--param-dtype", default="bfloat16", help="dtype of the params (bfloat16)")
+  p.add_argument(
+    "--optimizer", choices=("adam", "adamw", "sgd", "adafactor"), default="adamw",
+    help="the inner optimizer (adamw)",
+  )  # fmt: skip
+  p.add_argument(
+    "--master", action="store_true",
+    help="fp32 master weights in the state (offlax.master_weights), as mixed precision does",
+  )  # fmt: skip
+  p.add_argument("--chunk", default="64MiB", help="slice size (64MiB)")
+  p.add_argument("--bus-gbps", type=float, help="host<->device GB/s each way (25)")
+  p.add_argument("--disk-gbps", type=float, help="disk GB/s (3)")
+  p.add_argument("--host-adam-gps", type=float, help="host optimizer step, G params/s (1.2)")
+  p.add_argument(
+    "--measure", action="store_true",
+    help="measure bus, disk (in --nvme-path) and host Adam speed on this machine first",
+  )  # fmt: skip
+  p.add_argument("--nvme-path", default=None, help="directory --measure writes to (temp)")
+  args = parser.parse_args(argv)
+
+  import jax
+  import jax.numpy as jnp
+  import optax
+
+  import offlax
+  from offlax._src import planner
+
+  try:
+    sizes = {
+      "device_bytes": planner.parse_bytes(args.device_mem),
+      "host_bytes": planner.parse_bytes(args.host_mem),
+      "nvme_bytes": planner.parse_bytes(args.nvme),
+      "activation_bytes": planner.parse_bytes(args.activations),
+      "chunk_bytes": planner.parse_bytes(args.chunk),
+    }
+    dtype = jnp.dtype(args.param_dtype)
+  except (ValueError, TypeError) as e:
+    parser.error(str(e))
+  rates: dict[str, Any] = {}
+  if args.measure:
+    from offlax._src import measure
+
+    rates = measure.all(args.nvme_path)
+    print("measured: " + ", ".join(f"{k} {v:.3g}" for k, v in rates.items()))
+  for key, flag, scale in (
+    ("bus_bytes_per_s", args.bus_gbps, 1e9),
+    ("disk_bytes_per_s", args.disk_gbps, 1e9),
+    ("host_adam_params_per_s", args.host_adam_gps, 1e9),
+  ):
+    if flag is not None:
+      rates[key] = flag * scale
+  n = int(args.params)
+  leaf = 1 << 26  # leaves of up to 64M params, like a large model's matrices
+  shapes = {f"w{i:05d}": jax.ShapeDtypeStruct((min(leaf, n - i * leaf),), dtype)
+            for i in range(-(-n // leaf))}  # fmt: skip
+  inner = {
+    "adam": lambda: optax.adam(1e-3),
+    "adamw": lambda: optax.adamw(1e-3),
+    "sgd": lambda: optax.sgd(1e-3, momentum=0.9),
+    "adafactor": lambda: optax.adafactor(1e-3),
+  }[args.optimizer]()
+  tx = offlax.master_weights(inner) if args.master else inner
+  result = offlax.plan(shapes, tx, **sizes, **rates)
+  print(result.table())
+  return 0 if result.fits else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())

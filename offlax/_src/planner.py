@@ -1,0 +1,262 @@
+"""The planner: where an optimizer's state should live, and what that costs per step."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+
+from offlax._src import errors, flax_glue
+
+GB = 10**9
+
+# Defaults for the estimates, overridable per call. Conservative round figures:
+# PCIe 4.0 x16 moves ~25 GB/s each way with pinned buffers; a datacenter NVMe
+# SSD ~3 GB/s; offlax.adam's host step ~1.2 G params/s on 2 cores
+# (benchmarks/host_adam.py), more with more cores.
+BUS_BYTES_PER_S = 25 * GB
+DISK_BYTES_PER_S = 3 * GB
+HOST_ADAM_PARAMS_PER_S = 1.2e9
+SLICES_ON_DEVICE = 3  # the streamed schedule holds about three slices at once
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """Where the state goes and what it costs; see `plan`.
+
+  Attributes:
+    mode: ``"device"`` (everything fits: no offload), ``"host"`` (the streamed
+      host tier), ``"host_compute"`` (``HostTier(compute="host")``),
+      ``"nvme"`` (the NVMe tier), or ``"none"`` if nothing fits.
+    fits: whether the mode fits the given memories.
+    chunk_bytes: the slice size the plan assumes.
+    fraction: for ``"host"``, the share of the state to offload (the rest fits
+      on the device); 1.0 otherwise.
+    placement: state leaf key path -> ``"device"``, ``"host"`` or ``"nvme"``.
+    bytes: bytes per tier (``device``, ``host``, ``nvme``), parameters,
+      gradients and the device's working slices included.
+    bus_bytes_per_step: bytes crossing host <-> device per step.
+    disk_bytes_per_step: bytes read and written on disk per step.
+    overhead_s: estimated extra seconds per step if no transfer overlapped
+      compute (an upper bound; the streamed tier hides most of it).
+    advice: what to change, when it does not fit or could do better.
+    assumptions: the figures the estimates used.
+  """
+
+  mode: str
+  fits: bool
+  chunk_bytes: int
+  fraction: float
+  placement: dict[str, str]
+  bytes: dict[str, int]
+  bus_bytes_per_step: int
+  disk_bytes_per_step: int
+  overhead_s: float
+  advice: list[str]
+  assumptions: dict[str, Any]
+
+  def table(self) -> str:
+    """A readable summary."""
+    a = self.assumptions
+    lines = [
+      f"offlax plan: {a['params']:,} params ({_size(a['param_bytes'])}), "
+      f"optimizer state {_size(a['state_bytes'])}, gradients {_size(a['grad_bytes'])}",
+      f"{'tier':<8}{'uses':>12}{'has':>12}",
+    ]
+    for tier, has in (("device", a["device_bytes"]), ("host", a["host_bytes"])):
+      lines.append(f"{tier:<8}{_size(self.bytes[tier]):>12}{_size(has):>12}")
+    lines.append(f"{'nvme':<8}{_size(self.bytes['nvme']):>12}{_size(a['nvme_bytes']):>12}")
+    verdict = "fits" if self.fits else "DOES NOT FIT"
+    lines += [
+      f"mode: {self.mode} ({verdict}); chunk_bytes {self.chunk_bytes / 2**20:g} MiB"
+      + (f", fraction {self.fraction:.2f}" if self.mode == "host" else ""),
+      f"per step: {_size(self.bus_bytes_per_step)} over the bus, "
+      f"{_size(self.disk_bytes_per_step)} on disk; overhead <= {self.overhead_s:.2f} s "
+      f"(bus {_size(a['bus_bytes_per_s'])}/s, disk {_size(a['disk_bytes_per_s'])}/s, "
+      f"host Adam {a['host_adam_params_per_s'] / 1e9:.2f} G params/s, no overlap)",
+    ]
+    lines += [f"- {x}" for x in self.advice]
+    return "\n".join(lines)
+
+
+def plan(
+  params: Any,
+  tx: optax.GradientTransformation,
+  *,
+  device_bytes: int,
+  host_bytes: int,
+  nvme_bytes: int = 0,
+  activation_bytes: int = 0,
+  chunk_bytes: int = 64 * 2**20,
+  bus_bytes_per_s: float = BUS_BYTES_PER_S,
+  disk_bytes_per_s: float = DISK_BYTES_PER_S,
+  host_adam_params_per_s: float = HOST_ADAM_PARAMS_PER_S,
+) -> Plan:
+  """Chooses where the state of `tx` should live for `params`, and estimates the cost.
+
+  Tries, in order, all on the device, the streamed host tier (offloading only
+  the share of the state that does not fit), host compute, then the NVMe tier,
+  and returns the first that fits (or, if none does, the closest, with advice).
+  The device holds the params, their gradients (same dtype), `activation_bytes`
+  and, when streaming, about three slices of `chunk_bytes`.
+
+  Args:
+    params: the params, or their `jax.ShapeDtypeStruct`s.
+    tx: the optimizer to offload (the inner one, not wrapped by `offload`).
+    device_bytes: accelerator memory available to the step.
+    host_bytes: host RAM available to the state.
+    nvme_bytes: free disk for an NVMe store (0: none).
+    activation_bytes: the step's activations and other temporaries.
+    chunk_bytes: the slice size (the tiers' default).
+    bus_bytes_per_s: host <-> device bandwidth, each way.
+    disk_bytes_per_s: disk bandwidth.
+    host_adam_params_per_s: host compute speed of the optimizer step.
+
+  Returns:
+    A `Plan`.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, offlax
+    >>> params = {"w": jax.ShapeDtypeStruct((1024, 1024), jnp.float32)}
+    >>> p = offlax.plan(
+    ...   params, optax.adam(1e-3), device_bytes=10 * 2**20, host_bytes=2**30, chunk_bytes=2**18
+    ... )
+    >>> p.mode, p.fits, p.bytes["host"]
+    ('host', True, 8388608)
+  """
+  for name, value in (("device_bytes", device_bytes), ("host_bytes", host_bytes)):
+    if not isinstance(value, (int, np.integer)) or value <= 0:
+      raise errors.InvalidTierError(f"plan: {name} must be a positive int, got {value!r}.")
+  params = flax_glue.unbox(params)
+  flat_state = jax.tree_util.tree_flatten_with_path(jax.eval_shape(tx.init, params))[0]
+  leaves = [(jax.tree_util.keystr(p), _nbytes(x)) for p, x in flat_state if _nbytes(x)]
+  param_bytes = sum(_nbytes(x) for x in jax.tree.leaves(params))
+  n_params = sum(int(np.prod(np.shape(x))) for x in jax.tree.leaves(params))
+  state = sum(b for _, b in leaves)
+  big = [(k, b) for k, b in leaves if b > 64]  # scalars stay on the device
+  small = state - sum(b for _, b in big)
+  fixed = 2 * param_bytes + activation_bytes  # params and gradients
+  slices = SLICES_ON_DEVICE * chunk_bytes
+  assumptions = {
+    "params": n_params,
+    "param_bytes": param_bytes,
+    "grad_bytes": param_bytes,
+    "state_bytes": state,
+    "activation_bytes": activation_bytes,
+    "device_bytes": device_bytes,
+    "host_bytes": host_bytes,
+    "nvme_bytes": nvme_bytes,
+    "bus_bytes_per_s": bus_bytes_per_s,
+    "disk_bytes_per_s": disk_bytes_per_s,
+    "host_adam_params_per_s": host_adam_params_per_s,
+  }
+
+  def make(mode, fits, placement, dev, host, nvme, bus, disk, overhead, advice, fraction=1.0):
+    return Plan(
+      mode,
+      fits,
+      chunk_bytes,
+      fraction,
+      placement,
+      {"device": dev, "host": host, "nvme": nvme},
+      bus,
+      disk,
+      overhead,
+      advice,
+      assumptions,
+    )
+
+  everywhere = lambda where: {k: where for k, _ in leaves}
+  if fixed + state <= device_bytes:
+    return make("device", True, everywhere("device"), fixed + state, 0, 0, 0, 0, 0.0, [])
+
+  # The streamed host tier: offload the largest leaves first (ties in tree order,
+  # as HostTier(fraction=) does) until the rest fits beside params and slices.
+  room = device_bytes - fixed - slices - small
+  placement, on_device = everywhere("device"), sum(b for _, b in big)
+  for k, b in sorted(big, key=lambda kb: -kb[1]):
+    if on_device <= room:
+      break
+    placement[k] = "host"
+    on_device -= b
+  host = state - small - on_device
+  if room >= 0 and host <= host_bytes:
+    # Rounded down, so that HostTier(fraction=) stops at the same leaf.
+    fraction = 1.0 if host == state - small else math.nextafter(host / (state - small), 0)
+    advice = [] if fraction == 1.0 else [f"offload(inner, fraction={fraction:.3f})"]
+    return make(
+      "host", True, placement, fixed + slices + small + on_device, host, 0,
+      2 * host, 0, 2 * host / bus_bytes_per_s, advice, fraction,
+    )  # fmt: skip
+  # Host compute: no state slices on the device, gradients out, updates back.
+  if fixed <= device_bytes and state <= host_bytes:
+    bus = 2 * param_bytes
+    overhead = bus / bus_bytes_per_s + n_params / host_adam_params_per_s
+    return make(
+      "host_compute", True, everywhere("host"), fixed, state, 0, bus, 0, overhead,
+      ["the device cannot hold three slices beside params and gradients: compute on the host"]
+      if room < 0 else [],
+    )  # fmt: skip
+  # The NVMe tier: RAM caches what it can (a quarter kept for slices and buffers).
+  cache = max(0, int(host_bytes * 0.75) - 8 * chunk_bytes)
+  on_disk = max(0, state - small - cache)
+  nvme_fits = fixed + slices + small <= device_bytes and 0 < on_disk <= nvme_bytes
+  if nvme_fits:
+    placement = everywhere("device")
+    cached = 0
+    for k, b in sorted(big, key=lambda kb: kb[1]):
+      if cached + b <= cache:
+        cached += b
+        placement[k] = "host"
+      else:
+        placement[k] = "nvme"
+    disk = 2 * (state - small - cached)
+    bus = 2 * (state - small)
+    overhead = max(bus / bus_bytes_per_s, disk / disk_bytes_per_s)
+    return make(
+      "nvme", True, placement, fixed + slices + small, cached + 8 * chunk_bytes,
+      state - small - cached, bus, disk, overhead, [f"NVMeTier(path, cache_bytes={cache})"],
+    )  # fmt: skip
+  advice = []
+  if fixed > device_bytes:
+    advice.append(
+      f"params and gradients alone need {_size(fixed)} of device memory ({_size(device_bytes)} "
+      f"available): shard them over {math.ceil(fixed / device_bytes)}+ devices (a jax Mesh), "
+      "use lower-precision params, or train fewer of them (LoRA-style adapters)"
+    )
+  if state > host_bytes + nvme_bytes:
+    advice.append(
+      f"the optimizer state needs {_size(state)}: add host RAM or NVMe "
+      f"({_size(state - host_bytes)} more than the host has)"
+    )
+  return make(
+    "none", False, everywhere("host"), fixed, state, 0, 2 * param_bytes, 0, math.inf, advice
+  )
+
+
+def parse_bytes(text: str) -> int:
+  """'24GB', '128GiB', '2TB', '512MiB' or a plain number of bytes."""
+  units = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+  m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]?)(I?)B?\s*", text.upper())
+  if not m:
+    raise ValueError(f"not a size: {text!r} (e.g. 24GB, 128GiB, 2TB)")
+  scale = units[m.group(2)]
+  if m.group(3):  # binary: KiB, MiB, ...
+    scale = 1024 ** "KMGT".index(m.group(2)) * 1024 if m.group(2) else 1
+  return int(float(m.group(1)) * scale)
+
+
+def _nbytes(x: Any) -> int:
+  return int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize
+
+
+def _size(n: float) -> str:
+  for unit, scale in (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
+    if n >= scale:
+      return f"{n / scale:.1f} {unit}"
+  return f"{int(n)} B"

@@ -1,0 +1,100 @@
+"""The planner: modes, byte accounting against real states and compiled steps, the CLI."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import offlax
+from offlax.__main__ import main as cli
+from offlax._src.planner import parse_bytes
+
+MiB = 2**20
+
+
+def _shapes(n_leaves=8, size=2**18, dtype=jnp.float32):
+  return {f"w{i}": jax.ShapeDtypeStruct((size,), dtype) for i in range(n_leaves)}
+
+
+def _plan(device, host, nvme=0, **kw):
+  return offlax.plan(
+    _shapes(), optax.adam(1e-3), device_bytes=device, host_bytes=host, nvme_bytes=nvme,
+    chunk_bytes=MiB, **kw,
+  )  # fmt: skip
+
+
+def test_modes_in_order():
+  # 2M fp32 params: 8 MiB params, 8 MiB grads, 16 MiB of Adam state.
+  assert _plan(64 * MiB, 64 * MiB).mode == "device"
+  host = _plan(24 * MiB, 64 * MiB)
+  assert (host.mode, host.fits) == ("host", True) and 0 < host.fraction < 1
+  assert host.bytes["host"] + (host.bytes["device"] - 16 * MiB - 3 * MiB) == 16 * MiB + 4
+  assert host.bus_bytes_per_step == 2 * host.bytes["host"]
+  compute = _plan(17 * MiB, 64 * MiB)  # no room for three 1 MiB slices
+  assert (compute.mode, compute.bus_bytes_per_step) == ("host_compute", 16 * MiB)
+  nvme = _plan(24 * MiB, 8 * MiB, nvme=1 << 30)
+  assert nvme.mode == "nvme" and nvme.bytes["nvme"] > 0 and nvme.disk_bytes_per_step > 0
+  none = _plan(8 * MiB, 8 * MiB)
+  assert (none.mode, none.fits) == ("none", False)
+  assert any("shard them over 2+ devices" in a for a in none.advice)
+  assert "DOES NOT FIT" in none.table()
+
+
+def test_host_bytes_match_the_real_state():
+  params = {k: jnp.ones(s.shape) for k, s in _shapes().items()}
+  p = offlax.plan(params, optax.adam(1e-3), device_bytes=24 * MiB, host_bytes=1 << 30,
+                  chunk_bytes=MiB)  # fmt: skip
+  state = offlax.offload(optax.adam(1e-3), fraction=p.fraction).init(params)
+  on_host = sum(x.nbytes for x in jax.tree.leaves(state) if x.sharding.memory_kind == "pinned_host")
+  assert on_host == p.bytes["host"]
+  assert sorted(k for k, v in p.placement.items() if v == "host") == sorted(
+    jax.tree_util.keystr(path)
+    for path, x in jax.tree_util.tree_flatten_with_path(state.inner_state)[0]
+    if x.sharding.memory_kind == "pinned_host"
+  )
+
+
+def test_accounting_matches_memory_analysis():
+  """On the CPU a compiled step's arguments are params, state and gradients, whatever the tier."""
+  shapes = _shapes()
+  p = offlax.plan(shapes, optax.adamw(1e-3), device_bytes=1 << 30, host_bytes=1 << 30)
+  tx = offlax.offload(optax.adamw(1e-3))  # reads the params: none of the arguments is pruned
+  params = {k: jnp.ones(s.shape) for k, s in shapes.items()}
+  state = tx.init(params)
+  step = jax.jit(lambda p, s, g: tx.update(g, s, p))
+  grads = jax.tree.map(jnp.zeros_like, params)
+  analysis = step.lower(params, state, grads).compile().memory_analysis()
+  a = p.assumptions
+  assert analysis.argument_size_in_bytes == a["param_bytes"] + a["grad_bytes"] + a["state_bytes"]
+
+
+def test_bad_sizes():
+  with pytest.raises(offlax.InvalidTierError, match="device_bytes"):
+    _plan(0, MiB)
+  assert parse_bytes("24GB") == 24 * 10**9 and parse_bytes("64MiB") == 64 * MiB
+  assert parse_bytes("1.5e9") == 1_500_000_000
+  with pytest.raises(ValueError, match="not a size"):
+    parse_bytes("lots")
+
+
+def test_cli(capsys):
+  assert cli(["plan", "--params", "13e9", "--device-mem", "24GB", "--host-mem", "128GB",
+              "--master"]) == 1  # fmt: skip
+  out = capsys.readouterr().out
+  assert "13,000,000,000 params" in out and "DOES NOT FIT" in out and "shard them" in out
+  assert cli(["plan", "--params", "2e8", "--device-mem", "1.2GB", "--host-mem", "16GB",
+              "--optimizer", "adam"]) == 0  # fmt: skip
+  assert "mode: host (fits)" in capsys.readouterr().out
+  with pytest.raises(SystemExit):
+    cli(["plan", "--params", "1e9", "--device-mem", "lots", "--host-mem", "1GB"])
+  assert "not a size" in capsys.readouterr().err
+
+
+def test_cli_measure(capsys, tmp_path):
+  assert cli(["plan", "--params", "1e8", "--device-mem", "80GB", "--host-mem", "16GB",
+              "--measure", "--nvme-path", str(tmp_path)]) == 0  # fmt: skip
+  out = capsys.readouterr().out
+  measured = dict(kv.rsplit(" ", 1) for kv in out.splitlines()[0][len("measured: ") :].split(", "))
+  assert all(float(v) > 0 for v in measured.values()), measured
+  assert np.isfinite(float(measured["host_adam_params_per_s"]))
