@@ -168,8 +168,11 @@ def memory_analysis(offlax, optax, jax, n_params):
   shapes = _params(n_params)
   device = jax.devices()[0]
   out = {"params": sum(int(np.prod(s.shape)) for s in jax.tree.leaves(shapes))}
-  host = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
-  on_dev = jax.sharding.SingleDeviceSharding(device)
+  # NamedShardings: JAX types a SingleDeviceSharding's pinned_host as device memory.
+  mesh = jax.sharding.Mesh(np.array([device]), ("d",))
+  replicated = jax.sharding.PartitionSpec()
+  host = jax.sharding.NamedSharding(mesh, replicated, memory_kind="pinned_host")
+  on_dev = jax.sharding.NamedSharding(mesh, replicated)
   param_specs = jax.tree.map(
     lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=on_dev), shapes
   )

@@ -1,6 +1,6 @@
 """offlax: optimizer state off the accelerator, as an optax wrapper."""
 
-from offlax._src.checkpoint import abstract_state
+from offlax._src.checkpoint import abstract_state, placed
 from offlax._src.errors import (
   InvalidTierError,
   LeafTypeError,
@@ -48,5 +48,6 @@ __all__ = [
   "adamw",
   "master_weights",
   "offload",
+  "placed",
   "plan",
 ]

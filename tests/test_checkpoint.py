@@ -44,9 +44,35 @@ def test_async_round_trip_resumes_bit_exactly(tmp_path):
     assert _kinds(target) == _kinds(s3)
     restored = mngr.restore(3, args=ocp.args.StandardRestore(target))
   assert _kinds(restored) == _kinds(s3)
+  assert _spaces(restored) == _spaces(s3)
   assert restored.spec == s3.spec
-  got, _ = _steps(tx, p3, restored, 3, 5)
+  got, state = _steps(tx, p3, restored, 3, 5)
   assert_trees_equal(got, want)
+  assert _kinds(state) == _kinds(s3)  # the state stayed in its tier
+
+
+def _spaces(tree):
+  return jax.tree.map(lambda x: jax.typeof(x).memory_space, tree)
+
+
+def test_restored_host_arrays_are_typed_as_device_arrays(tmp_path):
+  """Why `placed` exists (a SingleDeviceSharding target); if JAX fixes it, it is a no-op."""
+  x = jax.device_put(jax.numpy.ones(8), jax.memory.Space.Host)
+  with ocp.CheckpointManager(tmp_path) as mngr:
+    mngr.save(1, args=ocp.args.StandardSave({"x": x}))
+    mngr.wait_until_finished()
+    target = {"x": ocp.utils.to_shape_dtype_struct(x)}
+    raw = mngr.restore(1, args=ocp.args.StandardRestore(target))
+  fixed = offlax.placed(raw)
+  assert raw["x"].sharding.memory_kind == fixed["x"].sharding.memory_kind == "pinned_host"
+  assert jax.typeof(fixed["x"]).memory_space == jax.memory.Space.Host
+  # offload refuses the unfixed state rather than move it to the device.
+  params = {"w": jax.numpy.ones(8)}
+  tx = offlax.offload(optax.sgd(0.1, momentum=0.9))
+  state = tx.init(params)
+  bad = jax.tree.map(lambda x: raw["x"] if x.ndim else x, state)
+  with pytest.raises(offlax.MemoryKindError, match=r"state leaf .*trace.* offlax.placed"):
+    tx.update(params, bad, params)
 
 
 def test_plain_optax_checkpoint_restores_into_offload(tmp_path):
@@ -57,14 +83,14 @@ def test_plain_optax_checkpoint_restores_into_offload(tmp_path):
     mngr.save(3, args=ocp.args.StandardSave(plain))
     mngr.wait_until_finished()
     target = offlax.abstract_state(inner, params)
-    state = target._replace(
-      inner_state=mngr.restore(3, args=ocp.args.StandardRestore(target.inner_state))
-    )
+    restored = mngr.restore(3, args=ocp.args.StandardRestore(target.inner_state))
+    state = target._replace(inner_state=offlax.placed(restored))
   assert state.inner_state[0].mu["layers"][0]["mlp"]["kernel"].sharding.memory_kind == (
     "pinned_host"
   )
-  got, _ = _steps(offlax.offload(inner), p3, state, 3, 5)
+  got, state = _steps(offlax.offload(inner), p3, state, 3, 5)
   assert_trees_equal(got, want)
+  assert state.inner_state[0].mu["head"][0].sharding.memory_kind == "pinned_host"
 
 
 def test_abstract_state_is_placed_like_init():

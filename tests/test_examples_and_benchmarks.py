@@ -93,3 +93,20 @@ def test_host_adam_benchmark_runs(tmp_path):
     "plain optax (XLA:CPU)",
     "fused kernel, update only",
   }
+
+
+def test_lm_example_trains_checkpoints_and_resumes(tmp_path, capsys):
+  example = _load("examples/lm_nnx.py")
+  small = ["--dim", "32", "--seq", "32", "--batch", "8", "--no-progress", "--ckpt-every", "1"]
+  for tier in ("host", "host_compute", "nvme"):
+    directory = tmp_path / tier
+    loss = example.main(["--tier", tier, "--steps", "12", "--dir", str(directory), *small])
+    out = capsys.readouterr().out
+    assert loss < float(out.split("loss ")[1].split()[0])
+    assert "optimizer arrays in RAM: ['pinned_host']" in out or tier == "nvme"
+    assert (directory / "loss.png").stat().st_size > 5_000
+    example.main(["--tier", tier, "--steps", "2", "--dir", str(directory), "--resume", *small])
+    out = capsys.readouterr().out
+    assert "starting at step 12" in out
+    if tier != "nvme":
+      assert "optimizer arrays in RAM: ['pinned_host']" in out  # restored into the tier

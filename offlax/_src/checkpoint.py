@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import numpy as np
 import optax
 
 from offlax._src import errors, flax_glue
@@ -20,9 +21,9 @@ def abstract_state(
   Nothing is allocated: the leaves are `jax.ShapeDtypeStruct`s whose shardings
   carry the memory kind each leaf would have (``pinned_host`` for the ones the
   tier offloads). Pass it to orbax as the restore target, and orbax builds
-  every leaf directly in its tier, e.g.
-  ``mngr.restore(step, args=ocp.args.StandardRestore(abstract_state(...)))``;
-  its ``inner_state`` is the target for a checkpoint of the plain optimizer.
+  every leaf directly in its tier:
+  ``mngr.restore(step, args=ocp.args.StandardRestore(target))``; its
+  ``inner_state`` is the target for a checkpoint of the plain optimizer.
 
   Args:
     inner: the offloaded transformation.
@@ -51,10 +52,51 @@ def abstract_state(
   device = min(_devices_of(params), key=lambda d: d.id)
   shapes = jax.eval_shape(optax.with_extra_args_support(inner).init, params)
   placement = tier.placement(shapes)
-  sharding = jax.sharding.SingleDeviceSharding(device)
+  # A NamedSharding: JAX 0.10 types a SingleDeviceSharding's host memory kind as
+  # device memory (see `placed`), a NamedSharding's as host memory.
+  mesh = jax.sharding.Mesh(np.array([device]), ("offlax",))
+  default = jax.sharding.SingleDeviceSharding(device).memory_kind
 
   def place(x, host):
-    kind = tier.memory_kind if host else sharding.memory_kind
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding.with_memory_kind(kind))
+    kind = tier.memory_kind if host else default
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(), memory_kind=kind)
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
   return OffloadState(jax.tree.map(place, shapes, placement), spec)
+
+
+def placed(tree: Any) -> Any:
+  """`tree` with every array typed for the memory its sharding names.
+
+  JAX 0.10 types an array made from a ``SingleDeviceSharding`` with memory
+  kind ``pinned_host`` (as orbax makes them, restoring into a target built from
+  live arrays with ``ocp.utils.to_shape_dtype_struct``) as device memory,
+  whatever the sharding says, and `jax.jit` goes by the type: `offload` would
+  treat such state as device state (it refuses it, naming the leaf). Pass
+  restored state through this function (a no-op for arrays typed right), or
+  restore into `abstract_state`, whose shardings JAX types right.
+
+  Args:
+    tree: a pytree; non-array leaves pass through.
+
+  Returns:
+    The tree, its host arrays re-placed with their memory space in their type.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, offlax
+    >>> x = jax.device_put(jnp.ones(3), jax.memory.Space.Host)
+    >>> offlax.placed({"x": x})["x"].sharding.memory_kind
+    'pinned_host'
+  """
+
+  def fix(x):
+    if (
+      isinstance(x, jax.Array)
+      and not isinstance(x, jax.core.Tracer)
+      and x.sharding.memory_kind == "pinned_host"
+      and jax.typeof(x).memory_space != jax.memory.Space.Host
+    ):
+      return jax.device_put(x, jax.memory.Space.Host)
+    return x
+
+  return jax.tree.map(fix, tree)

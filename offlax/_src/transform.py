@@ -125,6 +125,8 @@ class _Step:
   def run(self, spec: ParamSpec, step: Any):
     layout = layout_lib.StateLayout(self.inner_state, spec)
     items = layout.split(self.inner_state)
+    if isinstance(self.tier, HostTier):
+      _check_placement(self.tier, self.inner_state)
     if isinstance(self.tier, HostTier) and self.tier.compute == "host":
       return self._on_host(layout, items, spec)
     leaves = [i for i, s in enumerate(spec.shapes) if s is not None]
@@ -315,6 +317,24 @@ class _HostIO:
 
   def next_step(self):
     return None
+
+
+def _check_placement(tier: HostTier, state: Any) -> None:
+  """Refuses host-tier state whose offloaded leaves arrive typed as device arrays.
+
+  The step would run, keep them on the device and return them there: the state
+  would leave its tier without a word.
+  """
+  flat = jax.tree_util.tree_flatten_with_path(state)[0]
+  wanted = jax.tree.leaves(tier.placement(state))
+  for (path, x), host in zip(flat, wanted, strict=True):
+    if host and not _offloaded(x):
+      raise errors.MemoryKindError(
+        f"state leaf {jax.tree_util.keystr(path)} is typed as device memory "
+        f"({jax.typeof(x)}), but the tier keeps it in {tier.memory_kind}. State restored "
+        "by orbax needs offlax.placed(state) (orbax types restored host arrays as device "
+        "arrays); state moved by hand must stay where init put it."
+      )
 
 
 def _offloaded(x: Any) -> bool:
