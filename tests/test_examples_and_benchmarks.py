@@ -110,3 +110,9 @@ def test_lm_example_trains_checkpoints_and_resumes(tmp_path, capsys):
     assert "starting at step 12" in out
     if tier != "nvme":
       assert "optimizer arrays in RAM: ['pinned_host']" in out  # restored into the tier
+
+
+def test_linen_example(capsys):
+  accuracy = _load("examples/linen_train_state.py").main(["--steps", "40"])
+  assert accuracy > 0.9
+  assert "optimizer state in ['pinned_host']" in capsys.readouterr().out
