@@ -1,6 +1,12 @@
 """offlax: optimizer state off the accelerator, as an optax wrapper."""
 
-from offlax._src.checkpoint import abstract_state, placed
+from offlax._src.checkpoint import (
+  NVMeStoreRestore,
+  NVMeStoreSave,
+  abstract_state,
+  placed,
+  retier,
+)
 from offlax._src.errors import (
   InvalidTierError,
   LeafTypeError,
@@ -30,6 +36,8 @@ __all__ = [
   "LeafTypeError",
   "MasterWeightsState",
   "MemoryKindError",
+  "NVMeStoreRestore",
+  "NVMeStoreSave",
   "NVMeTier",
   "OffloadError",
   "OffloadState",
@@ -50,4 +58,5 @@ __all__ = [
   "offload",
   "placed",
   "plan",
+  "retier",
 ]

@@ -108,3 +108,67 @@ def test_abstract_state_is_placed_like_init():
 def test_abstract_state_refuses_the_nvme_tier(tmp_path):
   with pytest.raises(offlax.InvalidTierError, match="NVMeTier"):
     offlax.abstract_state(optax.adam(1e-3), _params(), offlax.NVMeTier(str(tmp_path)))
+
+
+def test_host_tier_checkpoint_into_an_nvme_store_and_back(tmp_path):
+  params, inner = _params(), optax.adamw(1e-3)
+  want, _ = _steps(inner, params, inner.init(params), 0, 7)
+  host = offlax.offload(inner)
+  p3, s3 = _steps(host, params, host.init(params), 0, 3)
+  with ocp.CheckpointManager(tmp_path / "ckpt") as mngr:
+    mngr.save(3, args=ocp.args.StandardSave(s3))
+    mngr.wait_until_finished()
+    target = offlax.abstract_state(inner, params)
+    restored = mngr.restore(3, args=ocp.args.StandardRestore(target))
+
+  # host-tier checkpoint -> a new NVMe store, two steps there
+  tier = offlax.NVMeTier(str(tmp_path / "store"), chunk_bytes=3000, cache_bytes=0, progress=False)
+  on_disk = offlax.retier(restored.inner_state, inner, params, tier)
+  assert not any(x.ndim for x in jax.tree.leaves(on_disk))  # every array in the store
+  nvme = offlax.offload(inner, tier)
+  p5, s5 = _steps(nvme, p3, on_disk, 3, 5)
+  # ... and back to the host tier for the last two
+  back = offlax.retier(tier.read_state(s5), inner, params, offlax.HostTier())
+  tier.close()
+  got, state = _steps(host, p5, back, 5, 7)
+  assert_trees_equal(got, want)
+  assert _kinds(state) == _kinds(s3)
+
+
+def test_retier_refuses_another_optimizers_state(tmp_path):
+  params = _params()
+  with pytest.raises(offlax.TreeMismatchError, match="not one of this optimizer"):
+    offlax.retier(optax.sgd(0.1, momentum=0.9).init(params), optax.adam(1e-3), params,
+                  offlax.HostTier())  # fmt: skip
+
+
+def test_nvme_store_in_an_orbax_checkpoint(tmp_path):
+  params, inner = _params(), optax.adam(1e-3)
+  want, _ = _steps(inner, params, inner.init(params), 0, 5)
+  options = dict(chunk_bytes=3000, cache_bytes=600, progress=False)
+  tier = offlax.NVMeTier(str(tmp_path / "store"), **options)
+  tx = offlax.offload(inner, tier)
+  p3, s3 = _steps(tx, params, tx.init(params), 0, 3)
+  manager_options = ocp.CheckpointManagerOptions(enable_async_checkpointing=True)
+  with ocp.CheckpointManager(tmp_path / "ckpt", options=manager_options) as mngr:
+    mngr.save(
+      3, args=ocp.args.Composite(params=ocp.args.StandardSave(p3), opt=offlax.NVMeStoreSave(tier))
+    )
+    _steps(tx, p3, s3, 3, 5)  # the store moves on; the checkpoint keeps step 3
+    mngr.wait_until_finished()
+    tier.close()
+    restored = mngr.restore(
+      3,
+      args=ocp.args.Composite(
+        params=ocp.args.StandardRestore(jax.tree.map(ocp.utils.to_shape_dtype_struct, p3)),
+        opt=offlax.NVMeStoreRestore(str(tmp_path / "restored"), progress=False),
+      ),
+    )
+  assert restored.opt == 3
+  tier = offlax.NVMeTier(str(tmp_path / "restored"), resume=True, **options)
+  tx = offlax.offload(inner, tier)
+  got, _ = _steps(tx, restored.params, tx.init(params), 3, 5)
+  tier.close()
+  assert_trees_equal(got, want)
+  with pytest.raises(offlax.StoreExistsError, match="already holds"):
+    offlax._src.nvme_tier.copy_store(str(tmp_path / "store"), str(tmp_path / "restored"))

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
+from etils import epath
 
-from offlax._src import errors, flax_glue
+from offlax._src import errors, flax_glue, nvme_tier
 from offlax._src.host_tier import HostTier
+from offlax._src.nvme_tier import NVMeTier
 from offlax._src.transform import OffloadState, _devices_of, _spec_of
 
 
@@ -100,3 +106,101 @@ def placed(tree: Any) -> Any:
     return x
 
   return jax.tree.map(fix, tree)
+
+
+def retier(
+  inner_state: Any, inner: optax.GradientTransformation, params: Any, tier: HostTier | NVMeTier
+) -> OffloadState:
+  """The state of `offload(inner, tier)` holding the values of `inner_state`.
+
+  Moves optimizer state between tiers, or into one from a plain optax state:
+  a host-tier checkpoint into an NVMe store (`tier` creates it, as `init`
+  would, from these values), an NVMe store's state into host memory (read it
+  first with `NVMeTier.read_state`), or a plain optimizer's state into either.
+
+  Args:
+    inner_state: a state of `inner`, its arrays in memory (any memory kind).
+    inner: the transformation it belongs to.
+    params: the params (or their `jax.ShapeDtypeStruct`s) it was built for.
+    tier: where it goes; use the returned state with `offload(inner, tier)`.
+
+  Returns:
+    An `OffloadState`.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, offlax
+    >>> params = {"w": jnp.ones(3)}
+    >>> plain = optax.adam(1e-3).init(params)
+    >>> state = offlax.retier(plain, optax.adam(1e-3), params, offlax.HostTier())
+    >>> state.inner_state[0].mu["w"].sharding.memory_kind
+    'pinned_host'
+  """
+  params = flax_glue.unbox(params)
+  spec = _spec_of(params, "params")
+  inner = optax.with_extra_args_support(inner)
+  want = jax.eval_shape(inner.init, params)
+  got = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), inner_state)
+  if want != got:
+    raise errors.TreeMismatchError(
+      f"retier: the state is not one of this optimizer for these params "
+      f"(expected {want}, got {got})."
+    )
+  if isinstance(tier, NVMeTier):
+    tier.host.check_devices(_devices_of(params))
+    items, step = tier.init(inner, params, spec, state=inner_state)
+    return OffloadState(items, spec, step)
+  if not isinstance(tier, HostTier):
+    raise errors.InvalidTierError(f"retier: tier must be a HostTier or NVMeTier, got {tier!r}.")
+  tier.check_devices(_devices_of(params))
+  placed_state = jax.tree.map(
+    lambda x, host: tier.to_host(x) if host else HostTier.to_device(jnp.asarray(x)),
+    inner_state,
+    tier.placement(inner_state),
+  )
+  return OffloadState(placed_state, spec)
+
+
+class _NVMeStoreHandler(ocp.handlers.CheckpointHandler):
+  """Saves an NVMe tier's committed store into a checkpoint, restores it to a path."""
+
+  def save(self, directory: epath.Path, args: NVMeStoreSave) -> None:
+    args.tier.snapshot(os.fspath(directory))
+
+  def restore(self, directory: epath.Path, args: NVMeStoreRestore) -> int:
+    return nvme_tier.copy_store(os.fspath(directory), os.fspath(args.path), progress=args.progress)
+
+
+@ocp.args.register_with_handler(_NVMeStoreHandler, for_save=True)
+@dataclasses.dataclass
+class NVMeStoreSave(ocp.args.CheckpointArgs):
+  """Orbax save argument: the NVMe tier's last committed step, copied file by file.
+
+  Use it beside the other items of a step, e.g.
+  ``mngr.save(step, args=ocp.args.Composite(model=ocp.args.StandardSave(params),
+  opt=offlax.NVMeStoreSave(tier)))``: the store holds all of the optimizer
+  state, cached arrays included. The copy streams in the kernel and needs no
+  RAM for the state; it runs before `save` returns, even with asynchronous
+  checkpointing, because the store overwrites that generation two steps later.
+
+  Attributes:
+    tier: the open `NVMeTier`.
+  """
+
+  tier: NVMeTier
+
+
+@ocp.args.register_with_handler(_NVMeStoreHandler, for_restore=True)
+@dataclasses.dataclass
+class NVMeStoreRestore(ocp.args.CheckpointArgs):
+  """Orbax restore argument: writes the checkpoint's store to `path` (a new directory).
+
+  Open it with ``NVMeTier(path, resume=True)``; `offload(...).init` then
+  returns the checkpointed state. Restoring returns the store's step.
+
+  Attributes:
+    path: where to put the store; must not hold one.
+    progress: show a progress bar.
+  """
+
+  path: str
+  progress: bool = True

@@ -34,6 +34,7 @@ import fcntl
 import functools
 import json
 import os
+import shutil
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -395,6 +396,43 @@ class Store:
     self.step, self.generation = step, 1 - self.generation
 
 
+def copy_store(src: str, dest: str, *, progress: bool = True) -> int:
+  """Copies the committed step of the store at `src` into a new store at `dest`.
+
+  File by file in the kernel (`shutil.copyfile`: no state in this process's
+  RAM): the committed generation's arrays, the other generation's array
+  metadata, then `offlax.json` last and atomically, after a flush of `dest`,
+  so a crash leaves no store at `dest` rather than a torn one. The caller
+  keeps `src` from changing (holds its lock, between steps). Returns the step.
+  """
+  if os.path.exists(os.path.join(dest, _METADATA)):
+    raise errors.StoreExistsError(f"{dest} already holds an offlax store; choose another path.")
+  store = Store(src, fsync=True)
+  meta = store.read_metadata()
+  gen = store.generation
+  try:
+    os.makedirs(dest, mode=0o700, exist_ok=True)
+    for r in _progress(store.records, progress, f"offlax: copying {src} -> {dest}"):
+      for g in (gen, 1 - gen):
+        source = store._array_path(r.index, g)
+        target = os.path.join(dest, os.path.relpath(source, store.path))
+        if g == gen:
+          shutil.copytree(source, target, copy_function=shutil.copyfile)
+        else:  # only the array's metadata: its chunks belong to no committed step
+          os.makedirs(target, mode=0o700)
+          shutil.copyfile(os.path.join(source, "zarr.json"), os.path.join(target, "zarr.json"))
+    _syncfs(dest)
+    tmp = os.path.join(dest, _METADATA + ".tmp")
+    with open(tmp, "w") as f:
+      json.dump(meta, f, indent=1)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(dest, _METADATA))
+  except OSError as e:
+    raise errors.StoreError(f"cannot copy the store {src} to {dest}: {e}") from e
+  return store.step
+
+
 class NVMeTier:
   """Keeps optimizer state on a local disk, with small leaves cached in RAM.
 
@@ -485,8 +523,14 @@ class NVMeTier:
 
   # -- init ------------------------------------------------------------------
 
-  def init(self, inner: Any, params: Any, spec: layout_lib.ParamSpec) -> tuple[Any, Any]:
-    """Creates or resumes the store; returns (inner state with OnDisk items, step)."""
+  def init(
+    self, inner: Any, params: Any, spec: layout_lib.ParamSpec, state: Any = None
+  ) -> tuple[Any, Any]:
+    """Creates or resumes the store; returns (inner state with OnDisk items, step).
+
+    A new store holds `inner.init(params)`, or `state` (an inner state with its
+    values in memory) if given.
+    """
     if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(params)):
       raise errors.InvalidTierError(
         "NVMeTier: init writes the store, so it must run eagerly, not under jax.jit or "
@@ -508,11 +552,39 @@ class NVMeTier:
       else:
         if self.resume:
           raise errors.StoreError(f"NVMeTier(resume=True): no offlax store in {self.path}.")
-        items = self._create(inner, params, spec, layout, shapes, paths)
+        values = None if state is None else layout.split(state)
+        items = self._create(inner, params, spec, layout, shapes, paths, values)
     except BaseException:
       self.store.close()  # release the lock; nothing was committed
       raise
     return layout.merge(items), jnp.asarray(self.store.step, jnp.int32)
+
+  def snapshot(self, dest: str) -> int:
+    """Copies the last committed step's store into `dest`, a new directory; returns the step.
+
+    `NVMeTier(dest, resume=True)` opens the copy. Waits for steps in flight;
+    run it between steps (an orbax save of `offlax.NVMeStoreSave(tier)` does).
+    """
+    jax.effects_barrier()
+    if self.store._lock_fd is None or not self.store.exists():
+      raise errors.StoreError(f"{self.path}: snapshot needs an open store (init it first).")
+    return copy_store(self.path, os.fspath(dest), progress=self.progress)
+
+  def read_state(self, state: Any) -> Any:
+    """The inner state of `state` (this tier's), every array read into memory.
+
+    What `retier` takes to move the state to another tier; it needs RAM for
+    the whole state.
+    """
+
+    def value(x):
+      if not isinstance(x, layout_lib.OnDisk):
+        return x
+      r = self.store.records[x.index]
+      return jnp.asarray(self.store.result(self.store.read(r.index, 0, r.size)).reshape(r.shape))
+
+    jax.effects_barrier()  # the last step's commit may still be running
+    return jax.tree.map(value, state.inner_state, is_leaf=layout_lib.is_slot)
 
   def _committed_step(self) -> Any:
     try:
@@ -548,7 +620,7 @@ class NVMeTier:
       )
     return records
 
-  def _create(self, inner, params, spec, layout, shapes, paths) -> list[Any]:
+  def _create(self, inner, params, spec, layout, shapes, paths, values=None) -> list[Any]:
     records = self._records(shapes, paths, layout)
     self.store.create(records, str(layout.treedef), self.chunk_bytes)
     self.store.generation = 1  # write generation 0, then commit it
@@ -559,9 +631,12 @@ class NVMeTier:
 
     def writes():  # computes each group as the writes of the one before proceed
       for n, group in enumerate(_progress(groups, self.progress, f"offlax: writing {self.path}")):
-        masked = [s if i in group else layout_lib.MASKED() for i, s in enumerate(slots)]
-        values = layout.split(init(spec.treedef.unflatten(masked)))
-        for j, (x, r) in enumerate(zip(values, records, strict=True)):
+        if values is None:
+          masked = [s if i in group else layout_lib.MASKED() for i, s in enumerate(slots)]
+          group_values = layout.split(init(spec.treedef.unflatten(masked)))
+        else:
+          group_values = values
+        for j, (x, r) in enumerate(zip(group_values, records, strict=True)):
           owner = layout.owners[j]
           if n == 0 if owner == coupling_lib.GLOBAL else owner in group:
             items[j] = self._entry(r, x)
