@@ -137,9 +137,14 @@ def test_host_tier_checkpoint_into_an_nvme_store_and_back(tmp_path):
 
 def test_retier_refuses_another_optimizers_state(tmp_path):
   params = _params()
-  with pytest.raises(offlax.TreeMismatchError, match="not one of this optimizer"):
+  with pytest.raises(offlax.TreeMismatchError, match="not one of this optimizer.*structure"):
     offlax.retier(optax.sgd(0.1, momentum=0.9).init(params), optax.adam(1e-3), params,
                   offlax.HostTier())  # fmt: skip
+  other = dict(params, temperature=jax.numpy.ones(2))
+  with pytest.raises(
+    offlax.TreeMismatchError, match=r"leaf \[0\]\.mu\['temperature'\] is float32\[2\]"
+  ):
+    offlax.retier(optax.adam(1e-3).init(other), optax.adam(1e-3), params, offlax.HostTier())
 
 
 def test_nvme_store_in_an_orbax_checkpoint(tmp_path):
@@ -164,7 +169,7 @@ def test_nvme_store_in_an_orbax_checkpoint(tmp_path):
         opt=offlax.NVMeStoreRestore(str(tmp_path / "restored"), progress=False),
       ),
     )
-  assert restored.opt == 3
+  assert restored.opt == 3, f"the checkpoint holds store step {restored.opt}, expected 3"
   tier = offlax.NVMeTier(str(tmp_path / "restored"), resume=True, **options)
   tx = offlax.offload(inner, tier)
   got, _ = _steps(tx, restored.params, tx.init(params), 3, 5)

@@ -1,4 +1,4 @@
-"""Checkpoints: the abstract offloaded state that orbax restores into."""
+"""Checkpoints: orbax restore targets and the NVMe store handler; moving state between tiers."""
 
 from __future__ import annotations
 
@@ -138,13 +138,7 @@ def retier(
   params = flax_glue.unbox(params)
   spec = _spec_of(params, "params")
   inner = optax.with_extra_args_support(inner)
-  want = jax.eval_shape(inner.init, params)
-  got = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), inner_state)
-  if want != got:
-    raise errors.TreeMismatchError(
-      f"retier: the state is not one of this optimizer for these params "
-      f"(expected {want}, got {got})."
-    )
+  _check_state(jax.eval_shape(inner.init, params), inner_state)
   if isinstance(tier, NVMeTier):
     tier.host.check_devices(_devices_of(params))
     items, step = tier.init(inner, params, spec, state=inner_state)
@@ -158,6 +152,24 @@ def retier(
     tier.placement(inner_state),
   )
   return OffloadState(placed_state, spec)
+
+
+def _check_state(want: Any, state: Any) -> None:
+  """Raises `TreeMismatchError` naming the first leaf where `state` is not like `want`."""
+  want_flat, want_def = jax.tree_util.tree_flatten_with_path(want)
+  got_flat, got_def = jax.tree_util.tree_flatten_with_path(state)
+  if str(want_def) != str(got_def):  # (PyTreeDef has no typed __ne__)
+    raise errors.TreeMismatchError(
+      f"retier: the state is not one of this optimizer for these params: its structure is "
+      f"{got_def}, expected {want_def}."
+    )
+  for (path, w), (_, g) in zip(want_flat, got_flat, strict=True):
+    if (np.shape(g), np.dtype(g.dtype)) != (w.shape, np.dtype(w.dtype)):
+      raise errors.TreeMismatchError(
+        f"retier: the state is not one of this optimizer for these params: leaf "
+        f"{jax.tree_util.keystr(path)} is {np.dtype(g.dtype).name}{list(np.shape(g))}, "
+        f"expected {np.dtype(w.dtype).name}{list(w.shape)}."
+      )
 
 
 class _NVMeStoreHandler(ocp.handlers.CheckpointHandler):
