@@ -331,9 +331,10 @@ def _check_placement(tier: HostTier, state: Any) -> None:
     if host and not _offloaded(x):
       raise errors.MemoryKindError(
         f"state leaf {jax.tree_util.keystr(path)} is typed as device memory "
-        f"({jax.typeof(x)}), but the tier keeps it in {tier.memory_kind}. State restored "
-        "by orbax needs offlax.placed(state) (orbax types restored host arrays as device "
-        "arrays); state moved by hand must stay where init put it."
+        f"({jax.typeof(x)}), but the tier keeps it in {tier.memory_kind}. Restored state "
+        "needs offlax.placed(state) (JAX types arrays made for a SingleDeviceSharding in "
+        "host memory as device arrays), or restore into offlax.abstract_state(...); "
+        "state moved by hand must stay where init put it."
       )
 
 
