@@ -17,7 +17,8 @@ What the CPU cannot show, checked in one run of a few minutes on a GPU machine:
    1 - (t_stream - t_device) / (state bytes moved / bandwidth);
 6. whether offlax's native Adam kernel (an XLA:CPU FFI call) can run inside a
    GPU program's host computation, and how fast (an experiment: its error is
-   recorded, not raised).
+   recorded, not raised);
+7. the Flax examples (NNX LM with each tier, Linen) for a few steps.
 
 Writes `<out>/gpu_check.json` and prints a short table last. On a CPU it runs too (at
 `--size-scale 0.001` in the test suite) but its figures mean nothing there.
@@ -164,6 +165,32 @@ def native_in_host_compute(jax, np):
   return out
 
 
+def examples(steps: int) -> dict:
+  """The Flax examples, a few steps each: that they run here, and their last losses."""
+  import importlib.util
+  import pathlib
+  import tempfile
+
+  root = pathlib.Path(__file__).resolve().parent.parent / "examples"
+  out = {}
+  lm = [("lm_nnx.py", ["--tier", t, "--steps", str(steps), "--no-progress"])
+        for t in ("host", "host_compute", "nvme")]  # fmt: skip
+  runs = [*lm, ("linen_train_state.py", ["--steps", str(steps)])]
+  for name, args in runs:
+    key = f"{name} {' '.join(args[:2])}"
+    spec = importlib.util.spec_from_file_location(name[:-3], root / name)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name[:-3]] = module
+    try:
+      spec.loader.exec_module(module)
+      with tempfile.TemporaryDirectory() as tmp:
+        extra = ["--dir", tmp, "--dim", "32", "--seq", "32"] if name == "lm_nnx.py" else []
+        out[key] = {"result": float(module.main([*args, *extra]))}
+    except Exception as e:  # recorded: the point is to learn what fails on this machine
+      out[key] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+  return out
+
+
 def memory_analysis(offlax, optax, jax, n_params):
   shapes = _params(n_params)
   device = jax.devices()[0]
@@ -302,6 +329,7 @@ def main(argv=None) -> dict:
   result["memories"] = [m.kind for m in jax.devices()[0].addressable_memories()]
   result["correctness"] = check_correctness(offlax, optax, jax, np)
   result["native_in_host_compute"] = native_in_host_compute(jax, np)
+  result["examples"] = examples(max(3, int(20 * min(1.0, scale * 100))))
   result["memory"] = memory_analysis(offlax, optax, jax, 1e9 * scale)
   result["time"] = step_times(offlax, optax, jax, 2.5e8 * scale, args.steps, args.warmup)
   result["bandwidth_bytes_per_s"] = bandwidth(jax, int(2**30 * scale) // 4 * 4 or 4096)
@@ -340,6 +368,7 @@ def main(argv=None) -> dict:
       + ", ".join(f"{k} {v / 1e9:.1f} GB/s" for k, v in r["bandwidth_bytes_per_s"].items()),
       f"overlap: {r['overlap']['hidden_fraction']} of the state traffic hidden behind compute",
       f"native Adam kernel under a GPU host computation: {r['native_in_host_compute']}",
+      f"examples: {r['examples']}",
     ]
     print("\n".join(lines))
 
