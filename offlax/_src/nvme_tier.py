@@ -29,6 +29,7 @@ in `offlax.json`.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import fcntl
 import functools
@@ -72,6 +73,15 @@ class LeafRecord:
   @property
   def size(self) -> int:
     return int(np.prod(self.shape, dtype=np.int64))
+
+  @property
+  def chunk_size(self) -> int:
+    """Elements per chunk as stored (a chunk never exceeds the array)."""
+    return max(1, min(self.chunk, self.size))
+
+  @property
+  def chunk_nbytes(self) -> int:
+    return self.chunk_size * np.dtype(self.dtype).itemsize
 
 
 class Store:
@@ -191,7 +201,7 @@ class Store:
           "data_type": np.dtype(r.dtype).name,
           "chunk_grid": {
             "name": "regular",
-            "configuration": {"chunk_shape": [max(1, min(r.chunk, r.size))]},
+            "configuration": {"chunk_shape": [r.chunk_size]},
           },
           "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}],
         },
@@ -215,7 +225,7 @@ class Store:
 
   def _chunks(self, r: LeafRecord, start: int, stop: int):
     """The chunks holding elements [start, stop): (chunk, first, end) of each."""
-    chunk = max(1, min(r.chunk, r.size))
+    chunk = r.chunk_size
     for c in range(start // chunk, -(-stop // chunk)):
       yield c, c * chunk, min((c + 1) * chunk, r.size)
 
@@ -257,7 +267,7 @@ class Store:
 
   def _read_chunk(self, r: LeafRecord, gen: int, c: int, data: np.ndarray) -> None:
     name = os.path.join(self._array_path(r.index, gen), "c", str(c))
-    chunk_nbytes = max(1, min(r.chunk, r.size)) * np.dtype(r.dtype).itemsize
+    chunk_nbytes = r.chunk_nbytes
     try:
       direct = self._direct(data)
       fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | (_O_DIRECT if direct else 0))
@@ -321,7 +331,7 @@ class Store:
 
   def _write_chunk(self, r: LeafRecord, gen: int, c: int, data: np.ndarray) -> None:
     directory = os.path.join(self._array_path(r.index, gen), "c")
-    chunk_nbytes = max(1, min(r.chunk, r.size)) * np.dtype(r.dtype).itemsize
+    chunk_nbytes = r.chunk_nbytes
     pad = chunk_nbytes - data.nbytes
     crc = _crc(data, pad).to_bytes(4, "little")
     try:
@@ -375,25 +385,31 @@ class Store:
       "state_structure": self.structure,
       "leaves": [dataclasses.asdict(r) for r in self.records],
     }
-    name = os.path.join(self.path, _METADATA)
-    tmp = name + ".tmp"
     try:
-      fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-      with os.fdopen(fd, "w") as f:
-        json.dump(meta, f, indent=1)
-        f.flush()
-        if self.fsync:
-          os.fsync(f.fileno())
-      os.replace(tmp, name)
-      if self.fsync:
-        dir_fd = os.open(self.path, os.O_RDONLY)
-        try:
-          os.fsync(dir_fd)
-        finally:
-          os.close(dir_fd)
+      _write_metadata(self.path, meta, fsync=self.fsync)
     except OSError as e:
+      name = os.path.join(self.path, _METADATA)
       raise errors.StoreError(f"cannot commit step {step} to {name}: {e}") from e
     self.step, self.generation = step, 1 - self.generation
+
+
+def _write_metadata(directory: str, meta: dict, *, fsync: bool) -> None:
+  """Replaces `offlax.json` atomically: write, fsync, rename, fsync the directory."""
+  name = os.path.join(directory, _METADATA)
+  tmp = name + ".tmp"
+  fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+  with os.fdopen(fd, "w") as f:
+    json.dump(meta, f, indent=1)
+    f.flush()
+    if fsync:
+      os.fsync(f.fileno())
+  os.replace(tmp, name)
+  if fsync:
+    dir_fd = os.open(directory, os.O_RDONLY)
+    try:
+      os.fsync(dir_fd)
+    finally:
+      os.close(dir_fd)
 
 
 def copy_store(src: str, dest: str, *, progress: bool = True) -> int:
@@ -422,12 +438,7 @@ def copy_store(src: str, dest: str, *, progress: bool = True) -> int:
           os.makedirs(target, mode=0o700)
           shutil.copyfile(os.path.join(source, "zarr.json"), os.path.join(target, "zarr.json"))
     _syncfs(dest)
-    tmp = os.path.join(dest, _METADATA + ".tmp")
-    with open(tmp, "w") as f:
-      json.dump(meta, f, indent=1)
-      f.flush()
-      os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(dest, _METADATA))
+    _write_metadata(dest, meta, fsync=True)
   except OSError as e:
     raise errors.StoreError(f"cannot copy the store {src} to {dest}: {e}") from e
   return store.step
@@ -1005,16 +1016,19 @@ class _Reader:
       self._writes = [(e, f) for e, f in self._writes if e == self._epoch]
     concurrent.futures.wait(old)  # their errors were the failed step's
 
-  def _failed(self) -> None:
-    with self._lock:
-      self._epoch += 1
+  @contextlib.contextmanager
+  def _failing_bumps_epoch(self):
+    """Around each callback: a failure ends its step's epoch."""
+    try:
+      yield
+    except BaseException:
+      with self._lock:
+        self._epoch += 1
+      raise
 
   def read(self, k: int, step, after) -> list[np.ndarray]:
-    try:
+    with self._failing_bumps_epoch():
       return self._read(k, step)
-    except BaseException:
-      self._failed()
-      raise
 
   def _read(self, k: int, step) -> list[np.ndarray]:
     self._settle()
@@ -1030,11 +1044,8 @@ class _Reader:
     return [self.store.result(f).reshape(shape) for f, shape in outs]
 
   def write(self, k: int, *values) -> np.ndarray:
-    try:
+    with self._failing_bumps_epoch():
       return self._write_slice(k, values)
-    except BaseException:
-      self._failed()
-      raise
 
   def _write_slice(self, k: int, values) -> np.ndarray:
     self._settle()
@@ -1062,11 +1073,8 @@ class _Reader:
         del self._buffers[: -2 * self.readahead - 2]  # more only for an odd schedule
 
   def commit(self, hot: list[int], n_tickets: int, step, *args) -> None:
-    try:
+    with self._failing_bumps_epoch():
       self._commit(hot, n_tickets, step, *args)
-    except BaseException:
-      self._failed()
-      raise
 
   def _commit(self, hot: list[int], n_tickets: int, step, *args) -> None:
     self._settle()
