@@ -146,12 +146,8 @@ def retier(
   if not isinstance(tier, HostTier):
     raise errors.InvalidTierError(f"retier: tier must be a HostTier or NVMeTier, got {tier!r}.")
   tier.check_devices(_devices_of(params))
-  placed_state = jax.tree.map(
-    lambda x, host: tier.to_host(x) if host else HostTier.to_device(jnp.asarray(x)),
-    inner_state,
-    tier.placement(inner_state),
-  )
-  return OffloadState(placed_state, spec)
+  # numpy leaves become JAX arrays; JAX arrays stay as they are until placed.
+  return OffloadState(tier.place(jax.tree.map(jnp.asarray, inner_state)), spec)
 
 
 def _check_state(want: Any, state: Any) -> None:

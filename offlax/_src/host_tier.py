@@ -135,6 +135,17 @@ class HostTier:
       done += layout_lib.nbytes(flat[i][1])
     return jax.tree_util.tree_unflatten(treedef, [i in chosen for i in range(len(flat))])
 
+  def place(self, state: Any) -> Any:
+    """`state` with each leaf where `placement` puts it (host leaves moved back too)."""
+
+    def put(x, host):
+      if host:
+        return self.to_host(x)
+      on_host = getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
+      return self.to_device(x) if on_host else x
+
+    return jax.tree.map(put, state, self.placement(state))
+
   def _selects(self, path: str) -> bool:
     if self.select is None:
       return True

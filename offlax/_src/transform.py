@@ -93,10 +93,7 @@ def offload(
       return OffloadState(inner_state, spec, step)
     tier.check_devices(_devices_of(params))
     inner_state = inner.init(params)
-    placed = jax.tree.map(
-      lambda x, host: tier.to_host(x) if host else x, inner_state, tier.placement(inner_state)
-    )
-    return OffloadState(placed, spec)
+    return OffloadState(tier.place(inner_state), spec)
 
   def update_fn(updates, state, params=None, **extra_args):
     if not isinstance(state, OffloadState):
