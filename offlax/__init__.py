@@ -12,7 +12,9 @@ from offlax._src.errors import (
   LeafTypeError,
   MemoryKindError,
   OffloadError,
+  PerformanceWarning,
   StaleStateError,
+  StepNotKeptError,
   StoreCorruptedError,
   StoreError,
   StoreExistsError,
@@ -22,10 +24,12 @@ from offlax._src.errors import (
 )
 from offlax._src.host_adam import adam, adamw
 from offlax._src.host_tier import HostTier
+from offlax._src.inspector import LeafReport, StoreReport, inspect_store
 from offlax._src.layout import OnDisk, ParamSpec
 from offlax._src.master import MasterWeightsState, master_weights
-from offlax._src.nvme_tier import NVMeTier
+from offlax._src.nvme_tier import NVMeTier, rollback
 from offlax._src.planner import Plan, plan
+from offlax._src.telemetry import OffloadStats, stats
 from offlax._src.transform import OffloadState, offload
 
 __version__ = "0.1.0"
@@ -33,6 +37,7 @@ __version__ = "0.1.0"
 __all__ = [
   "HostTier",
   "InvalidTierError",
+  "LeafReport",
   "LeafTypeError",
   "MasterWeightsState",
   "MemoryKindError",
@@ -41,22 +46,29 @@ __all__ = [
   "NVMeTier",
   "OffloadError",
   "OffloadState",
+  "OffloadStats",
   "OnDisk",
   "ParamSpec",
+  "PerformanceWarning",
   "Plan",
   "StaleStateError",
+  "StepNotKeptError",
   "StoreCorruptedError",
   "StoreError",
   "StoreExistsError",
   "StoreLockedError",
   "StoreMismatchError",
+  "StoreReport",
   "TreeMismatchError",
   "abstract_state",
   "adam",
   "adamw",
+  "inspect_store",
   "master_weights",
   "offload",
   "placed",
   "plan",
   "retier",
+  "rollback",
+  "stats",
 ]

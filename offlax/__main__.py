@@ -1,4 +1,4 @@
-"""`python -m offlax plan ...`: the planner on the command line."""
+"""`python -m offlax plan|inspect|rollback ...`: the planner and the store tools."""
 
 from __future__ import annotations
 
@@ -35,7 +35,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     help="measure bus, disk (in --nvme-path) and host Adam speed on this machine first",
   )  # fmt: skip
   p.add_argument("--nvme-path", default=None, help="directory --measure writes to (temp)")
+  p = sub.add_parser(
+    "inspect", help="an NVMe store's (or orbax checkpoint's) steps, arrays and checksums"
+  )
+  p.add_argument("path", help="an NVMe store directory or an orbax checkpoint directory")
+  p.add_argument("--verify", action="store_true", help="reread every chunk, check checksums")
+  p.add_argument("--no-progress", action="store_true", help="no progress bar")
+  p = sub.add_parser("rollback", help="make an earlier kept step of an NVMe store current")
+  p.add_argument("path", help="the NVMe store directory")
+  p.add_argument("--to", type=int, required=True, metavar="STEP", help="a kept step")
   args = parser.parse_args(argv)
+  if args.command == "inspect":
+    return _inspect(args.path, args.verify, not args.no_progress)
+  if args.command == "rollback":
+    return _rollback(args.path, args.to)
 
   import jax
   import jax.numpy as jnp
@@ -82,6 +95,31 @@ def main(argv: Sequence[str] | None = None) -> int:
   result = offlax.plan(shapes, tx, **sizes, **rates)
   print(result.table())
   return 0 if result.fits else 1
+
+
+def _inspect(path: str, verify: bool, progress: bool) -> int:
+  import offlax
+
+  try:
+    reports = offlax.inspect_store(path, verify=verify, progress=progress)
+  except offlax.OffloadError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  for report in reports:
+    print(report.format())
+  return 0 if all(r.ok for r in reports) else 1
+
+
+def _rollback(path: str, step: int) -> int:
+  import offlax
+
+  try:
+    offlax.rollback(path, step)
+  except offlax.OffloadError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 1
+  print(f"{path}: step {step} is now current; resume with NVMeTier(path, resume=True).")
+  return 0
 
 
 if __name__ == "__main__":

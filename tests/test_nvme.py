@@ -85,11 +85,12 @@ def test_state_placement(tmp_path):
   assert cached and sum(x.nbytes for x in cached) <= 300
   assert all(x.sharding.memory_kind == "pinned_host" for x in cached)
   meta = json.loads((tmp_path / "offlax.json").read_text())
-  assert meta["step"] == 0 and meta["format_version"] == 2 and meta["chunk_bytes"] == 3000
+  assert meta["step"] == 0 and meta["format_version"] == 3 and meta["chunk_bytes"] == 3000
+  assert meta["generations"] == 3 and meta["kept"] == [[0, 0]]
   assert "namedtuple[ScaleByAdamState], [*, *, *]" in meta["state_structure"]
   paths = {r["path"] for r in meta["leaves"]}
   assert "[0].mu['layers'][0]['mlp']['kernel']" in paths
-  assert sorted(os.listdir(tmp_path)) == [".lock", "gen0", "gen1", "offlax.json"]
+  assert sorted(os.listdir(tmp_path)) == [".lock", "gen0", "gen1", "gen2", "offlax.json"]
   assert oct(os.stat(tmp_path / "offlax.json").st_mode & 0o777) == "0o600"
   tier.close()
 

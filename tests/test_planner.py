@@ -35,6 +35,11 @@ def test_modes_in_order():
   assert (compute.mode, compute.bus_bytes_per_step) == ("host_compute", 16 * MiB)
   nvme = _plan(24 * MiB, 8 * MiB, nvme=1 << 30)
   assert nvme.mode == "nvme" and nvme.bytes["nvme"] > 0 and nvme.disk_bytes_per_step > 0
+  # The store keeps keep + 1 = 3 generations of the 16 MiB state.
+  assert nvme.bytes["nvme"] == 3 * 16 * MiB
+  assert _plan(24 * MiB, 8 * MiB, nvme=3 * 16 * MiB).mode == "nvme"
+  small_disk = _plan(24 * MiB, 8 * MiB, nvme=3 * 16 * MiB - 1)
+  assert small_disk.mode == "none" and any("3 copies" in a for a in small_disk.advice)
   none = _plan(8 * MiB, 8 * MiB)
   assert (none.mode, none.fits) == ("none", False)
   assert any("shard them over 2+ devices" in a for a in none.advice)

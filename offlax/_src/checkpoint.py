@@ -188,7 +188,7 @@ class NVMeStoreSave(ocp.args.CheckpointArgs):
   opt=offlax.NVMeStoreSave(tier)))``: the store holds all of the optimizer
   state, cached arrays included. The copy streams in the kernel and needs no
   RAM for the state; it runs before `save` returns, even with asynchronous
-  checkpointing, because the store overwrites that generation two steps later.
+  checkpointing, because the store overwrites that generation `keep + 1` steps later.
 
   Attributes:
     tier: the open `NVMeTier`.

@@ -47,3 +47,11 @@ class StoreMismatchError(TreeMismatchError):
 
 class StaleStateError(OffloadError, RuntimeError):
   """An NVMe-tier state older than the store's last commit was updated."""
+
+
+class StepNotKeptError(OffloadError, LookupError):
+  """A rollback asked for a step that the NVMe store does not keep."""
+
+
+class PerformanceWarning(UserWarning):
+  """The configuration works but costs speed or memory; the message says what to change."""

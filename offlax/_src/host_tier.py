@@ -17,7 +17,7 @@ from offlax._src import layout as layout_lib
 # (`jax.memory.Space.Host`); `unpinned_host` buffers are typed as device memory,
 # so a program could silently compute on them. Refuse the others up front.
 _HOST_KINDS = ("pinned_host",)
-_DEFAULT_CHUNK_BYTES = 64 * 2**20
+DEFAULT_CHUNK_BYTES = 64 * 2**20
 _COMPUTE = ("device", "host")
 
 
@@ -64,7 +64,7 @@ class HostTier:
     ('host', 1.0)
   """
 
-  chunk_bytes: int = _DEFAULT_CHUNK_BYTES
+  chunk_bytes: int = DEFAULT_CHUNK_BYTES
   memory_kind: str = "pinned_host"
   min_offload_bytes: int = 0
   compute: str = "device"

@@ -51,6 +51,9 @@ class ParamSpec:
 
   treedef: jax.tree_util.PyTreeDef
   shapes: tuple[tuple[int, ...] | None, ...]  # None: an optax.MaskedNode slot
+  # Bytes of the tree's arrays, for `offlax.stats`; not compared: gradients
+  # may come in another dtype than the params.
+  nbytes: int = dataclasses.field(default=0, compare=False)
 
   @property
   def paths(self) -> list[str]:

@@ -2,10 +2,10 @@
 
 Layout of a store directory::
 
-  PATH/offlax.json        committed metadata (format, step, generation, leaves)
+  PATH/offlax.json        committed metadata (format, step, generation, kept steps, leaves)
   PATH/.lock              held with flock by the one process writing the store
-  PATH/gen0/leaf_00000/   zarr3 arrays, one per cold state item, generation 0
-  PATH/gen1/leaf_00000/   the same, generation 1
+  PATH/gen0/leaf_00000/   zarr3 arrays, one per state item, generation 0
+  PATH/gen1/leaf_00000/   the same, generation 1 (and so on: `keep + 1` generations)
 
 Every state item is stored flat (1-D), uncompressed, with a crc32c checksum per
 chunk (the zarr3 `crc32c` codec), so tensorstore (or any zarr3 reader) opens
@@ -15,11 +15,16 @@ chunk size, then their crc32c, little endian), since each piece of the
 streaming schedule is exactly one chunk: that saves tensorstore's buffer
 copies and fresh allocations, which cost more CPU than the disk time on small
 machines. A step reads generation `g` (the committed one) and writes generation
-`1 - g`; once every write of the step has completed and is flushed,
-`offlax.json` is replaced atomically (write, fsync, rename, fsync directory)
-with `step + 1` and generation `1 - g`. A process killed at any point leaves
-`offlax.json` naming a generation that no write of the unfinished step touched,
-so reopening yields exactly the last committed state.
+`g + 1` (modulo the number of generations); once every write of the step has
+completed and is flushed, `offlax.json` is replaced atomically (write, fsync,
+rename, fsync directory) with `step + 1` and generation `g + 1`. A process
+killed at any point leaves `offlax.json` naming a generation that no write of
+the unfinished step touched, so reopening yields exactly the last committed
+state.
+
+With `keep + 1` generations the store keeps the last `keep` committed steps
+(`offlax.json`'s `kept`: the generations no step is writing), and `rollback`
+makes one of them current again.
 
 Leaf directories are named by index (`leaf_00000`), never by the pytree key
 path, so no key can name a file outside the store; the key paths are recorded
@@ -37,6 +42,7 @@ import json
 import os
 import shutil
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -51,10 +57,12 @@ from offlax._src import coupling as coupling_lib
 from offlax._src import errors
 from offlax._src import layout as layout_lib
 from offlax._src import schedule as schedule_lib
+from offlax._src import telemetry as telemetry_lib
 from offlax._src.host_tier import HostTier
 
-_DEFAULT_CHUNK = 16 * 2**20
-FORMAT_VERSION = 2  # 2: chunk_bytes recorded; step I/O on chunk files
+DEFAULT_CHUNK = 16 * 2**20
+FORMAT_VERSION = 3  # 2: chunk_bytes recorded; step I/O on chunk files. 3: keep generations
+DEFAULT_KEEP = 2  # committed steps kept: the current one and one to roll back to
 _METADATA = "offlax.json"
 _LOCK = ".lock"
 
@@ -75,6 +83,10 @@ class LeafRecord:
     return int(np.prod(self.shape, dtype=np.int64))
 
   @property
+  def nbytes(self) -> int:
+    return self.size * np.dtype(self.dtype).itemsize
+
+  @property
   def chunk_size(self) -> int:
     """Elements per chunk as stored (a chunk never exceeds the array)."""
     return max(1, min(self.chunk, self.size))
@@ -85,16 +97,19 @@ class LeafRecord:
 
 
 class Store:
-  """An open store directory: locking, the two generations, commits.
+  """An open store directory: locking, the generations, commits.
 
   Not thread-safe for concurrent steps; one training loop drives one store.
   """
 
-  def __init__(self, path: str, *, fsync: bool, threads: int = 4):
+  def __init__(self, path: str, *, fsync: bool, threads: int = 4, telemetry=None):
     self.path = os.path.abspath(path)
     self.fsync = fsync
+    self.telemetry = telemetry or telemetry_lib.DiskTelemetry()
     self.step = 0
     self.generation = 0
+    self.generations = DEFAULT_KEEP + 1
+    self.kept: list[tuple[int, int]] = []  # (step, generation) of committed steps, newest first
     self.chunk_bytes = 0  # the slice budget the chunks were cut for
     self.records: list[LeafRecord] = []
     self.structure = ""  # the inner state's treedef, for people reading offlax.json
@@ -166,20 +181,44 @@ class Store:
       self.step, self.generation = int(meta["step"]), int(meta["generation"])
       self.chunk_bytes = int(meta["chunk_bytes"])
       self.structure = str(meta.get("state_structure", ""))
+      if version < 3:  # two generations, the committed one the only step kept
+        self.generations, self.kept = 2, [(self.step, self.generation)]
+      else:
+        self.generations = int(meta["generations"])
+        self.kept = [(int(s), int(g)) for s, g in meta["kept"]]
     except (KeyError, TypeError, ValueError) as e:
       raise errors.StoreCorruptedError(f"{name} is malformed: {e!r}") from e
+    gens = {g for _, g in self.kept}
+    if (
+      not 0 <= self.generation < self.generations
+      or (self.step, self.generation) not in self.kept
+      or not gens <= set(range(self.generations))
+      or len(gens) != len(self.kept)
+    ):
+      raise errors.StoreCorruptedError(
+        f"{name} is malformed: step {self.step} in generation {self.generation}, kept "
+        f"{self.kept}, {self.generations} generations."
+      )
     return meta
 
-  def create(self, records: Sequence[LeafRecord], structure: str, chunk_bytes: int) -> None:
-    """Creates both generations of every item (no data written yet)."""
+  def create(
+    self, records: Sequence[LeafRecord], structure: str, chunk_bytes: int, generations: int
+  ) -> None:
+    """Creates every generation of every item (no data written yet)."""
     self.records = list(records)
     self.structure = structure
     self.chunk_bytes = chunk_bytes
-    for gen in (0, 1):
+    self.generations = generations
+    for gen in range(generations):
       for r in self.records:
         self.open_array(r, gen, create=True)
 
   # -- arrays ----------------------------------------------------------------
+
+  @property
+  def next_generation(self) -> int:
+    """The generation the next step writes."""
+    return (self.generation + 1) % self.generations
 
   def _array_path(self, index: int, gen: int) -> str:
     return os.path.join(self.path, f"gen{gen}", f"leaf_{index:05d}")
@@ -265,6 +304,18 @@ class Store:
         out[a - start : b - start] = data[a - first : b - first]
     return out
 
+  def check_files(self, r: LeafRecord, gen: int) -> str | None:
+    """What is wrong with item `r`'s chunk files in generation `gen` (by size), or None."""
+    for c, _, _ in self._chunks(r, 0, r.size):
+      name = os.path.join(self._array_path(r.index, gen), "c", str(c))
+      try:
+        size = os.stat(name).st_size
+      except OSError:
+        return f"{self._where(r, gen, c)}: the chunk file is missing."
+      if size != r.chunk_nbytes + 4:
+        return f"{self._where(r, gen, c)}: {size} bytes, expected {r.chunk_nbytes + 4}."
+    return None
+
   def _read_chunk(self, r: LeafRecord, gen: int, c: int, data: np.ndarray) -> None:
     name = os.path.join(self._array_path(r.index, gen), "c", str(c))
     chunk_nbytes = r.chunk_nbytes
@@ -296,6 +347,7 @@ class Store:
       if not direct:
         # The data is ours now; leave the page cache to data that is used again.
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+      self.telemetry.bytes_read(size)
     except OSError as e:
       raise errors.StoreError(f"I/O error on {self._where(r, gen, c)}: {e}") from e
     finally:
@@ -320,7 +372,7 @@ class Store:
     boundaries), so no chunk is ever read back and merged.
     """
     r = self.records[index]
-    gen = 1 - self.generation
+    gen = self.next_generation
     flat = np.ascontiguousarray(value).reshape(-1)
     for c, first, end in self._chunks(r, start, start + flat.size):
       if first < start or end > start + flat.size:
@@ -360,6 +412,7 @@ class Store:
           os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
       finally:
         os.close(fd)
+      self.telemetry.bytes_written(chunk_nbytes + 4)
     except OSError as e:
       raise errors.StoreError(f"I/O error on {self._where(r, gen, c)}: {e}") from e
 
@@ -377,20 +430,33 @@ class Store:
       _syncfs(self.path)  # flush the chunks before the pointer
       _drop_cached(self._written)  # now clean; read again in two steps, from disk
     self._written.clear()
-    meta = {
+    gen = self.next_generation
+    # The generation the step after this one writes is no longer a kept step.
+    after = (gen + 1) % self.generations
+    kept = [(step, gen), *((s, g) for s, g in self.kept if g not in (gen, after))]
+    self.make_current(step, gen, kept)
+
+  def make_current(self, step: int, gen: int, kept: list[tuple[int, int]]) -> None:
+    """Writes `offlax.json` naming `step` in generation `gen` as committed, atomically."""
+    try:
+      _write_metadata(self.path, self.metadata(step, gen, kept), fsync=self.fsync)
+    except OSError as e:
+      name = os.path.join(self.path, _METADATA)
+      raise errors.StoreError(f"cannot commit step {step} to {name}: {e}") from e
+    self.step, self.generation, self.kept = step, gen, kept
+
+  def metadata(self, step: int, gen: int, kept: list[tuple[int, int]]) -> dict:
+    """The contents of `offlax.json` for this store with `step` current."""
+    return {
       "format_version": FORMAT_VERSION,
       "step": step,
-      "generation": 1 - self.generation,
+      "generation": gen,
+      "generations": self.generations,
+      "kept": [list(e) for e in kept],
       "chunk_bytes": self.chunk_bytes,
       "state_structure": self.structure,
       "leaves": [dataclasses.asdict(r) for r in self.records],
     }
-    try:
-      _write_metadata(self.path, meta, fsync=self.fsync)
-    except OSError as e:
-      name = os.path.join(self.path, _METADATA)
-      raise errors.StoreError(f"cannot commit step {step} to {name}: {e}") from e
-    self.step, self.generation = step, 1 - self.generation
 
 
 def _write_metadata(directory: str, meta: dict, *, fsync: bool) -> None:
@@ -412,33 +478,82 @@ def _write_metadata(directory: str, meta: dict, *, fsync: bool) -> None:
       os.close(dir_fd)
 
 
+def rollback(path: str | os.PathLike, step: int) -> int:
+  """Makes an earlier committed step of the NVMe store at `path` current, atomically.
+
+  The store keeps its last `keep` committed steps (`NVMeTier(keep=...)`);
+  rolling back drops the steps after `step`, and `NVMeTier(path, resume=True)`
+  then continues from `step`. Takes the store's lock, so it refuses a store a
+  training process has open, and checks that every chunk file of `step` is
+  there with its size (`offlax.inspect_store(path, verify=True)` also checks
+  their checksums).
+
+  Args:
+    path: the store directory.
+    step: a kept step (`python -m offlax inspect PATH` lists them).
+
+  Returns:
+    The step now current.
+
+  Raises:
+    StepNotKeptError: `step` is not kept; the message lists the kept steps.
+    StoreCorruptedError: a chunk file of `step` is missing or has the wrong size.
+    StoreLockedError: another process has the store open.
+  """
+  store = Store(os.fspath(path), fsync=True)
+  if not store.exists():
+    raise errors.StoreError(f"rollback: no offlax store in {store.path}.")
+  store.lock()
+  try:
+    store.read_metadata()
+    gens = {s: g for s, g in store.kept}
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step not in gens:
+      raise errors.StepNotKeptError(
+        f"rollback: {store.path} does not keep step {step!r}; it keeps steps "
+        f"{sorted(gens)} (NVMeTier(keep=...) sets how many)."
+      )
+    for r in store.records:
+      problem = store.check_files(r, gens[step])
+      if problem is not None:
+        raise errors.StoreCorruptedError(
+          f"rollback: step {step} is damaged: {problem} The store is unchanged."
+        )
+    after = (gens[step] + 1) % store.generations  # the next step writes it
+    kept = [(s, g) for s, g in store.kept if s <= step and g != after]
+    store.make_current(int(step), gens[step], kept)
+  finally:
+    store.close()
+  return int(step)
+
+
 def copy_store(src: str, dest: str, *, progress: bool = True) -> int:
   """Copies the committed step of the store at `src` into a new store at `dest`.
 
   File by file in the kernel (`shutil.copyfile`: no state in this process's
-  RAM): the committed generation's arrays, the other generation's array
+  RAM): the committed generation's arrays, the other generations' array
   metadata, then `offlax.json` last and atomically, after a flush of `dest`,
-  so a crash leaves no store at `dest` rather than a torn one. The caller
-  keeps `src` from changing (holds its lock, between steps). Returns the step.
+  so a crash leaves no store at `dest` rather than a torn one. The copy keeps
+  only the committed step. The caller keeps `src` from changing (holds its
+  lock, between steps). Returns the step.
   """
   if os.path.exists(os.path.join(dest, _METADATA)):
     raise errors.StoreExistsError(f"{dest} already holds an offlax store; choose another path.")
   store = Store(src, fsync=True)
-  meta = store.read_metadata()
+  store.read_metadata()
   gen = store.generation
   try:
     os.makedirs(dest, mode=0o700, exist_ok=True)
     for r in _progress(store.records, progress, f"offlax: copying {src} -> {dest}"):
-      for g in (gen, 1 - gen):
+      for g in range(store.generations):
         source = store._array_path(r.index, g)
         target = os.path.join(dest, os.path.relpath(source, store.path))
         if g == gen:
           shutil.copytree(source, target, copy_function=shutil.copyfile)
-        else:  # only the array's metadata: its chunks belong to no committed step
+        else:  # only the array's metadata: its chunks belong to no step the copy keeps
           os.makedirs(target, mode=0o700)
           shutil.copyfile(os.path.join(source, "zarr.json"), os.path.join(target, "zarr.json"))
     _syncfs(dest)
-    _write_metadata(dest, meta, fsync=True)
+    _write_metadata(dest, store.metadata(store.step, gen, [(store.step, gen)]), fsync=True)
   except OSError as e:
     raise errors.StoreError(f"cannot copy the store {src} to {dest}: {e}") from e
   return store.step
@@ -471,6 +586,11 @@ class NVMeTier:
     progress: show a progress bar for the initial write and for a resume.
     readahead: slices read ahead of the one being updated; also the slices of
       writes in flight before a write callback waits.
+    keep: committed steps kept on disk, for `offlax.rollback` (default 2: the
+      current one and the one before); the store holds `keep + 1` copies of
+      the state. Fixed when the store is created, like `chunk_bytes`.
+    log_every: log a one-line `offlax.stats` summary through the `offlax`
+      logger (INFO) every this many steps; None: never.
 
   Example:
     >>> import tempfile, jax.numpy as jnp, optax, offlax
@@ -492,13 +612,20 @@ class NVMeTier:
     fsync: bool = True,
     progress: bool = True,
     readahead: int = 2,
+    keep: int | None = None,
+    log_every: int | None = None,
   ):
-    for name, value, low in (("cache_bytes", cache_bytes, 0), ("readahead", readahead, 1)):
+    for name, value, low in (
+      ("cache_bytes", cache_bytes, 0),
+      ("readahead", readahead, 1),
+      ("keep", DEFAULT_KEEP if keep is None else keep, 1),
+      ("log_every", 1 if log_every is None else log_every, 1),
+    ):
       if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
         raise errors.InvalidTierError(f"NVMeTier.{name} must be an int >= {low}, got {value!r}.")
     if not isinstance(path, (str, os.PathLike)) or not str(path):
       raise errors.InvalidTierError(f"NVMeTier.path must be a directory path, got {path!r}.")
-    self.host = HostTier(chunk_bytes=_DEFAULT_CHUNK if chunk_bytes is None else chunk_bytes)
+    self.host = HostTier(chunk_bytes=DEFAULT_CHUNK if chunk_bytes is None else chunk_bytes)
     _bound_malloc()
     self.path = os.fspath(path)
     self.cache_bytes = int(cache_bytes)
@@ -506,7 +633,9 @@ class NVMeTier:
     self.resume = resume
     self.progress = progress
     self.readahead = int(readahead)
-    self.store = Store(self.path, fsync=fsync)
+    self.keep = keep
+    self.telemetry = telemetry_lib.DiskTelemetry(log_every)
+    self.store = Store(self.path, fsync=fsync, telemetry=self.telemetry)
 
   @property
   def chunk_bytes(self) -> int:
@@ -568,6 +697,7 @@ class NVMeTier:
     except BaseException:
       self.store.close()  # release the lock; nothing was committed
       raise
+    telemetry_lib.check_cache(self.store.records, self.cache_bytes)
     return layout.merge(items), jnp.asarray(self.store.step, jnp.int32)
 
   def snapshot(self, dest: str) -> int:
@@ -633,8 +763,9 @@ class NVMeTier:
 
   def _create(self, inner, params, spec, layout, shapes, paths, values=None) -> list[Any]:
     records = self._records(shapes, paths, layout)
-    self.store.create(records, str(layout.treedef), self.chunk_bytes)
-    self.store.generation = 1  # write generation 0, then commit it
+    keep = DEFAULT_KEEP if self.keep is None else self.keep
+    self.store.create(records, str(layout.treedef), self.chunk_bytes, keep + 1)
+    self.store.generation = keep  # the last one, so the first commit writes generation 0
     slots = jax.tree.leaves(params, is_leaf=layout_lib.is_masked)
     groups = _init_groups(layout, shapes, self.chunk_bytes, len(slots))
     init = jax.jit(inner.init)
@@ -666,6 +797,11 @@ class NVMeTier:
           f"chunk_bytes={self.chunk_bytes}. A store keeps its chunking: omit chunk_bytes."
         )
       self.host = dataclasses.replace(self.host, chunk_bytes=self.store.chunk_bytes)
+    if self.keep is not None and self.keep + 1 != self.store.generations:
+      raise errors.StoreMismatchError(
+        f"{self.path} was created with keep={self.store.generations - 1}; got keep={self.keep}. "
+        "A store keeps its generations: omit keep."
+      )
     records = self.store.records
     if len(records) != len(shapes):
       raise errors.StoreMismatchError(
@@ -959,6 +1095,9 @@ class _Reader:
     self.store, self.reads, self.readahead = store, reads, readahead
     self._nonempty = [k for k, r in enumerate(reads) if r]
     self._futures: dict[tuple[int, int], tuple[Any, np.ndarray]] = {}
+    # Slices of this step already handed to XLA: when XLA runs slice k+1's read
+    # before slice k's, k's prefetch of k+1 must not read it a second time.
+    self._consumed: set[tuple[int, int]] = set()
     self._buffers: list[np.ndarray] = []  # free slice buffers
     self._in_use: dict[int, np.ndarray] = {}
     self._writes: list[tuple[int, concurrent.futures.Future]] = []  # (epoch, write), oldest first
@@ -973,11 +1112,12 @@ class _Reader:
         return self._buffers.pop(i)
     return _aligned_empty(nbytes)
 
-  def _issue(self, k: int) -> None:
+  def _issue(self, k: int, prefetch: bool = True) -> None:
     # Keyed by step: XLA may run the callbacks of one step out of order, and a
     # prefetch of a slice already read must not be consumed by the next step.
     with self._lock:
-      if (self.store.step, k) in self._futures:
+      key = (self.store.step, k)
+      if key in self._futures or (prefetch and key in self._consumed):
         return
       views, buffer = self._views(k)
       outs = [
@@ -1004,6 +1144,7 @@ class _Reader:
   def _check(self, step) -> None:
     if int(step) != self.store.step:
       self._futures.clear()
+      self._consumed.clear()
       raise errors.StaleStateError(
         f"this state is from step {int(step)}, but {self.store.path} has committed step "
         f"{self.store.step}: an NVMe-tier state can be updated once; use the state the "
@@ -1031,17 +1172,29 @@ class _Reader:
       return self._read(k, step)
 
   def _read(self, k: int, step) -> list[np.ndarray]:
+    self.store.telemetry.begin()
     self._settle()
     if k == self._nonempty[0]:
       self._check(step)
-    self._issue(k)
+    self._issue(k, prefetch=False)  # a retried step reads it again
     with self._lock:
       outs, buffer = self._futures.pop((self.store.step, k))
+      self._consumed.add((self.store.step, k))
       self._in_use[k] = buffer
     position = self._nonempty.index(k)
     for nxt in self._nonempty[position + 1 : position + 1 + self.readahead]:
       self._issue(nxt)  # overlaps the update of slice k
-    return [self.store.result(f).reshape(shape) for f, shape in outs]
+    with self._waiting():
+      return [self.store.result(f).reshape(shape) for f, shape in outs]
+
+  @contextlib.contextmanager
+  def _waiting(self):
+    """Counts the time inside as waiting on the disk."""
+    start = time.perf_counter()
+    try:
+      yield
+    finally:
+      self.store.telemetry.waited(time.perf_counter() - start)
 
   def write(self, k: int, *values) -> np.ndarray:
     with self._failing_bumps_epoch():
@@ -1060,7 +1213,8 @@ class _Reader:
       self._writes.append((self._epoch, future))
       oldest = self._writes.pop(0)[1] if len(self._writes) > self.readahead else None
     if oldest is not None:
-      oldest.result()  # bounds the buffers in flight; raises the write's error
+      with self._waiting():
+        oldest.result()  # bounds the buffers in flight; raises the write's error
     return np.asarray(k, np.int32)
 
   def _write(self, writes, buffer: np.ndarray) -> None:
@@ -1077,15 +1231,22 @@ class _Reader:
       self._commit(hot, n_tickets, step, *args)
 
   def _commit(self, hot: list[int], n_tickets: int, step, *args) -> None:
+    telemetry = self.store.telemetry
+    telemetry.begin()
     self._settle()
     with self._lock:
       writes, self._writes = self._writes, []
-    for _, w in writes:
-      w.result()
-    self._check(step)
-    for j, v in zip(hot, args[n_tickets:], strict=True):
-      self.store.write(j, 0, v)
-    self.store.commit(int(step) + 1)
+    with self._waiting():
+      for _, w in writes:
+        w.result()
+      self._check(step)
+      for j, v in zip(hot, args[n_tickets:], strict=True):
+        self.store.write(j, 0, v)
+      self.store.commit(int(step) + 1)
+    nbytes = [r.nbytes for r in self.store.records]
+    hit = sum(nbytes[j] for j in hot)
+    telemetry.end(int(step) + 1, hit, sum(nbytes) - hit)
     with self._lock:
-      self._futures.clear()  # prefetches of slices this step had already read
+      self._futures.clear()
+      self._consumed.clear()
       self._in_use.clear()

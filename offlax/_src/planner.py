@@ -11,7 +11,8 @@ import jax
 import numpy as np
 import optax
 
-from offlax._src import errors, flax_glue
+from offlax._src import errors, flax_glue, nvme_tier
+from offlax._src.telemetry import format_bytes
 
 GB = 10**9
 
@@ -39,7 +40,8 @@ class Plan:
       on the device); 1.0 otherwise.
     placement: state leaf key path -> ``"device"``, ``"host"`` or ``"nvme"``.
     bytes: bytes per tier (``device``, ``host``, ``nvme``), parameters,
-      gradients and the device's working slices included.
+      gradients and the device's working slices included; ``nvme`` is the
+      store on disk: the state ``keep + 1`` times (`NVMeTier`'s generations).
     bus_bytes_per_step: bytes crossing host <-> device per step.
     disk_bytes_per_step: bytes read and written on disk per step.
     overhead_s: estimated extra seconds per step if no transfer overlapped
@@ -64,20 +66,23 @@ class Plan:
     """A readable summary."""
     a = self.assumptions
     lines = [
-      f"offlax plan: {a['params']:,} params ({_size(a['param_bytes'])}), "
-      f"optimizer state {_size(a['state_bytes'])}, gradients {_size(a['grad_bytes'])}",
+      f"offlax plan: {a['params']:,} params ({format_bytes(a['param_bytes'])}), "
+      f"optimizer state {format_bytes(a['state_bytes'])}, "
+      f"gradients {format_bytes(a['grad_bytes'])}",
       f"{'tier':<8}{'uses':>12}{'has':>12}",
     ]
     for tier, has in (("device", a["device_bytes"]), ("host", a["host_bytes"])):
-      lines.append(f"{tier:<8}{_size(self.bytes[tier]):>12}{_size(has):>12}")
-    lines.append(f"{'nvme':<8}{_size(self.bytes['nvme']):>12}{_size(a['nvme_bytes']):>12}")
+      lines.append(f"{tier:<8}{format_bytes(self.bytes[tier]):>12}{format_bytes(has):>12}")
+    lines.append(
+      f"{'nvme':<8}{format_bytes(self.bytes['nvme']):>12}{format_bytes(a['nvme_bytes']):>12}"
+    )
     verdict = "fits" if self.fits else "DOES NOT FIT"
     lines += [
       f"mode: {self.mode} ({verdict}); chunk_bytes {self.chunk_bytes / 2**20:g} MiB"
       + (f", fraction {self.fraction:.2f}" if self.mode == "host" else ""),
-      f"per step: {_size(self.bus_bytes_per_step)} over the bus, "
-      f"{_size(self.disk_bytes_per_step)} on disk; overhead <= {self.overhead_s:.2f} s "
-      f"(bus {_size(a['bus_bytes_per_s'])}/s, disk {_size(a['disk_bytes_per_s'])}/s, "
+      f"per step: {format_bytes(self.bus_bytes_per_step)} over the bus, "
+      f"{format_bytes(self.disk_bytes_per_step)} on disk; overhead <= {self.overhead_s:.2f} s "
+      f"(bus {format_bytes(a['bus_bytes_per_s'])}/s, disk {format_bytes(a['disk_bytes_per_s'])}/s, "
       f"host Adam {a['host_adam_params_per_s'] / 1e9:.2f} G params/s, no overlap)",
     ]
     lines += [f"- {x}" for x in self.advice]
@@ -205,7 +210,9 @@ def plan(
   # The NVMe tier: RAM caches what it can (a quarter kept for slices and buffers).
   cache = max(0, int(host_bytes * 0.75) - 8 * chunk_bytes)
   on_disk = max(0, state - small - cache)
-  nvme_fits = fixed + slices + small <= device_bytes and 0 < on_disk <= nvme_bytes
+  # The store holds all of the state (cached arrays too) once per generation.
+  store_bytes = (nvme_tier.DEFAULT_KEEP + 1) * (state - small)
+  nvme_fits = fixed + slices + small <= device_bytes and 0 < on_disk and store_bytes <= nvme_bytes
   if nvme_fits:
     placement = everywhere("device")
     cached = 0
@@ -220,19 +227,21 @@ def plan(
     overhead = max(bus / bus_bytes_per_s, disk / disk_bytes_per_s)
     return make(
       "nvme", True, placement, fixed + slices + small, cached + 8 * chunk_bytes,
-      state - small - cached, bus, disk, overhead, [f"NVMeTier(path, cache_bytes={cache})"],
+      store_bytes, bus, disk, overhead, [f"NVMeTier(path, cache_bytes={cache})"],
     )  # fmt: skip
   advice = []
   if fixed > device_bytes:
     advice.append(
-      f"params and gradients alone need {_size(fixed)} of device memory ({_size(device_bytes)} "
-      f"available): shard them over {math.ceil(fixed / device_bytes)}+ devices (a jax Mesh), "
-      "use lower-precision params, or train fewer of them (LoRA-style adapters)"
+      f"params and gradients alone need {format_bytes(fixed)} of device memory "
+      f"({format_bytes(device_bytes)} available): shard them over "
+      f"{math.ceil(fixed / device_bytes)}+ devices (a jax Mesh), use lower-precision params, "
+      "or train fewer of them (LoRA-style adapters)"
     )
-  if state > host_bytes + nvme_bytes:
+  if state > host_bytes and store_bytes > nvme_bytes:
     advice.append(
-      f"the optimizer state needs {_size(state)}: add host RAM or NVMe "
-      f"({_size(state - host_bytes)} more than the host has)"
+      f"the optimizer state needs {format_bytes(state)}: add host RAM "
+      f"({format_bytes(state - host_bytes)} more than the host has) or NVMe (a store keeps "
+      f"{nvme_tier.DEFAULT_KEEP + 1} copies: {format_bytes(store_bytes)})"
     )
   return make(
     "none", False, everywhere("host"), fixed, state, 0, 2 * param_bytes, 0, math.inf, advice
@@ -253,10 +262,3 @@ def parse_bytes(text: str) -> int:
 
 def _nbytes(x: Any) -> int:
   return int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize
-
-
-def _size(n: float) -> str:
-  for unit, scale in (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
-    if n >= scale:
-      return f"{n / scale:.1f} {unit}"
-  return f"{int(n)} B"

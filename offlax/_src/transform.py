@@ -13,10 +13,10 @@ import optax
 from jax.experimental.compute_on import compute_on2
 
 from offlax._src import coupling as coupling_lib
-from offlax._src import errors, flax_glue
+from offlax._src import errors, flax_glue, nvme_tier, telemetry
 from offlax._src import layout as layout_lib
 from offlax._src import schedule as schedule_lib
-from offlax._src.host_tier import HostTier
+from offlax._src.host_tier import DEFAULT_CHUNK_BYTES, HostTier
 from offlax._src.layout import ParamSpec
 from offlax._src.nvme_tier import DiskIO, NVMeTier
 
@@ -87,13 +87,17 @@ def offload(
   def init_fn(params):
     params = flax_glue.unbox(params)
     spec = _spec_of(params, "params")
+    devices = _devices_of(params)
     if isinstance(tier, NVMeTier):
-      tier.host.check_devices(_devices_of(params))
+      tier.host.check_devices(devices)
       inner_state, step = tier.init(inner, params, spec)
-      return OffloadState(inner_state, spec, step)
-    tier.check_devices(_devices_of(params))
-    inner_state = inner.init(params)
-    return OffloadState(tier.place(inner_state), spec)
+      state = OffloadState(inner_state, spec, step)
+    else:
+      tier.check_devices(devices)
+      state = OffloadState(tier.place(inner.init(params)), spec)
+    if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(params)):
+      _check_config(state, tier, devices)
+    return state
 
   def update_fn(updates, state, params=None, **extra_args):
     if not isinstance(state, OffloadState):
@@ -316,6 +320,17 @@ class _HostIO:
     return None
 
 
+def _check_config(state: OffloadState, tier: HostTier | NVMeTier, devices: set[Any]) -> None:
+  """Warns about settings that work but cost speed or memory (see `PerformanceWarning`)."""
+  s = telemetry.stats(state, tier)
+  host = tier.host if isinstance(tier, NVMeTier) else tier
+  recommended = nvme_tier.DEFAULT_CHUNK if isinstance(tier, NVMeTier) else DEFAULT_CHUNK_BYTES
+  if host.compute == "device":
+    telemetry.check_chunk(tier.chunk_bytes, recommended, s.h2d_bytes)
+  for platform in {d.platform for d in devices}:
+    telemetry.check_pinned(s.host_bytes, platform)
+
+
 def _check_placement(tier: HostTier, state: Any) -> None:
   """Refuses host-tier state whose offloaded leaves arrive typed as device arrays.
 
@@ -356,18 +371,20 @@ def _is_array(x: Any) -> bool:
 def _spec_of(tree: Any, what: str) -> ParamSpec:
   flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=layout_lib.is_masked)
   shapes: list[tuple[int, ...] | None] = []
+  nbytes = 0
   for path, leaf in flat:
     if layout_lib.is_masked(leaf):
       shapes.append(None)
     elif _is_array(leaf) and not isinstance(leaf, (str, bytes)):
       shapes.append(tuple(np.shape(leaf)))
+      nbytes += layout_lib.nbytes(leaf)
     else:
       raise errors.LeafTypeError(
         f"{what} leaf {jax.tree_util.keystr(path) or '<root>'} is a "
         f"{type(leaf).__name__} ({leaf!r:.60}); expected an array (jax.Array, "
         "numpy array, Python number or jax.ShapeDtypeStruct)."
       )
-  return ParamSpec(treedef, tuple(shapes))
+  return ParamSpec(treedef, tuple(shapes), nbytes)
 
 
 def _check_same(expected: ParamSpec, actual: ParamSpec, what: str) -> None:

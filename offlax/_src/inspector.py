@@ -1,0 +1,258 @@
+"""`inspect_store`: what an NVMe store (or an orbax checkpoint of offloaded state) holds.
+
+Read-only: it takes no lock and writes nothing, so it can look at a store a
+training process has open (the committed step may then move under it, which
+the report says).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import os
+
+import numpy as np
+
+from offlax._src import errors
+from offlax._src import layout as layout_lib
+from offlax._src import nvme_tier as nvme_lib
+from offlax._src.telemetry import format_bytes
+
+_TMP_MARK = ".orbax-checkpoint-tmp"
+
+
+@dataclasses.dataclass
+class LeafReport:
+  """One state array of a store: where it is in the state, its size, its status."""
+
+  path: str
+  shape: tuple[int, ...]
+  dtype: str
+  nbytes: int
+  cached: bool  # also held in RAM by the tier (on disk all the same)
+  status: str = "ok"
+
+
+@dataclasses.dataclass
+class StoreReport:
+  """What `inspect_store` found in one store or checkpoint item.
+
+  Attributes:
+    path: the store (or orbax item) directory.
+    kind: ``"nvme"`` or ``"orbax"``.
+    step: the committed step (an NVMe store), else None.
+    kept: the committed steps kept, newest first (an NVMe store).
+    generations: generation directories of the store.
+    structure: the inner optimizer's state structure, as recorded.
+    leaves: every state array.
+    problems: what is wrong; empty for a healthy store.
+    verified: whether every chunk was reread and checked.
+    notes: facts worth knowing that are not problems.
+  """
+
+  path: str
+  kind: str
+  step: int | None = None
+  kept: list[int] = dataclasses.field(default_factory=list)
+  generations: int = 0
+  structure: str = ""
+  leaves: list[LeafReport] = dataclasses.field(default_factory=list)
+  problems: list[str] = dataclasses.field(default_factory=list)
+  verified: bool = False
+  notes: list[str] = dataclasses.field(default_factory=list)
+
+  @property
+  def ok(self) -> bool:
+    return not self.problems
+
+  def format(self) -> str:
+    """A readable multi-line report."""
+    lines = [f"{self.kind} store {self.path}"]
+    if self.kind == "nvme":
+      lines.append(
+        f"  committed step {self.step}; kept steps {self.kept} "
+        f"({self.generations} generations on disk)"
+      )
+    if self.structure:
+      lines.append(f"  inner state: {self.structure}")
+    total = sum(leaf.nbytes for leaf in self.leaves)
+    check = "checksums verified" if self.verified else "files checked, not reread (--verify)"
+    lines.append(f"  {len(self.leaves)} arrays, {format_bytes(total)} per kept step; {check}")
+    rows = [
+      (leaf.path, f"{leaf.dtype}{list(leaf.shape)}", format_bytes(leaf.nbytes),
+       "cached" if leaf.cached else "", leaf.status)
+      for leaf in self.leaves
+    ]  # fmt: skip
+    widths = [max((len(row[i]) for row in rows), default=0) for i in range(4)]
+    for row in rows:
+      cells = [
+        cell.ljust(w) if i != 2 else cell.rjust(w)
+        for i, (cell, w) in enumerate(zip(row, widths, strict=False))
+      ]
+      lines.append("    " + "  ".join([*cells, row[4]]))
+    lines.extend(f"  note: {n}" for n in self.notes)
+    lines.extend(f"  PROBLEM: {p}" for p in self.problems)
+    lines.append("  OK" if self.ok else f"  {len(self.problems)} problem(s)")
+    return "\n".join(lines)
+
+
+def inspect_store(
+  path: str | os.PathLike, *, verify: bool = False, progress: bool = True
+) -> list[StoreReport]:
+  """Reports on the NVMe store at `path`, or on every store and offlax item of a checkpoint.
+
+  For an NVMe store: the committed step, the kept steps, and each state array
+  with shape, dtype, bytes and status. Without `verify` it checks that every
+  chunk file of every kept step is there with its size; with `verify` it
+  rereads them all and checks their crc32c checksums. For an orbax checkpoint
+  directory (a manager's directory, one step, or one item) it inspects each
+  NVMe store saved in it (`NVMeStoreSave`) and lists the arrays of each
+  pytree item; `verify` reads those arrays back.
+
+  Args:
+    path: an NVMe store directory or an orbax checkpoint directory.
+    verify: reread every chunk (every array of a checkpoint) and check it.
+    progress: show a progress bar while verifying.
+
+  Returns:
+    One `StoreReport` per store or item found; `report.ok` is False if
+    anything is wrong.
+
+  Raises:
+    StoreError: `path` holds neither an offlax store nor an orbax checkpoint.
+
+  Example:
+    >>> import tempfile, jax.numpy as jnp, optax, offlax
+    >>> path = tempfile.mkdtemp()
+    >>> tier = offlax.NVMeTier(path, cache_bytes=0, progress=False)
+    >>> state = offlax.offload(optax.adam(1e-3), tier).init({"w": jnp.ones((4, 3))})
+    >>> tier.close()
+    >>> [report] = offlax.inspect_store(path, verify=True, progress=False)
+    >>> report.ok, report.step, [leaf.path for leaf in report.leaves]
+    (True, 0, ['[0].count', "[0].mu['w']", "[0].nu['w']"])
+  """
+  root = os.path.abspath(os.fspath(path))
+  if not os.path.isdir(root):
+    raise errors.StoreError(f"inspect: {root} is not a directory.")
+  if os.path.exists(os.path.join(root, nvme_lib._METADATA)):
+    return [_inspect_nvme(root, verify, progress)]
+  reports = []
+  for directory, dirs, files in os.walk(root):
+    dirs.sort()
+    if _TMP_MARK in os.path.basename(directory):
+      dirs.clear()  # an unfinished save: orbax ignores it, and so do we
+      continue
+    if nvme_lib._METADATA in files:
+      reports.append(_inspect_nvme(directory, verify, progress))
+      dirs.clear()
+    elif "_METADATA" in files:
+      reports.append(_inspect_orbax(directory, verify))
+      dirs.clear()
+  if not reports:
+    raise errors.StoreError(
+      f"inspect: {root} holds no offlax store (no {nvme_lib._METADATA}) and no orbax "
+      "checkpoint item (no _METADATA)."
+    )
+  return reports
+
+
+def _inspect_nvme(path: str, verify: bool, progress: bool) -> StoreReport:
+  store = nvme_lib.Store(path, fsync=False)
+  report = StoreReport(path, "nvme", verified=verify)
+  try:
+    store.read_metadata()
+  except errors.StoreCorruptedError as e:
+    report.problems.append(str(e))
+    return report
+  report.step, report.generations, report.structure = (
+    store.step,
+    store.generations,
+    store.structure,
+  )
+  report.kept = [s for s, _ in store.kept]
+  if _locked(path):
+    report.notes.append("a training process has the store open; the step may move meanwhile")
+  report.leaves = [LeafReport(r.path, r.shape, r.dtype, r.nbytes, r.hot) for r in store.records]
+  pairs = list(zip(report.leaves, store.records, strict=True))
+  work = [(leaf, r, s, g) for s, g in store.kept for leaf, r in pairs]
+  desc = f"offlax: verifying {path}"
+  for leaf, r, step, gen in nvme_lib._progress(work, progress and verify, desc):
+    problem = _check_item(store, r, gen, verify)
+    if problem is not None:
+      report.problems.append(f"step {step}: {problem}")
+      if step == store.step:
+        leaf.status = "BAD"
+      elif leaf.status == "ok":
+        leaf.status = f"bad in step {step}"
+  if verify:
+    for leaf in report.leaves:
+      leaf.status = "verified" if leaf.status == "ok" else leaf.status
+  return report
+
+
+def _check_item(store: nvme_lib.Store, r: nvme_lib.LeafRecord, gen: int, verify: bool):
+  """The first problem of item `r` in generation `gen`, or None."""
+  if not verify:
+    return store.check_files(r, gen)
+  buffer = nvme_lib._aligned_empty(r.chunk_nbytes)
+  for c, first, end in store._chunks(r, 0, r.size):
+    try:
+      store._read_chunk(r, gen, c, buffer[: (end - first) * np.dtype(r.dtype).itemsize])
+    except errors.OffloadError as e:
+      return str(e)
+  return None
+
+
+def _locked(path: str) -> bool:
+  try:
+    fd = os.open(os.path.join(path, nvme_lib._LOCK), os.O_RDONLY | os.O_NOFOLLOW)
+  except OSError:
+    return False
+  try:
+    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return False
+  except BlockingIOError:
+    return True
+  finally:
+    os.close(fd)
+
+
+def _inspect_orbax(path: str, verify: bool) -> StoreReport:
+  import jax
+  import orbax.checkpoint as ocp
+
+  report = StoreReport(path, "orbax", verified=verify)
+  checkpointer = ocp.PyTreeCheckpointer()
+  try:
+    tree = checkpointer.metadata(path).item_metadata.tree
+  except Exception as e:  # orbax raises many kinds; each is a problem to report
+    report.problems.append(f"cannot read the checkpoint's metadata: {e!r}")
+    return report
+  flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+  arrays = [(p, m) for p, m in flat if hasattr(m, "shape") and hasattr(m, "dtype")]
+  for p, m in arrays:
+    nbytes = layout_lib.nbytes(m)
+    report.leaves.append(
+      LeafReport(jax.tree_util.keystr(p), tuple(m.shape), np.dtype(m.dtype).name, nbytes, False)
+    )
+  if not os.path.exists(os.path.join(os.path.dirname(path), "commit_success.txt")) and not (
+    os.path.exists(os.path.join(path, "commit_success.txt"))
+  ):
+    report.notes.append("no commit_success.txt: orbax may not have finished this save")
+  if verify:
+    restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+    try:
+      values = checkpointer.restore(path, restore_args=restore_args)
+    except Exception as e:  # as above: any failure to read back is the finding
+      report.problems.append(f"reading the arrays back failed: {e!r}")
+      return report
+    got = {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_flatten_with_path(values)[0]}
+    for leaf in report.leaves:
+      shape = None if leaf.path not in got else tuple(np.shape(got[leaf.path]))
+      if shape != leaf.shape:
+        leaf.status = "BAD"
+        report.problems.append(f"{leaf.path}: read back {shape}, expected {leaf.shape}")
+      else:
+        leaf.status = "verified"
+  return report

@@ -1,0 +1,318 @@
+"""What the offload costs: bytes per tier and per step, the NVMe pipeline's I/O, warnings.
+
+`stats` reads the sizes from the state's structure (no device sync) and the
+NVMe tier's counters of its last completed step, which the step's callbacks
+keep on the Python side (`DiskTelemetry`), so leaving them on costs a few
+clock reads and additions per slice.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import warnings
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+
+from offlax._src import errors
+from offlax._src import layout as layout_lib
+
+logger = logging.getLogger("offlax")
+
+# A step that waits on the disk for more than this share of its time, this many
+# steps in a row, is I/O-bound.
+STALL_SHARE = 0.5
+STALL_STEPS = 3
+STALL_MIN_S = 0.25  # shorter steps (small states: the commit's flush dominates) never warn
+# XLA's default cap on a GPU's pinned host pool, raised by this variable.
+PINNED_LIMIT_ENV = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
+PINNED_LIMIT_DEFAULT_GB = 64.0
+
+
+class OffloadStats(NamedTuple):
+  """What an offloaded optimizer state holds where, and what a step moves.
+
+  Sizes come from the state's structure; the `disk_*`, `cache_*`, `io_wait_s`
+  and `step_s` fields are the NVMe tier's figures of its last completed step
+  (None for the host tier, or before the first step).
+
+  Attributes:
+    step: the NVMe store's last committed step (None for the host tier).
+    device_bytes: state bytes resident in device memory (partial offload).
+    host_bytes: state bytes resident in host RAM (the NVMe tier's cache).
+    nvme_bytes: state bytes in the NVMe store's committed generation.
+    h2d_bytes: bytes one update moves host -> device: the streamed state, or
+      (`compute="host"`) the updates.
+    d2h_bytes: bytes one update moves device -> host: the new state, or
+      (`compute="host"`) the gradients, plus the params when `update` gets them.
+    disk_read_bytes: bytes read from the disk by the last step.
+    disk_write_bytes: bytes written to the disk by the last step (cached items
+      included: the whole state is on disk after each commit).
+    cache_hit_bytes: state bytes the last step found in RAM.
+    cache_miss_bytes: state bytes the last step read from disk.
+    io_wait_s: seconds the last step's callbacks waited on the disk (reads,
+      writes, the commit's flush) rather than handing data to XLA.
+    step_s: seconds from the last step's first callback to its commit.
+  """
+
+  step: int | None
+  device_bytes: int
+  host_bytes: int
+  nvme_bytes: int
+  h2d_bytes: int
+  d2h_bytes: int
+  disk_read_bytes: int | None = None
+  disk_write_bytes: int | None = None
+  cache_hit_bytes: int | None = None
+  cache_miss_bytes: int | None = None
+  io_wait_s: float | None = None
+  step_s: float | None = None
+
+  def summary(self) -> str:
+    """One line for a log: resident bytes per tier, then the last step's I/O."""
+    b = format_bytes
+    line = (
+      f"offlax: state device {b(self.device_bytes)}, host {b(self.host_bytes)}, "
+      f"nvme {b(self.nvme_bytes)}; per step h2d {b(self.h2d_bytes)}, d2h {b(self.d2h_bytes)}"
+    )
+    if self.step is not None:
+      line = f"{line}; committed step {self.step}"
+    if self.step_s is not None:
+      line = f"{line}; {_io_line(self)}"
+    return line
+
+
+def _io_line(s: Any) -> str:
+  share = s.io_wait_s / s.step_s if s.step_s else 0.0
+  return (
+    f"disk read {format_bytes(s.disk_read_bytes)}, written {format_bytes(s.disk_write_bytes)}; "
+    f"waited on I/O {s.io_wait_s:.3g} s of {s.step_s:.3g} s ({share:.0%}); "
+    f"cache hits {format_bytes(s.cache_hit_bytes)}, misses {format_bytes(s.cache_miss_bytes)}"
+  )
+
+
+def stats(state: Any, tier: Any, *, sync: bool = False) -> OffloadStats:
+  """Bytes per tier and per step of an `offload` state, and the NVMe tier's last step.
+
+  Cheap enough to call every step: it reads shapes and memory kinds, not
+  values, and never waits for the device unless `sync` is set.
+
+  Args:
+    state: the `OffloadState` returned by `offload(...).init` or `update` (or
+      an abstract one, e.g. from `jax.eval_shape`).
+    tier: the tier passed to `offload` (a `HostTier` or an `NVMeTier`).
+    sync: wait for dispatched steps first (`jax.effects_barrier`), so the NVMe
+      figures are those of the step that produced `state`; otherwise they are
+      those of the last step that has completed.
+
+  Returns:
+    An `OffloadStats`.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, offlax
+    >>> tier = offlax.HostTier()
+    >>> state = offlax.offload(optax.adam(1e-3), tier).init({"w": jnp.ones((256, 256))})
+    >>> s = offlax.stats(state, tier)
+    >>> s.host_bytes, s.h2d_bytes  # mu and nu, fp32
+    (524288, 524288)
+  """
+  from offlax._src.host_tier import HostTier
+  from offlax._src.nvme_tier import NVMeTier
+  from offlax._src.transform import OffloadState
+
+  if not isinstance(state, OffloadState):
+    raise errors.TreeMismatchError(
+      f"offlax.stats expects the OffloadState of offlax.offload, got {type(state).__name__}."
+    )
+  if not isinstance(tier, (HostTier, NVMeTier)):
+    raise errors.InvalidTierError(
+      f"offlax.stats: tier must be the HostTier or NVMeTier of offload, got {type(tier).__name__}."
+    )
+  resident = {"device": 0, "host": 0, "nvme": 0}
+  for x in jax.tree.leaves(state.inner_state, is_leaf=layout_lib.is_slot):
+    if isinstance(x, layout_lib.OnDisk):
+      resident["nvme"] += layout_lib.nbytes(x)
+    elif hasattr(x, "shape") and hasattr(x, "dtype"):
+      resident[_kind(x)] += layout_lib.nbytes(x)
+  moved = resident["host"] + resident["nvme"]
+  if isinstance(tier, HostTier) and tier.compute == "host":
+    moved = state.spec.nbytes
+  if not isinstance(tier, NVMeTier):
+    return OffloadStats(None, resident["device"], resident["host"], 0, moved, moved)
+  if sync:
+    jax.effects_barrier()
+  on_disk = sum(r.nbytes for r in tier.store.records)
+  last = tier.telemetry.last
+  base = OffloadStats(tier.store.step, resident["device"], resident["host"], on_disk, moved, moved)
+  return base if last is None else base._replace(**last._asdict())
+
+
+def _kind(x: Any) -> str:
+  concrete = isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) and not isinstance(x, jax.core.Tracer)
+  kind = getattr(x.sharding, "memory_kind", None) if concrete else None
+  return "host" if kind in ("pinned_host", "unpinned_host") else "device"
+
+
+class StepIO(NamedTuple):
+  """The NVMe tier's figures of one step (fields as in `OffloadStats`)."""
+
+  disk_read_bytes: int
+  disk_write_bytes: int
+  cache_hit_bytes: int
+  cache_miss_bytes: int
+  io_wait_s: float
+  step_s: float
+
+
+class DiskTelemetry:
+  """Counters the NVMe tier's step updates from its I/O threads and XLA's callback threads."""
+
+  def __init__(self, log_every: int | None = None):
+    self.log_every = log_every
+    self.last: StepIO | None = None
+    self._lock = threading.Lock()
+    self._start: float | None = None
+    self._read = self._written = 0
+    self._wait = 0.0
+    self._stalls = 0  # consecutive I/O-bound steps
+    self._warned_stall = False
+
+  def begin(self) -> None:
+    """Marks the start of a step (its first callback); later calls are no-ops.
+
+    Counts from before it (an init's writes, a resume's reads) are dropped.
+    """
+    with self._lock:
+      if self._start is None:
+        self._start = time.perf_counter()
+        self._read = self._written = 0
+        self._wait = 0.0
+
+  def bytes_read(self, n: int) -> None:
+    with self._lock:
+      self._read += n
+
+  def bytes_written(self, n: int) -> None:
+    with self._lock:
+      self._written += n
+
+  def waited(self, seconds: float) -> None:
+    with self._lock:
+      self._wait += seconds
+
+  def end(self, step: int, hit_bytes: int, miss_bytes: int) -> StepIO:
+    """Closes the step just committed; logs and warns as configured."""
+    with self._lock:
+      start = self._start if self._start is not None else time.perf_counter()
+      last = StepIO(
+        self._read, self._written, hit_bytes, miss_bytes, self._wait, time.perf_counter() - start
+      )
+      self._start, self._read, self._written, self._wait = None, 0, 0, 0.0
+    self.last = last
+    stalled = last.step_s >= STALL_MIN_S and last.io_wait_s > STALL_SHARE * last.step_s
+    self._stalls = self._stalls + 1 if stalled else 0
+    if self._stalls >= STALL_STEPS and not self._warned_stall:
+      self._warned_stall = True
+      warnings.warn(
+        f"offlax: the NVMe tier waited on the disk for {last.io_wait_s / last.step_s:.0%} of "
+        f"each of the last {STALL_STEPS} steps ({last.io_wait_s:.3g} s of {last.step_s:.3g} s): "
+        "the disk bounds the step. Use a faster disk (or several, striped), keep more state in "
+        "RAM (a larger NVMeTier(cache_bytes=...)), or the host tier if the state fits in RAM "
+        "(`python -m offlax plan`).",
+        errors.PerformanceWarning,
+        stacklevel=2,
+      )
+    if self.log_every and step % self.log_every == 0:
+      logger.info("NVMe step %d: %s", step, _io_line(last))
+    return last
+
+
+def check_cache(records: Sequence[Any], cache_bytes: int) -> None:
+  """Warns when `cache_bytes` of RAM hold little of the state although they could."""
+  cold = [r.nbytes for r in records if not r.hot]
+  if not cold:
+    return
+  used = sum(r.nbytes for r in records if r.hot)
+  b = format_bytes
+  if cache_bytes >= 2**20 and used < cache_bytes / 2:
+    warnings.warn(
+      f"offlax: NVMeTier(cache_bytes={cache_bytes}) holds only {b(used)}: the cache keeps whole "
+      f"state arrays and the smallest one on disk is {b(min(cold))}, so every step reads all "
+      f"{b(sum(cold))} of them from disk. Raise cache_bytes to at least "
+      f"{min(cold) + used} to cache it, or lower it to free the RAM.",
+      errors.PerformanceWarning,
+      stacklevel=4,
+    )
+  free = _free_ram()
+  # Small states are not worth a warning (tests, examples); large ones that fit in RAM are.
+  if free is not None and 2**30 < sum(cold) + used < free / 2:
+    warnings.warn(
+      f"offlax: the whole optimizer state ({b(sum(cold) + used)}) would fit in this host's free "
+      f"RAM ({b(free)}), yet every step reads {b(sum(cold))} of it from disk: use "
+      "offlax.HostTier, or raise NVMeTier(cache_bytes=...).",
+      errors.PerformanceWarning,
+      stacklevel=4,
+    )
+
+
+def check_pinned(host_bytes: int, platform: str) -> None:
+  """Warns when host-tier state nears the GPU's pinned host memory pool."""
+  if platform not in ("gpu", "cuda", "rocm"):
+    return  # the CPU backend's host memory is ordinary RAM, uncapped
+  limit = float(os.environ.get(PINNED_LIMIT_ENV, PINNED_LIMIT_DEFAULT_GB)) * 2**30
+  if host_bytes > 0.9 * limit:
+    warnings.warn(
+      f"offlax: the host tier holds {format_bytes(host_bytes)} of pinned host memory; XLA caps "
+      f"the pool at {format_bytes(limit)} ({PINNED_LIMIT_ENV}={limit / 2**30:g}), so allocations "
+      f"will fail or spill. Raise it (e.g. {PINNED_LIMIT_ENV}="
+      f"{int(host_bytes * 1.25 / 2**30) + 1}) before JAX starts, offload less "
+      "(HostTier(fraction=...)), or use the NVMe tier.",
+      errors.PerformanceWarning,
+      stacklevel=4,
+    )
+
+
+def check_chunk(chunk_bytes: int, recommended: int, state_bytes: int) -> None:
+  """Warns when the slice size is far from the tier's recommended one for this state."""
+  if chunk_bytes * 8 < recommended and state_bytes > 256 * chunk_bytes:
+    warnings.warn(
+      f"offlax: chunk_bytes={chunk_bytes} cuts {format_bytes(state_bytes)} of state into "
+      f"{-(-state_bytes // chunk_bytes)} slices; per-slice overheads (transfers, callbacks, "
+      f"kernel launches) then dominate. Use chunk_bytes={recommended} (the default).",
+      errors.PerformanceWarning,
+      stacklevel=4,
+    )
+  elif chunk_bytes > 16 * recommended and state_bytes > 2 * recommended * 16:
+    warnings.warn(
+      f"offlax: chunk_bytes={chunk_bytes} needs about {format_bytes(3 * chunk_bytes)} of device "
+      f"memory for slices in flight and overlaps transfers with compute only across "
+      f"{-(-state_bytes // chunk_bytes)} slices. Use chunk_bytes={recommended} (the default) "
+      "unless the planner (`python -m offlax plan`) says otherwise.",
+      errors.PerformanceWarning,
+      stacklevel=4,
+    )
+
+
+def _free_ram() -> int | None:
+  try:
+    with open("/proc/meminfo") as f:
+      for line in f:
+        if line.startswith("MemAvailable:"):
+          return int(line.split()[1]) * 1024
+  except (OSError, ValueError, IndexError):
+    pass
+  return None
+
+
+def format_bytes(n: float | None) -> str:
+  """`n` bytes in decimal units, as the planner and the inspector print them."""
+  if n is None:
+    return "-"
+  for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+    if abs(n) >= scale:
+      return f"{n / scale:.1f} {unit}"
+  return f"{int(n)} B"
