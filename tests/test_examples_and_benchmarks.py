@@ -116,3 +116,22 @@ def test_linen_example(capsys):
   accuracy = _load("examples/linen_train_state.py").main(["--steps", "40"])
   assert accuracy > 0.9
   assert "optimizer state in ['pinned_host']" in capsys.readouterr().out
+
+
+def test_multi_device_example():
+  # In a subprocess: it asks XLA for 8 CPU devices, which this process cannot change.
+  import os
+  import re
+  import subprocess
+
+  out = subprocess.run(
+    [sys.executable, str(ROOT / "examples/multi_device.py"), "--steps", "40", "--width", "64"],
+    capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)},
+  )  # fmt: skip
+  assert out.returncode == 0, out.stderr[-3000:]
+  losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", out.stdout)]
+  assert losses[-1] < losses[0] / 2
+  sizes = re.search(r"memory ([\d,]+) B .* ([\d,]+) B", out.stdout).groups()
+  zero1, plain = (int(s.replace(",", "")) for s in sizes)
+  assert zero1 * 3 < plain  # ZeRO-1 over 4 data devices: about a quarter
+  assert "P(None, ('model', 'data')), pinned_host" in out.stdout

@@ -14,6 +14,8 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from offlax._src import errors, flax_glue, nvme_tier
+from offlax._src import layout as layout_lib
+from offlax._src import sharding as sharding_lib
 from offlax._src.host_tier import HostTier
 from offlax._src.nvme_tier import NVMeTier
 from offlax._src.transform import OffloadState, _devices_of, _spec_of
@@ -58,16 +60,26 @@ def abstract_state(
   device = min(_devices_of(params), key=lambda d: d.id)
   shapes = jax.eval_shape(optax.with_extra_args_support(inner).init, params)
   placement = tier.placement(shapes)
+  default = jax.sharding.SingleDeviceSharding(device).memory_kind
+
+  def sds(x, mesh, spec, host):
+    kind = tier.memory_kind if host else default
+    sharding = jax.sharding.NamedSharding(mesh, spec, memory_kind=kind)
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+  if spec.mesh is not None:  # each leaf as `offload(...).init` shards it
+    layout = layout_lib.StateLayout(shapes, spec)
+    items, host = layout.split(shapes), layout.split(placement)
+    mesh_plan = sharding_lib.plan(spec, layout.owners, items, host, tier.shard_axis)
+    targets = [
+      sds(x, spec.mesh, mesh_plan.item_specs[j], h)
+      for j, (x, h) in enumerate(zip(items, host, strict=True))
+    ]
+    return OffloadState(layout.merge(targets), spec)
   # A NamedSharding: JAX 0.10 types a SingleDeviceSharding's host memory kind as
   # device memory (see `placed`), a NamedSharding's as host memory.
   mesh = jax.sharding.Mesh(np.array([device]), ("offlax",))
-  default = jax.sharding.SingleDeviceSharding(device).memory_kind
-
-  def place(x, host):
-    kind = tier.memory_kind if host else default
-    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(), memory_kind=kind)
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-
+  place = lambda x, host: sds(x, mesh, jax.sharding.PartitionSpec(), host)
   return OffloadState(jax.tree.map(place, shapes, placement), spec)
 
 

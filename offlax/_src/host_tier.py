@@ -12,6 +12,7 @@ import numpy as np
 
 from offlax._src import errors
 from offlax._src import layout as layout_lib
+from offlax._src import sharding as sharding_lib
 
 # Inside `jit`, JAX 0.10 types exactly one host memory space, `pinned_host`
 # (`jax.memory.Space.Host`); `unpinned_host` buffers are typed as device memory,
@@ -46,6 +47,11 @@ class HostTier:
       in the leaf's key path in the inner state (e.g. ``"mu|nu"``, or
       ``"embed"`` for the moments of embedding params), or a callable taking
       that key path and returning a bool. ``None``: all.
+    shard_axis: a mesh axis of the params' mesh (e.g. ``"data"``) to shard the
+      offloaded state over as well (ZeRO-1): each device's host memory then
+      holds 1/n of the state even where the params are replicated over that
+      axis. ``None``: state arrays are sharded as their params are (always the
+      case for params on a mesh; see README "Multi-device and multi-host").
 
   Placement rule: a state leaf may live in host memory iff it has at least one
   dimension, at least ``min_offload_bytes`` bytes and ``select`` accepts its
@@ -70,6 +76,7 @@ class HostTier:
   compute: str = "device"
   fraction: float = 1.0
   select: str | Callable[[str], bool] | None = None
+  shard_axis: str | None = None
 
   def __post_init__(self):
     for name in ("chunk_bytes", "min_offload_bytes"):
@@ -103,6 +110,10 @@ class HostTier:
       raise errors.InvalidTierError(
         f"HostTier.select must be a regex string, a callable or None, got {self.select!r}."
       )
+    if self.shard_axis is not None and not isinstance(self.shard_axis, str):
+      raise errors.InvalidTierError(
+        f"HostTier.shard_axis must be a mesh axis name or None, got {self.shard_axis!r}."
+      )
     if self.compute not in _COMPUTE:
       raise errors.InvalidTierError(
         f"HostTier.compute must be one of {_COMPUTE}, got {self.compute!r}."
@@ -135,16 +146,34 @@ class HostTier:
       done += layout_lib.nbytes(flat[i][1])
     return jax.tree_util.tree_unflatten(treedef, [i in chosen for i in range(len(flat))])
 
-  def place(self, state: Any) -> Any:
-    """`state` with each leaf where `placement` puts it (host leaves moved back too)."""
+  def place(self, state: Any, spec: layout_lib.ParamSpec | None = None) -> Any:
+    """`state` with each leaf where `placement` puts it (host leaves moved back too).
 
-    def put(x, host):
-      if host:
-        return self.to_host(x)
+    With `spec` of params sharded on a mesh, offloaded leaves are sharded as
+    `sharding.plan` says (their param's spec, plus `shard_axis`).
+    """
+    placement = self.placement(state)
+    mesh = None if spec is None else spec.mesh
+
+    def back(x):  # a leaf the placement keeps on the device
       on_host = getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
-      return self.to_device(x) if on_host else x
+      x = self.to_device(x) if on_host else x
+      if mesh is not None and getattr(getattr(x, "sharding", None), "mesh", None) != mesh:
+        # Scalars made by `init` (a step count) sit on one device: replicate them
+        # over the params' mesh, so the state is one set of global arrays.
+        x = sharding_lib.place(x, mesh, jax.sharding.PartitionSpec())
+      return x
 
-    return jax.tree.map(put, state, self.placement(state))
+    if spec is None or spec.mesh is None:
+      return jax.tree.map(lambda x, h: self.to_host(x) if h else back(x), state, placement)
+    layout = layout_lib.StateLayout(state, spec)
+    items, host = layout.split(state), layout.split(placement)
+    mesh_plan = sharding_lib.plan(spec, layout.owners, items, host, self.shard_axis)
+    placed = [
+      mesh_plan.put(j, x, self.memory_kind) if h else back(x)
+      for j, (x, h) in enumerate(zip(items, host, strict=True))
+    ]
+    return layout.merge(placed)
 
   def _selects(self, path: str) -> bool:
     if self.select is None:

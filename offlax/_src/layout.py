@@ -54,6 +54,10 @@ class ParamSpec:
   # Bytes of the tree's arrays, for `offlax.stats`; not compared: gradients
   # may come in another dtype than the params.
   nbytes: int = dataclasses.field(default=0, compare=False)
+  # The params' mesh when they are sharded on one (None otherwise), and each
+  # slot's PartitionSpec: static, so a jitted update sees them in any mode.
+  mesh: Any = None
+  specs: tuple[Any, ...] = ()
 
   @property
   def paths(self) -> list[str]:

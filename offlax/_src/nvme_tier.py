@@ -676,6 +676,12 @@ class NVMeTier:
         "NVMeTier: init writes the store, so it must run eagerly, not under jax.jit or "
         "jax.eval_shape."
       )
+    if spec.mesh is not None:
+      raise errors.InvalidTierError(
+        f"NVMeTier does not support params sharded on a mesh yet (here {spec.mesh.size} "
+        f"devices: {spec.mesh}). On a mesh use offlax.HostTier, whose state is sharded like the "
+        "params in each device's host memory (shard_axis=... also shards it ZeRO-1 style)."
+      )
     abstract = jax.eval_shape(inner.init, params)
     layout = layout_lib.StateLayout(abstract, spec)
     shapes = layout.split(abstract)

@@ -14,47 +14,56 @@ from offlax._src.coupling import Coupling
 
 @dataclasses.dataclass(frozen=True)
 class Piece:
-  """Leaf `leaf`, whole (`start is None`) or rows `start:stop` of it.
+  """Leaf `leaf`, whole (`start is None`) or rows `start:stop` of it along `axis`.
 
   With `flat`, the rows are those of the leaf flattened to one dimension; used
-  when a single row of the leaf exceeds the slice budget.
+  when a single row of the leaf exceeds the slice budget. A leaf sharded on a
+  mesh is cut along an axis no mesh axis shards (`axis`), never flattened, so
+  every device slices its own shard.
   """
 
   leaf: int
   start: int | None = None
   stop: int | None = None
   flat: bool = False
+  axis: int = 0
 
   def take(self, x: jax.Array) -> jax.Array:
     if self.start is None:
       return x
     if self.flat:
       x = x.reshape(-1)
-    return jax.lax.slice_in_dim(x, self.start, self.stop, axis=0)
+    return jax.lax.slice_in_dim(x, self.start, self.stop, axis=self.axis)
 
 
 def join(pieces: Sequence[Piece], parts: Sequence[jax.Array], shape) -> jax.Array:
   """Inverse of `Piece.take` over all pieces of one leaf."""
   if len(parts) == 1 and pieces[0].start is None:
     return parts[0]
-  whole = jnp.concatenate(parts, axis=0)
+  whole = jnp.concatenate(parts, axis=pieces[0].axis)
   return whole.reshape(shape) if pieces[0].flat else whole
 
 
-def split_step(shape: tuple[int, ...], size: int, chunk_bytes: int) -> tuple[bool, int, int]:
+def split_step(
+  shape: tuple[int, ...], size: int, chunk_bytes: int, axis: int = 0, flat_ok: bool = True
+) -> tuple[bool, int, int]:
   """How a splittable leaf of `size` state bytes is cut: (flat, rows, rows per piece).
 
-  Rows are those of the leading axis, or single elements (`flat`) when one row
-  of the leading axis is already larger than `chunk_bytes`.
+  Rows are those of axis `axis`, or single elements (`flat`, if `flat_ok`) when
+  one row of that axis is already larger than `chunk_bytes`.
   """
-  flat = len(shape) > 1 and size // shape[0] > chunk_bytes
-  rows = math.prod(shape) if flat or len(shape) == 1 else shape[0]
+  flat = flat_ok and len(shape) > 1 and size // shape[axis] > chunk_bytes
+  rows = math.prod(shape) if flat or len(shape) == 1 else shape[axis]
   row_bytes = max(size // max(rows, 1), 1)
   return flat, rows, max(1, chunk_bytes // row_bytes)
 
 
 def build(
-  coupling: Coupling, shapes: Sequence[tuple[int, ...]], leaf_bytes: Sequence[int], chunk_bytes: int
+  coupling: Coupling,
+  shapes: Sequence[tuple[int, ...]],
+  leaf_bytes: Sequence[int],
+  chunk_bytes: int,
+  cut_axes: Sequence[int | None] | None = None,
 ) -> tuple[tuple[Piece, ...], ...]:
   """Packs the leaves into slices of at most `chunk_bytes` of offloaded state.
 
@@ -67,8 +76,10 @@ def build(
   Args:
     coupling: the result of `coupling.analyze` for these leaves.
     shapes: each leaf's shape.
-    leaf_bytes: each leaf's bytes of offloaded state.
+    leaf_bytes: each leaf's bytes of offloaded state (per device, when sharded).
     chunk_bytes: the slice budget.
+    cut_axes: for leaves sharded on a mesh, the axis to cut them along (None:
+      no axis can be cut, the leaf moves whole); None for unsharded leaves.
 
   Returns:
     The slices, each a tuple of pieces; at least one slice, possibly empty.
@@ -77,14 +88,21 @@ def build(
   for group in coupling.groups:
     size = sum(leaf_bytes[i] for i in group)
     (leaf,) = group if len(group) == 1 else (None,)
-    if leaf is None or leaf not in coupling.splittable or size <= chunk_bytes:
+    on_mesh = cut_axes is not None
+    if (
+      leaf is None
+      or leaf not in coupling.splittable
+      or size <= chunk_bytes
+      or (cut_axes is not None and cut_axes[leaf] is None)
+    ):
       units.append((tuple(Piece(i) for i in group), size))
       continue
-    flat, rows, step = split_step(shapes[leaf], size, chunk_bytes)
+    axis = 0 if cut_axes is None else cut_axes[leaf] or 0
+    flat, rows, step = split_step(shapes[leaf], size, chunk_bytes, axis, flat_ok=not on_mesh)
     row_bytes = size // rows
     for start in range(0, rows, step):
       stop = min(rows, start + step)
-      units.append(((Piece(leaf, start, stop, flat),), (stop - start) * row_bytes))
+      units.append(((Piece(leaf, start, stop, flat, axis),), (stop - start) * row_bytes))
   slices: list[tuple[Piece, ...]] = []
   current: list[Piece] = []
   current_bytes = 0

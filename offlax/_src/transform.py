@@ -16,6 +16,7 @@ from offlax._src import coupling as coupling_lib
 from offlax._src import errors, flax_glue, nvme_tier, telemetry
 from offlax._src import layout as layout_lib
 from offlax._src import schedule as schedule_lib
+from offlax._src import sharding as sharding_lib
 from offlax._src.host_tier import DEFAULT_CHUNK_BYTES, HostTier
 from offlax._src.layout import ParamSpec
 from offlax._src.nvme_tier import DiskIO, NVMeTier
@@ -94,7 +95,8 @@ def offload(
       state = OffloadState(inner_state, spec, step)
     else:
       tier.check_devices(devices)
-      state = OffloadState(tier.place(inner.init(params)), spec)
+      sharding_lib.check_axis(spec.mesh, tier.shard_axis)
+      state = OffloadState(tier.place(inner.init(params), spec), spec)
     if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(params)):
       _check_config(state, tier, devices)
     return state
@@ -134,17 +136,29 @@ class _Step:
     shapes = [s for s in spec.shapes if s is not None]
     coupling = self._analyze(layout, items, leaves, shapes)
     offloaded = [_offloaded(x) for x in items]
-    per_slot = layout_lib.leaf_bytes(items, layout.owners, len(spec.shapes), _offloaded)
+    mesh_plan = self._mesh_plan(spec, layout, items, offloaded)
+    if mesh_plan is None:
+      per_slot = layout_lib.leaf_bytes(items, layout.owners, len(spec.shapes), _offloaded)
+      cut_axes = None
+    else:
+      per_slot = list(mesh_plan.slot_bytes)
+      cut_axes = [mesh_plan.cut_axes[i] for i in leaves]
     leaf_bytes = [per_slot[i] for i in leaves]
+    built = schedule_lib.build(coupling, shapes, leaf_bytes, self.tier.chunk_bytes, cut_axes)
     slices = [
-      tuple(dataclasses.replace(p, leaf=leaves[p.leaf]) for p in pieces)
-      for pieces in schedule_lib.build(coupling, shapes, leaf_bytes, self.tier.chunk_bytes)
+      tuple(dataclasses.replace(p, leaf=leaves[p.leaf]) for p in pieces) for pieces in built
     ]
     if isinstance(self.tier, NVMeTier):
       io: Any = DiskIO(self.tier, items, offloaded, step)
     else:
-      io = _HostIO(self.tier, items, offloaded)
+      io = _HostIO(self.tier, items, offloaded, mesh_plan)
     return self._stream(layout, items, slices, spec, io)
+
+  def _mesh_plan(self, spec, layout, items, offloaded) -> sharding_lib.MeshPlan | None:
+    if spec.mesh is None:
+      return None
+    host = self.tier.host if isinstance(self.tier, NVMeTier) else self.tier
+    return sharding_lib.plan(spec, layout.owners, items, offloaded, host.shard_axis)
 
   def _update(self, spec, u_slots, state, p_slots, extra_args):
     updates = spec.treedef.unflatten(u_slots)
@@ -180,6 +194,7 @@ class _Step:
       to_host([extra_leaves[i] for i in arrays]),
     )
     out_u = _fill(self.u_slots, leaves, [HostTier.to_device(x) for x in new_u])
+    out_u = sharding_lib.like_params(spec, out_u)
     # Items that were on the device (scalars, partial offload) go back there.
     out_items = [
       x if _offloaded(old) else HostTier.to_device(x)
@@ -282,23 +297,39 @@ class _Step:
     ]
     out_items = io.finish(out_items)
     new_state = OffloadState(layout.merge(out_items), spec, io.next_step())
+    out_u_slots = sharding_lib.like_params(spec, out_u_slots)
     return spec.treedef.unflatten(out_u_slots), new_state
 
 
 class _HostIO:
   """Moves slices between the host tier and the device inside the jitted step."""
 
-  def __init__(self, tier: HostTier, items: Sequence[Any], offloaded: Sequence[bool]):
+  def __init__(
+    self,
+    tier: HostTier,
+    items: Sequence[Any],
+    offloaded: Sequence[bool],
+    mesh_plan: sharding_lib.MeshPlan | None = None,
+  ):
     self.tier, self.items, self.offloaded = tier, items, offloaded
+    self.mesh_plan = mesh_plan
 
   def plan(self, keys):
     self.keys = keys
 
   def to_device(self, j, x):
-    return self.tier.to_device(x) if self.offloaded[j] else x
+    if not self.offloaded[j]:
+      return x
+    if self.mesh_plan is not None:  # each device moves its own shard of the piece
+      return self.mesh_plan.put(j, x, "device")
+    return self.tier.to_device(x)
 
   def to_tier(self, j, x):
-    return self.tier.to_host(x) if self.offloaded[j] else x
+    if not self.offloaded[j]:
+      return x
+    if self.mesh_plan is not None:
+      return self.mesh_plan.put(j, x, self.tier.memory_kind)
+    return self.tier.to_host(x)
 
   def load(self, k, after):
     return self.fetch(self.keys[k], after)
@@ -384,7 +415,8 @@ def _spec_of(tree: Any, what: str) -> ParamSpec:
         f"{type(leaf).__name__} ({leaf!r:.60}); expected an array (jax.Array, "
         "numpy array, Python number or jax.ShapeDtypeStruct)."
       )
-  return ParamSpec(treedef, tuple(shapes), nbytes)
+  mesh, specs = sharding_lib.mesh_of(flat)
+  return ParamSpec(treedef, tuple(shapes), nbytes, mesh, specs)
 
 
 def _check_same(expected: ParamSpec, actual: ParamSpec, what: str) -> None:
@@ -415,5 +447,6 @@ def _devices_of(tree: Any) -> set[Any]:
   devices: set[Any] = set()
   for leaf in jax.tree.leaves(tree):
     if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
-      devices |= leaf.sharding.device_set
+      # Only this process's: other hosts' devices are not ours to inspect.
+      devices |= set(leaf.sharding.addressable_devices)
   return devices or set(jax.local_devices()[:1])

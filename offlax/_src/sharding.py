@@ -1,0 +1,198 @@
+"""Offloaded state on a `jax.sharding.Mesh`: which axes are sharded, and ZeRO-1 specs.
+
+`offload` keeps each offloaded state array on the params' mesh with the
+params' `PartitionSpec` (or, with `HostTier(shard_axis=...)`, also sharded over
+that axis, ZeRO-1 style), in host memory: each device's host RAM holds only its
+shard. Slices are cut along an axis that neither spec shards, so every device
+slices its own shard and no slice needs communication.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from offlax._src import errors
+
+
+def mesh_of(
+  flat: Sequence[tuple[Any, Any]],
+) -> tuple[Mesh | None, tuple[PartitionSpec | None, ...]]:
+  """The mesh of (key path, leaf) pairs sharded on one, and each leaf's spec.
+
+  Leaves without a `NamedSharding` (numbers, numpy arrays, tracers, masked
+  slots) get None. A mesh of one device counts as no mesh: nothing changes.
+  """
+  mesh: Any = None
+  specs: list[PartitionSpec | None] = []
+  for path, leaf in flat:
+    sharding = _named(leaf)
+    if sharding is None or sharding.mesh.size == 1:
+      specs.append(None)
+      continue
+    if mesh is None:
+      mesh = sharding.mesh
+    elif sharding.mesh != mesh:
+      raise errors.TreeMismatchError(
+        f"params leaf {jax.tree_util.keystr(path)} is on mesh {sharding.mesh}, other leaves on "
+        f"{mesh}: offload needs every sharded param on one mesh."
+      )
+    specs.append(sharding.spec)
+  if mesh is None:
+    return None, ()
+  return mesh, tuple(specs)
+
+
+def _named(leaf: Any) -> NamedSharding | None:
+  if isinstance(leaf, jax.core.Tracer):
+    return None
+  sharding = getattr(leaf, "sharding", None)
+  return sharding if isinstance(sharding, NamedSharding) else None
+
+
+def _axes(entry: Any) -> tuple[str, ...]:
+  if entry is None:
+    return ()
+  return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def padded(spec: PartitionSpec | None, ndim: int) -> list[Any]:
+  entries = list(spec or ())
+  return entries + [None] * (ndim - len(entries))
+
+
+def state_spec(
+  shape: tuple[int, ...], spec: PartitionSpec | None, mesh: Mesh, shard_axis: str | None
+) -> PartitionSpec:
+  """The spec of an offloaded state array shaped like a param of spec `spec`.
+
+  With `shard_axis` (ZeRO-1), the first dimension the param's spec leaves
+  unsharded and `shard_axis` divides is also sharded over it; failing that,
+  the first sharded dimension whose shards it still divides is sharded over
+  both (e.g. ``("model", "data")``). An array with neither keeps the param's
+  spec (replicated over `shard_axis`).
+  """
+  entries = padded(spec, len(shape))
+  used = {a for e in entries for a in _axes(e)}
+  if shard_axis is None or shard_axis in used:
+    return PartitionSpec(*entries)
+  for free in (True, False):
+    for i, (n, e) in enumerate(zip(shape, entries, strict=True)):
+      if (e is None) != free:
+        continue
+      axes = (*_axes(e), shard_axis)
+      size = math.prod(mesh.shape[a] for a in axes)
+      if n % size == 0 and n >= size:
+        entries[i] = shard_axis if free else axes
+        return PartitionSpec(*entries)
+  return PartitionSpec(*entries)
+
+
+def cut_axis(shape: tuple[int, ...], *specs: PartitionSpec | None) -> int | None:
+  """The first axis longer than 1 that none of `specs` shards, or None."""
+  for i, n in enumerate(shape):
+    if n > 1 and all(padded(s, len(shape))[i] is None for s in specs):
+      return i
+  return None
+
+
+def shards(spec: PartitionSpec | None, mesh: Mesh, ndim: int) -> int:
+  """How many pieces `spec` cuts an array into (its bytes per device: total / this)."""
+  return math.prod(mesh.shape[a] for e in padded(spec, ndim) for a in _axes(e))
+
+
+def check_axis(mesh: Mesh | None, shard_axis: str | None) -> None:
+  if shard_axis is not None and (mesh is None or shard_axis not in mesh.axis_names):
+    where = "params on no mesh" if mesh is None else f"a mesh with axes {mesh.axis_names}"
+    raise errors.InvalidTierError(
+      f"HostTier(shard_axis={shard_axis!r}) shards the state over that mesh axis, but offload "
+      f"got {where}: put the params on a Mesh that has it (jax.device_put(params, "
+      "NamedSharding(mesh, spec)))."
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshPlan:
+  """Where each state item of a sharded state lives, and how its slot is cut.
+
+  Attributes:
+    mesh: the params' mesh.
+    item_specs: per state item (`StateLayout.split` order), its PartitionSpec.
+    cut_axes: per param slot, the axis its pieces are cut along (None: moved
+      whole, e.g. every axis sharded, or state shaped unlike the param).
+    slot_bytes: per param slot, bytes of offloaded state per device.
+  """
+
+  mesh: Mesh
+  item_specs: tuple[PartitionSpec, ...]
+  cut_axes: tuple[int | None, ...]
+  slot_bytes: tuple[int, ...]
+
+  def put(self, j: int, x: Any, memory_kind: str) -> Any:
+    """Item `j` (or a piece of it) placed in `memory_kind`, sharded as planned."""
+    return place(x, self.mesh, self.item_specs[j], memory_kind)
+
+
+def place(x: Any, mesh: Mesh, spec: PartitionSpec, memory_kind: str | None = None) -> Any:
+  """`x` sharded as `spec` on `mesh` (and in `memory_kind`), eagerly or inside `jit`.
+
+  Inside `jit` on a mesh of Auto axes `device_put` to a `NamedSharding` only
+  moves memory (JAX drops its sharding), so the sharding is a constraint on the
+  device side of the move; on Explicit axes `device_put` reshards, as eagerly.
+  """
+  explicit = any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
+  if not isinstance(x, jax.core.Tracer) or explicit:
+    return jax.device_put(x, NamedSharding(mesh, spec, memory_kind=memory_kind))
+  sharding = NamedSharding(mesh, spec)
+  if memory_kind in (None, "device"):
+    x = x if memory_kind is None else jax.device_put(x, jax.memory.Space.Device)
+    return jax.lax.with_sharding_constraint(x, sharding)
+  return jax.device_put(jax.lax.with_sharding_constraint(x, sharding), jax.memory.Space.Host)
+
+
+def plan(
+  spec: Any, owners: Sequence[int], items: Sequence[Any], offloaded: Sequence[bool], shard_axis
+) -> MeshPlan:
+  """The `MeshPlan` of a state whose params (`spec`) are sharded on `spec.mesh`."""
+  from offlax._src import coupling as coupling_lib
+  from offlax._src import layout as layout_lib
+
+  mesh, n = spec.mesh, len(spec.shapes)
+  item_specs: list[PartitionSpec] = []
+  by_slot: list[list[PartitionSpec]] = [[] for _ in range(n)]
+  whole = [False] * n
+  slot_bytes = [0] * n
+  for j, (x, o) in enumerate(zip(items, owners, strict=True)):
+    shape = layout_lib.shape_of(x)
+    if o == coupling_lib.GLOBAL:
+      item_specs.append(PartitionSpec())
+      continue
+    if shape != spec.shapes[o]:  # factored state (e.g. Adafactor's rows and columns)
+      s, whole[o] = PartitionSpec(), True
+    elif offloaded[j]:
+      s = state_spec(shape, spec.specs[o], mesh, shard_axis)
+    else:
+      s = PartitionSpec(*padded(spec.specs[o], len(shape)))
+    item_specs.append(s)
+    by_slot[o].append(s)
+    if offloaded[j]:
+      slot_bytes[o] += layout_lib.nbytes(x) // shards(s, mesh, len(shape))
+  cut_axes = tuple(
+    None if whole[o] or spec.shapes[o] is None else cut_axis(spec.shapes[o], spec.specs[o], *ss)
+    for o, ss in enumerate(by_slot)
+  )
+  return MeshPlan(mesh, tuple(item_specs), cut_axes, tuple(slot_bytes))
+
+
+def like_params(spec: Any, slots: list[Any]) -> list[Any]:
+  """Updates sharded as their params (an all-gather where ZeRO-1 sharded the state)."""
+  if spec.mesh is None:
+    return slots
+  return [
+    x if s is None else place(x, spec.mesh, s) for x, s in zip(slots, spec.specs, strict=True)
+  ]

@@ -1,0 +1,114 @@
+"""One process of `test_multiprocess.py`: trains with offloaded state on a 2-process mesh.
+
+Run as `python multiprocess_worker.py PROCESS_ID PORT CKPT_DIR`; prints one JSON
+line of results. Each process has 2 CPU devices; the mesh spans both
+processes (4 devices). Bit-exactness needs the same XLA flags as the tests.
+"""
+
+import json
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = (
+  "--xla_force_host_platform_device_count=2 --xla_disable_hlo_passes=algsimp "
+  "--xla_cpu_max_isa=SSE4_2"
+)
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import jax  # noqa: E402
+
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+process_id, port, ckpt_dir = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id)
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+import orbax.checkpoint as ocp  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import offlax  # noqa: E402
+
+mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+
+
+def global_array(shape, spec, seed):
+  """A global array on `mesh`, the same values in every process."""
+  value = np.asarray(jax.random.normal(jax.random.key(seed), shape, jnp.float32))
+  sharding = NamedSharding(mesh, spec)
+  return jax.make_array_from_callback(shape, sharding, lambda index: value[index])
+
+
+params = {"w": global_array((32, 16), P("data"), 0), "b": global_array((16,), P(), 1)}
+
+
+def grads(step):
+  return jax.tree.map(lambda x: jnp.sin(x * (step + 1)), params)
+
+
+def local(tree):
+  """This process's shards, as lists of numpy arrays (comparable across runs)."""
+  return [[np.asarray(s.data) for s in x.addressable_shards] for x in jax.tree.leaves(tree)]
+
+
+def same(a, b):
+  return all(
+    all(np.array_equal(x, y) for x, y in zip(xs, ys, strict=True))
+    for xs, ys in zip(local(a), local(b), strict=True)
+  )
+
+
+inner = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2))
+results = {}
+ref_state = inner.init(params)
+ref_step = jax.jit(inner.update)
+ref = []
+for i in range(4):
+  u, ref_state = ref_step(grads(i), ref_state, params)
+  ref.append(u)
+
+for name, tier in {
+  "stream": offlax.HostTier(chunk_bytes=256),
+  "zero1": offlax.HostTier(chunk_bytes=256, shard_axis="data"),
+  "host": offlax.HostTier(compute="host", shard_axis="data"),
+}.items():
+  tx = offlax.offload(inner, tier)
+  state = tx.init(params)
+  step = jax.jit(tx.update)
+  ok = []
+  for i in range(2):
+    u, state = step(grads(i), state, params)
+    ok.append(same(u, ref[i]))
+  mu = state.inner_state[1][0].mu
+  results[name] = {
+    "exact": all(ok),
+    "kinds": sorted({x.sharding.memory_kind for x in jax.tree.leaves(mu)}),
+    "specs": {k: str(v.sharding.spec) for k, v in mu.items()},
+    "local_bytes": {k: sum(s.data.nbytes for s in v.addressable_shards) for k, v in mu.items()},
+  }
+  # An orbax checkpoint of the sharded offloaded state, written by both
+  # processes, restored into the target `abstract_state` builds, then 2 steps.
+  path = os.path.join(ckpt_dir, name)
+  with ocp.CheckpointManager(path) as mngr:
+    mngr.save(2, args=ocp.args.StandardSave(state))
+    mngr.wait_until_finished()
+    target = offlax.abstract_state(inner, params, tier)
+    restored = mngr.restore(2, args=ocp.args.StandardRestore(target))
+  ok = []
+  for i in (2, 3):
+    u, restored = step(grads(i), restored, params)
+    ok.append(same(u, ref[i]))
+  results[name]["resumed_exact"] = all(ok)
+  results[name]["restored_kinds"] = sorted(
+    {x.sharding.memory_kind for x in jax.tree.leaves(restored.inner_state[1][0].mu)}
+  )
+
+try:
+  offlax.offload(inner, offlax.NVMeTier(os.path.join(ckpt_dir, f"nvme{process_id}"))).init(params)
+  results["nvme"] = "accepted"
+except offlax.InvalidTierError as e:
+  results["nvme"] = str(e)
+
+print("RESULT " + json.dumps({"process": process_id, **results}), flush=True)
+jax.distributed.shutdown()

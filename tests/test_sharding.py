@@ -1,0 +1,142 @@
+"""Offloaded state on a Mesh: 8 CPU devices (in a subprocess), and the sharding rules."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from jax.sharding import AbstractMesh
+from jax.sharding import PartitionSpec as P
+
+import offlax
+from offlax._src import coupling as coupling_lib
+from offlax._src import schedule, sharding
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TIERS = ("stream", "zero1", "host", "host_zero1")
+MESHES = ("explicit", "auto")
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+  """One run of `sharded_run.py` with 8 devices; the other tests keep one device."""
+  env = {**os.environ, "PYTHONPATH": os.path.dirname(HERE)}
+  out = subprocess.run(
+    [sys.executable, os.path.join(HERE, "sharded_run.py"), str(tmp_path_factory.mktemp("nvme"))],
+    capture_output=True, text=True, timeout=600, env=env,
+  )  # fmt: skip
+  lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+  assert out.returncode == 0 and lines, out.stdout[-3000:] + out.stderr[-3000:]
+  return json.loads(lines[-1][len("RESULT ") :])
+
+
+def _spec(text):
+  """A printed PartitionSpec without its trailing Nones: P('data', None) == P('data',)."""
+  entries = [e.strip() for e in text[2:-1].split(",") if e.strip()]
+  while entries and entries[-1] == "None":
+    entries.pop()
+  return tuple(entries)
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+@pytest.mark.parametrize("tier", TIERS)
+def test_bit_exact_with_optax_on_the_same_mesh(results, mesh, tier):
+  # Two steps of clip_by_global_norm + adamw: updates equal, sharded as their params.
+  assert results[mesh][tier]["exact"]
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+@pytest.mark.parametrize("tier", TIERS)
+def test_state_is_sharded_in_each_devices_host_memory(results, mesh, tier):
+  leaves = results[mesh][tier]["leaves"]
+  zero1 = tier.endswith("zero1")
+  want = {
+    "m": ("'data'", "'model'"),
+    "w": ("'data'",),
+    "v": ("'data'",) if zero1 else (),  # replicated param: ZeRO-1 shards its state
+    "r": (),  # (6, 6): no axis divisible by 4, stays replicated
+  }
+  for moment in ("mu", "nu"):
+    for name, spec in want.items():
+      leaf = leaves[f"[1][0].{moment}['{name}']"]
+      assert (leaf["kind"], leaf["mesh"], _spec(leaf["spec"])) == ("pinned_host", True, spec)
+    # Per device: v (128 fp32) is 512 B replicated, a quarter of it under ZeRO-1.
+    assert leaves[f"[1][0].{moment}['v']"]["device_bytes"] == (128 if zero1 else 512)
+    assert leaves[f"[1][0].{moment}['w']"]["device_bytes"] == 64 * 32 * 4 // 4
+  count = leaves["[1][0].count"]
+  assert (count["kind"], count["mesh"], _spec(count["spec"])) == ("device", True, ())
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+@pytest.mark.parametrize("tier", TIERS)
+def test_sharded_step_exports_for_cuda(results, mesh, tier):
+  exported = results[mesh][tier]["export"]
+  assert exported["ok"], exported.get("error")
+  assert exported["sharded"] and exported["placements"] > 0
+  assert exported["host_args"] == 16  # mu and nu of 4 params, in and out, in pinned host memory
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+@pytest.mark.parametrize("tier", TIERS)
+def test_abstract_state_has_the_shardings_of_init(results, mesh, tier):
+  assert results[mesh][tier]["abstract_state"]
+
+
+def test_nvme_tier_refuses_a_mesh_clearly(results):
+  assert "does not support params sharded on a mesh" in results["nvme"]
+  assert "offlax.HostTier" in results["nvme"]
+
+
+# -- the rules, in this process --------------------------------------------------
+
+MESH = AbstractMesh((4, 2), ("data", "model"))
+
+
+def test_zero1_state_spec():
+  assert sharding.state_spec((64, 32), P(), MESH, "data") == P("data", None)
+  assert sharding.state_spec((6, 32), P(), MESH, "data") == P(None, "data")
+  assert sharding.state_spec((6, 6), P(), MESH, "data") == P(None, None)
+  assert sharding.state_spec((64, 32), P("data"), MESH, "data") == P("data", None)
+  assert sharding.state_spec((64, 32), P("model"), MESH, "data") == P("model", "data")
+  # No free dimension: the first sharded one whose shards "data" still divides.
+  assert sharding.state_spec((1, 64), P(None, "model"), MESH, "data") == P(None, ("model", "data"))
+  assert sharding.state_spec((1, 6), P(None, "model"), MESH, "data") == P(None, "model")
+  assert sharding.state_spec((64, 32), P("model"), MESH, None) == P("model", None)
+
+
+def test_cut_axis_avoids_every_sharded_axis():
+  assert sharding.cut_axis((64, 32), P("data")) == 1
+  assert sharding.cut_axis((64, 32), P(), P(None, "data")) == 0
+  assert sharding.cut_axis((64, 32), P("data", "model")) is None
+  assert sharding.cut_axis((1, 32), P()) == 1  # a length-1 axis cannot be cut
+  assert sharding.shards(P("data", "model"), MESH, 2) == 8
+  assert sharding.shards(P(("data", "model")), MESH, 1) == 8
+
+
+def test_schedule_cuts_sharded_leaves_along_the_given_axis():
+  shapes = [(64, 32), (64, 32), (16,)]
+  coupling = coupling_lib.Coupling(groups=((0,), (1,), (2,)), splittable=frozenset({0, 1, 2}))
+  slices = schedule.build(coupling, shapes, [4096, 4096, 4096], 1024, cut_axes=[1, None, None])
+  pieces = [p for s in slices for p in s]
+  assert {(p.axis, p.flat) for p in pieces if p.leaf == 0} == {(1, False)}
+  assert sum(p.stop - p.start for p in pieces if p.leaf == 0) == 32
+  assert [p.start for p in pieces if p.leaf in (1, 2)] == [None, None]  # no cut axis: whole
+  x = jnp.arange(64 * 32.0).reshape(64, 32)
+  parts = [p.take(x) for p in pieces if p.leaf == 0]
+  assert jnp.array_equal(schedule.join([p for p in pieces if p.leaf == 0], parts, x.shape), x)
+
+
+def test_shard_axis_needs_params_on_a_mesh_with_it():
+  params = {"w": jnp.ones((8, 4))}
+  with pytest.raises(offlax.InvalidTierError, match="shard_axis='data'.*params on no mesh"):
+    offlax.offload(optax.adam(1e-3), offlax.HostTier(shard_axis="data")).init(params)
+  with pytest.raises(offlax.InvalidTierError, match="mesh axis name or None"):
+    offlax.HostTier(shard_axis=0)
+  one = jax.make_mesh((1,), ("data",))  # a mesh of one device changes nothing
+  on_one = jax.device_put(params, jax.sharding.NamedSharding(one, P("data")))
+  state = offlax.offload(optax.adam(1e-3)).init(on_one)
+  assert state.spec.mesh is None
