@@ -16,6 +16,7 @@ import pathlib
 import platform
 import resource
 import statistics
+import tempfile
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -81,6 +82,16 @@ def add_out_argument(parser: argparse.ArgumentParser, name: str) -> None:
     type=pathlib.Path,
     default=DEFAULT_OUT,
     help=f"directory for {name}.json/.png ({DEFAULT_OUT})",
+  )
+
+
+def add_dir_argument(parser: argparse.ArgumentParser, what: str) -> None:
+  """Adds `--dir`, the filesystem under test (default the temporary directory's, /tmp)."""
+  parser.add_argument(
+    "--dir",
+    type=pathlib.Path,
+    default=pathlib.Path(tempfile.gettempdir()),
+    help=f"filesystem for {what}: a fresh directory is made (and removed) in it (/tmp)",
   )
 
 

@@ -340,6 +340,26 @@ def combine_raw(passes: Sequence[dict[str, Any]]) -> dict[str, Any]:
   return out
 
 
+def add_raw_arguments(parser: argparse.ArgumentParser, raw_gib: float) -> None:
+  """Adds the raw-disk measurement's `--raw-gib`, `--raw-passes` and `--raw-tool`."""
+  parser.add_argument(
+    "--raw-gib", type=float, default=raw_gib, help=f"GiB of the raw-disk file ({raw_gib:g})"
+  )
+  parser.add_argument(
+    "--raw-passes", type=int, choices=(1, 2), default=2,
+    help="raw-disk passes: 1 before the measurements, 2 also after them (2)",
+  )  # fmt: skip
+  parser.add_argument(
+    "--raw-tool", choices=("auto", "fio", "python"), default="auto",
+    help="raw-disk tool: fio if installed, else a Python O_DIRECT loop (auto)",
+  )  # fmt: skip
+
+
+def check_raw_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+  if not args.raw_gib > 0:
+    parser.error("--raw-gib must be > 0")
+
+
 def measure_raw(workdir: pathlib.Path, raw_gib: float, tool: str) -> dict[str, Any]:
   blocks = max(1, math.ceil(raw_gib * GiB / RAW_BLOCK_BYTES))
   nbytes = blocks * RAW_BLOCK_BYTES
@@ -436,7 +456,7 @@ def random_tree(shapes: dict[str, tuple[int, ...]], seed: int, std: float) -> An
 
 
 def child_main(args: argparse.Namespace) -> dict[str, Any]:
-  """One measurement in a fresh process: `tier` (with args.fsync) or `compute`."""
+  """One measurement in a fresh process: `tier` (with args.fsync), `host` or `compute`."""
   import jax
   import optax
 
@@ -451,7 +471,11 @@ def child_main(args: argparse.Namespace) -> dict[str, Any]:
   out["baseline_rss_bytes"] = proc_status_bytes("VmRSS")  # params + grads + runtime
   out["peak_reset_supported"] = reset_peak_rss()
   log = functools.partial(print, file=sys.stderr, flush=True)
-  label = f"tier fsync={bool(args.fsync)}" if args.child == "tier" else "plain optax.adam"
+  label = {
+    "tier": f"tier fsync={bool(args.fsync)}",
+    "host": "host tier",
+    "compute": "plain optax.adam",
+  }[args.child]
 
   tier = None
   timer = CallbackTimer()
@@ -466,6 +490,8 @@ def child_main(args: argparse.Namespace) -> dict[str, Any]:
         progress=False,
       )
       tx = offlax.offload(optax.adam(LEARNING_RATE), tier)
+    elif args.child == "host":  # for scaling.py: the same step with the state in host memory
+      tx = offlax.offload(optax.adam(LEARNING_RATE))
     else:
       tx = optax.adam(LEARNING_RATE)
 
@@ -830,15 +856,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     "--params-m", type=float, default=320.0,
     help="million fp32 params; the Adam state is 8 bytes per param (320: 2.56 GB)",
   )  # fmt: skip
-  parser.add_argument("--raw-gib", type=float, default=2.0, help="GiB of the raw-disk file (2)")
+  add_raw_arguments(parser, raw_gib=2.0)
   _common.add_steps_arguments(
     parser, steps=3,
     warmup_help="untimed steps after init (2: the second step compiles again, see the docstring)",
   )  # fmt: skip
-  parser.add_argument(
-    "--dir", type=pathlib.Path, default=pathlib.Path(tempfile.gettempdir()),
-    help="filesystem to test: a fresh directory is made (and removed) in it (/tmp)",
-  )  # fmt: skip
+  _common.add_dir_argument(parser, "the raw file and the stores")
   _common.add_out_argument(parser, "nvme_throughput")
   parser.add_argument(
     "--cache-mib", type=float, default=None,
@@ -847,10 +870,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument(
     "--chunk-mib", type=float, default=None,
     help="NVMeTier chunk_bytes in MiB (64, capped at 1/8 of the state)",
-  )  # fmt: skip
-  parser.add_argument(
-    "--raw-passes", type=int, choices=(1, 2), default=2,
-    help="raw-disk passes: 1 before the tier runs, 2 also after them (2)",
   )  # fmt: skip
   parser.add_argument("--no-nofsync", action="store_true", help="skip the fsync=False run")
   parser.add_argument(
@@ -863,14 +882,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     help="do not evict the store's page cache before each step",
   )  # fmt: skip
   parser.add_argument(
-    "--raw-tool", choices=("auto", "fio", "python"), default="auto",
-    help="raw-disk tool: fio if installed, else a Python O_DIRECT loop (auto)",
-  )  # fmt: skip
-  parser.add_argument(
     "--child-timeout", type=float, default=1800, help="seconds per subprocess (1800)"
   )
   # Internal: one measurement in a subprocess.
-  parser.add_argument("--child", choices=("tier", "compute"), help=argparse.SUPPRESS)
+  parser.add_argument("--child", choices=("tier", "host", "compute"), help=argparse.SUPPRESS)
   parser.add_argument("--fsync", type=int, default=1, help=argparse.SUPPRESS)
   parser.add_argument("--store", help=argparse.SUPPRESS)
   parser.add_argument("--cache-bytes", type=int, help=argparse.SUPPRESS)
@@ -879,8 +894,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   _common.check_steps_arguments(parser, args)
   if not args.params_m > 0:
     parser.error("--params-m must be > 0")
-  if not args.raw_gib > 0:
-    parser.error("--raw-gib must be > 0")
+  check_raw_arguments(parser, args)
   if args.child and not args.store:
     parser.error("--child needs --store")
   return args
