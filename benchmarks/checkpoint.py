@@ -308,7 +308,7 @@ def plot(result: dict[str, Any], path: pathlib.Path) -> None:
   ax.set_xlabel("bar: median, whiskers: min to max; raw: sequential direct I/O, same filesystem")
   ax.set_title(
     f"offlax checkpoints through orbax: Adam state of {result['params'] / 1e6:.0f}M params "
-    f"({result['state_bytes'] / GB:.2f} GB), {result['steps']} rounds\n"
+    f"({result['state_bytes'] / GB:.2f} GB), timed rounds: {result['steps']}\n"
     f"{result['filesystem'].get('fstype', '?')} on {result['filesystem'].get('device', '?')}, "
     f"{result['cpu_count']} CPUs, orbax {result['orbax_version']} ({result['date'][:10]})",
     fontsize=10,
