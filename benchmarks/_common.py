@@ -126,8 +126,14 @@ def label_above(ax: Any, text: str, xy: tuple[float, float], dy: float) -> None:
 # -- output files ------------------------------------------------------------------
 
 
-def save_png(fig: Any, path: pathlib.Path) -> None:
-  """Writes `fig` to `path` as PNG via a temporary file and a rename (atomic), then closes it."""
+def save_png(fig: Any, path: pathlib.Path, suptitle: str | None = None) -> None:
+  """Writes `fig` to `path` as PNG via a temporary file and a rename (atomic), then closes it.
+
+  With `suptitle`: a figure title in 11-point type, then `tight_layout` (for subplots).
+  """
+  if suptitle is not None:
+    fig.suptitle(suptitle, fontsize=11)
+    fig.tight_layout()
   tmp = path.with_suffix(".png.tmp")
   fig.savefig(tmp, format="png")
   import matplotlib.pyplot as plt

@@ -281,29 +281,16 @@ def summary_table(result: dict[str, Any]) -> str:
 
 def plot(result: dict[str, Any], path: pathlib.Path) -> None:
   plt = _common.pyplot()
-  raw = result["raw"]
-  bars = []  # label, median, min, max, color, note
-  if not raw.get("error"):
-    for rw in ("write", "read"):
-      v, lo, hi = (raw[f"{rw}_bytes_per_s{x}"] / GB for x in ("", "_min", "_max"))
-      bars.append((f"raw {rw}\n({raw['tool']})", v, lo, hi, "tab:gray", ""))
+  bars = nvme.raw_bars(result["raw"])
   colors = {"host": "tab:blue", "nvme": "tab:orange"}
   for key, label, _ in OPERATIONS:
     op = result["operations"].get(key)
     if op is not None:
-      g, r = op["gb_per_s"], op.get("ratio_vs_raw")
-      note = f"\n{r['median']:.2f}x raw" if r else ""
-      bars.append((label.replace(": ", "\n"), g["median"], g["min"], g["max"],
-                   colors[key.split("_")[0]], note))  # fmt: skip
+      color = colors[key.split("_")[0]]
+      bars.append(nvme.stats_bar(label.replace(": ", "\n"), op["gb_per_s"],
+                                 op.get("ratio_vs_raw"), color))  # fmt: skip
   fig, ax = plt.subplots(figsize=(10, 5.5), dpi=120)
-  x = np.arange(len(bars))
-  med = np.array([b[1] for b in bars])
-  err = [med - np.array([b[2] for b in bars]), np.array([b[3] for b in bars]) - med]
-  ax.bar(x, med, yerr=err, capsize=6, color=[b[4] for b in bars])
-  for xi, b in zip(x, bars, strict=True):
-    _common.label_above(ax, f"{b[1]:.2f}{b[5]}", (xi, b[3]), dy=3)
-  ax.set_xticks(x, [b[0] for b in bars], fontsize=8)
-  ax.set_ylim(0, max(b[3] for b in bars) * 1.25)
+  nvme.draw_bars(ax, bars, headroom=1.25)
   ax.set_ylabel("GB/s of Adam state (1 GB = 1e9 bytes)")
   ax.set_xlabel("bar: median, whiskers: min to max; raw: sequential direct I/O, same filesystem")
   ax.set_title(
@@ -323,10 +310,7 @@ def plot(result: dict[str, Any], path: pathlib.Path) -> None:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument(
-    "--params-m", type=float, default=128.0,
-    help="million fp32 params; the Adam state is 8 bytes per param (128: 1.02 GB)",
-  )  # fmt: skip
+  nvme.add_params_argument(parser, params_m=128.0)
   _common.add_steps_arguments(parser, steps=3, warmup_help="untimed rounds first (1)")
   parser.set_defaults(warmup=1)
   nvme.add_raw_arguments(parser, raw_gib=1.0)

@@ -340,6 +340,15 @@ def combine_raw(passes: Sequence[dict[str, Any]]) -> dict[str, Any]:
   return out
 
 
+def add_params_argument(parser: argparse.ArgumentParser, params_m: float) -> None:
+  """Adds `--params-m`, the model size in million fp32 params (default `params_m`)."""
+  parser.add_argument(
+    "--params-m", type=float, default=params_m,
+    help=f"million fp32 params; the Adam state is {STATE_BYTES_PER_PARAM} bytes per param "
+    f"({params_m:g}: {params_m * 1e6 * STATE_BYTES_PER_PARAM / GB:.2f} GB)",
+  )  # fmt: skip
+
+
 def add_raw_arguments(parser: argparse.ArgumentParser, raw_gib: float) -> None:
   """Adds the raw-disk measurement's `--raw-gib`, `--raw-passes` and `--raw-tool`."""
   parser.add_argument(
@@ -759,43 +768,61 @@ def summary_table(result: dict[str, Any]) -> str:
   return "\n".join(lines)
 
 
+Bar = tuple[str, float, float, float, str, str]  # label, median, min, max, color, note
+
+
+def raw_bars(raw: dict[str, Any]) -> list[Bar]:
+  """The raw disk's read and write GB/s as bars; none if its measurement failed."""
+  if raw.get("error"):
+    return []
+  bars = []
+  for rw in ("read", "write"):
+    median, lo, hi = (raw[f"{rw}_bytes_per_s{x}"] / GB for x in ("", "_min", "_max"))
+    bars.append((f"raw {rw}\n({raw['tool']})", median, lo, hi, "tab:gray", ""))
+  return bars
+
+
+def stats_bar(label: str, gb_per_s: dict[str, float], ratio: dict | None, color: str) -> Bar:
+  """A bar of a GB/s `stats_of` record, noted with its median ratio to the raw disk if any."""
+  note = f"\n{ratio['median']:.2f}x raw" if ratio else ""
+  return (label, gb_per_s["median"], gb_per_s["min"], gb_per_s["max"], color, note)
+
+
+def draw_bars(ax: Any, bars: Sequence[Bar], headroom: float) -> None:
+  """`bars` with min-to-max whiskers, each labelled with its median and note."""
+  x = np.arange(len(bars))
+  med = np.array([b[1] for b in bars])
+  err = [med - np.array([b[2] for b in bars]), np.array([b[3] for b in bars]) - med]
+  ax.bar(x, med, yerr=err, capsize=6, color=[b[4] for b in bars])
+  for xi, b in zip(x, bars, strict=True):
+    _common.label_above(ax, f"{b[1]:.2f}{b[5]}", (xi, b[3]), dy=3)
+  ax.set_xticks(x, [b[0] for b in bars], fontsize=8)
+  ax.set_ylim(0, max(b[3] for b in bars) * headroom)
+
+
 def plot(result: dict[str, Any], path: pathlib.Path) -> None:
   plt = _common.pyplot()
   raw, tiers = result["raw"], result["tier"]
-  bars: list[tuple[str, float, float, float, str, str]] = []  # name, value, lo, hi, color, note
-  if not raw.get("error"):
-    for label, key in (("raw read", "read"), ("raw write", "write")):
-      v, lo, hi = (raw[f"{key}_bytes_per_s{x}"] / GB for x in ("", "_min", "_max"))
-      bars.append((f"{label}\n({raw['tool']})", v, lo, hi, "tab:gray", ""))
-    if result.get("raw_combined_gb_per_s"):
-      v = result["raw_combined_gb_per_s"]
-      bars.append(("raw combined\n(tier's R+W mix)", v, v, v, "dimgray", ""))
+  bars = raw_bars(raw)
+  if bars and result.get("raw_combined_gb_per_s"):
+    v = result["raw_combined_gb_per_s"]
+    bars.append(("raw combined\n(tier's R+W mix)", v, v, v, "dimgray", ""))
   for label, key, color in (
     ("tier step\nfsync=True", "fsync", "tab:blue"),
     ("tier step\nfsync=False", "nofsync", "tab:orange"),
   ):
     t = tiers.get(key)
     if t and "error" not in t:
-      g, r = t["gb_per_s"], t.get("ratio_vs_raw")
-      note = f"\n{r['median']:.2f}x raw" if r else ""
-      bars.append((label, g["median"], g["min"], g["max"], color, note))
+      bars.append(stats_bar(label, t["gb_per_s"], t.get("ratio_vs_raw"), color))
       if "gb_per_s_incl_writeback" in t:
-        g, r = t["gb_per_s_incl_writeback"], t.get("ratio_vs_raw_incl_writeback")
-        note = f"\n{r['median']:.2f}x raw" if r else ""
-        bars.append((label + "\n+ writeback", g["median"], g["min"], g["max"], "navajowhite", note))
+        bars.append(stats_bar(label + "\n+ writeback", t["gb_per_s_incl_writeback"],
+                              t.get("ratio_vs_raw_incl_writeback"), "navajowhite"))  # fmt: skip
 
   fig, (ax, ax2) = plt.subplots(
     1, 2, figsize=(14, 6), dpi=120, gridspec_kw={"width_ratios": [1.7, 1]}
   )
   if bars:
-    x = np.arange(len(bars))
-    med = np.array([b[1] for b in bars])
-    err = [med - np.array([b[2] for b in bars]), np.array([b[3] for b in bars]) - med]
-    ax.bar(x, med, yerr=err, capsize=6, color=[b[4] for b in bars])
-    for xi, b in zip(x, bars, strict=True):
-      _common.label_above(ax, f"{b[1]:.2f}{b[5]}", (xi, b[3]), dy=3)
-    ax.set_xticks(x, [b[0] for b in bars], fontsize=8)
-    ax.set_ylim(0, max(b[3] for b in bars) * 1.2)
+    draw_bars(ax, bars, headroom=1.2)
   if result.get("raw_combined_gb_per_s"):
     ax.axhline(
       GOAL_RATIO * result["raw_combined_gb_per_s"], color="tab:red", linestyle="--",
@@ -837,14 +864,12 @@ def plot(result: dict[str, Any], path: pathlib.Path) -> None:
   )
   ax2.grid(axis="y", alpha=0.3)
   fs = result["filesystem"]
-  fig.suptitle(
+  title = (
     f"offlax NVMeTier: Adam, {result['params'] / 1e6:.0f}M params "
     f"({result['state_bytes'] / GB:.2f} GB state), {result['steps']} steps, "
-    f"{fs.get('fstype', '?')} on {fs.get('device', '?')}; whiskers: min to max",
-    fontsize=11,
+    f"{fs.get('fstype', '?')} on {fs.get('device', '?')}; whiskers: min to max"
   )
-  fig.tight_layout()
-  _common.save_png(fig, path)
+  _common.save_png(fig, path, suptitle=title)
 
 
 # -- main --------------------------------------------------------------------
@@ -852,10 +877,7 @@ def plot(result: dict[str, Any], path: pathlib.Path) -> None:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument(
-    "--params-m", type=float, default=320.0,
-    help="million fp32 params; the Adam state is 8 bytes per param (320: 2.56 GB)",
-  )  # fmt: skip
+  add_params_argument(parser, params_m=320.0)
   add_raw_arguments(parser, raw_gib=2.0)
   _common.add_steps_arguments(
     parser, steps=3,

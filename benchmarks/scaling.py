@@ -221,14 +221,12 @@ def plot(result: dict[str, Any], path: pathlib.Path) -> None:
   ax_t.set_title("step time: median, whiskers min to max", fontsize=10)
   ax_m.set_ylabel("host RAM (MiB, log scale)")
   ax_m.set_title("peak RSS during the timed steps above params + grads", fontsize=10)
-  fig.suptitle(
+  title = (
     f"offlax scaling: Adam state growing, {result['steps']} steps per size after "
     f"{result['warmup']}, {result['cpu_count']} CPUs, {result['backend']} backend "
-    f"({result['date'][:10]})",
-    fontsize=11,
+    f"({result['date'][:10]})"
   )
-  fig.tight_layout()
-  _common.save_png(fig, path)
+  _common.save_png(fig, path, suptitle=title)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
