@@ -293,9 +293,10 @@ def summary_table(summary: dict[str, Any]) -> str:
   lines.append("")
   for name, b in summary["benchmarks"].items():
     if "wall_s" in b:
+      over = "" if summary["quick"] or b["wall_s"] <= b["budget_s"] else " OVER BUDGET"
       lines.append(
-        f"{name:<16} {b['status']:<28} {b['wall_s']:>6.0f} s (budget {b['budget_s']:.0f} s), "
-        f"peak RSS {b['peak_rss_bytes'] / 2**30:.2f} GiB"
+        f"{name:<16} {b['status']:<28} {b['wall_s']:>6.0f} s (budget {b['budget_s']:.0f} s"
+        f"{over}), peak RSS {b['peak_rss_bytes'] / 2**30:.2f} GiB"
       )
     else:
       lines.append(f"{name:<16} {b['status']}")
@@ -317,7 +318,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     "--dir", type=pathlib.Path,
     help="filesystem for the disk benchmarks (nvme_throughput, scaling, checkpoint) (/tmp)",
   )  # fmt: skip
-  _common.add_out_argument(parser, "<benchmark> and summary")
+  _common.add_out_argument(parser, "<name>")  # and summary.json, summary.md
   return parser.parse_args(argv)
 
 
