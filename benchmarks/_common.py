@@ -15,6 +15,7 @@ import os
 import pathlib
 import platform
 import resource
+import signal
 import statistics
 import tempfile
 from collections.abc import Callable, Sequence
@@ -64,6 +65,18 @@ def stats_of(values: Sequence[float], suffix: str = "") -> dict[str, float]:
     f"min{suffix}": min(values),
     f"max{suffix}": max(values),
   }
+
+
+def exit_on_sigterm() -> None:
+  """Makes SIGTERM raise SystemExit, so `finally` clauses remove a benchmark's data on disk.
+
+  `python -m benchmarks` stops a benchmark that runs past its timeout with SIGTERM.
+  """
+
+  def handler(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+  signal.signal(signal.SIGTERM, handler)
 
 
 # -- arguments -------------------------------------------------------------------

@@ -78,7 +78,6 @@ import mmap
 import os
 import pathlib
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -1047,11 +1046,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   return result
 
 
-def _exit_on_sigterm(signum, frame):
-  raise SystemExit(128 + signum)  # runs the `finally` clauses that remove the data
-
-
 if __name__ == "__main__":
-  signal.signal(signal.SIGTERM, _exit_on_sigterm)
+  _common.exit_on_sigterm()
   outcome = main()
   sys.exit(0 if outcome.get("ok", "error" not in outcome) else 1)

@@ -286,4 +286,5 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
+  _common.exit_on_sigterm()
   sys.exit(0 if main()["ok"] else 1)
