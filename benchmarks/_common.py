@@ -15,7 +15,9 @@ import os
 import pathlib
 import platform
 import resource
+import signal
 import statistics
+import tempfile
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -65,6 +67,18 @@ def stats_of(values: Sequence[float], suffix: str = "") -> dict[str, float]:
   }
 
 
+def exit_on_sigterm() -> None:
+  """Makes SIGTERM raise SystemExit, so `finally` clauses remove a benchmark's data on disk.
+
+  `python -m benchmarks` stops a benchmark that runs past its timeout with SIGTERM.
+  """
+
+  def handler(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+  signal.signal(signal.SIGTERM, handler)
+
+
 # -- arguments -------------------------------------------------------------------
 
 
@@ -81,6 +95,16 @@ def add_out_argument(parser: argparse.ArgumentParser, name: str) -> None:
     type=pathlib.Path,
     default=DEFAULT_OUT,
     help=f"directory for {name}.json/.png ({DEFAULT_OUT})",
+  )
+
+
+def add_dir_argument(parser: argparse.ArgumentParser, what: str) -> None:
+  """Adds `--dir`, the filesystem under test (default the temporary directory's, /tmp)."""
+  parser.add_argument(
+    "--dir",
+    type=pathlib.Path,
+    default=pathlib.Path(tempfile.gettempdir()),
+    help=f"filesystem for {what}: a fresh directory is made (and removed) in it (/tmp)",
   )
 
 
@@ -115,8 +139,14 @@ def label_above(ax: Any, text: str, xy: tuple[float, float], dy: float) -> None:
 # -- output files ------------------------------------------------------------------
 
 
-def save_png(fig: Any, path: pathlib.Path) -> None:
-  """Writes `fig` to `path` as PNG via a temporary file and a rename (atomic), then closes it."""
+def save_png(fig: Any, path: pathlib.Path, suptitle: str | None = None) -> None:
+  """Writes `fig` to `path` as PNG via a temporary file and a rename (atomic), then closes it.
+
+  With `suptitle`: a figure title in 11-point type, then `tight_layout` (for subplots).
+  """
+  if suptitle is not None:
+    fig.suptitle(suptitle, fontsize=11)
+    fig.tight_layout()
   tmp = path.with_suffix(".png.tmp")
   fig.savefig(tmp, format="png")
   import matplotlib.pyplot as plt

@@ -78,7 +78,6 @@ import mmap
 import os
 import pathlib
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -340,6 +339,35 @@ def combine_raw(passes: Sequence[dict[str, Any]]) -> dict[str, Any]:
   return out
 
 
+def add_params_argument(parser: argparse.ArgumentParser, params_m: float) -> None:
+  """Adds `--params-m`, the model size in million fp32 params (default `params_m`)."""
+  parser.add_argument(
+    "--params-m", type=float, default=params_m,
+    help=f"million fp32 params; the Adam state is {STATE_BYTES_PER_PARAM} bytes per param "
+    f"({params_m:g}: {params_m * 1e6 * STATE_BYTES_PER_PARAM / GB:.2f} GB)",
+  )  # fmt: skip
+
+
+def add_raw_arguments(parser: argparse.ArgumentParser, raw_gib: float) -> None:
+  """Adds the raw-disk measurement's `--raw-gib`, `--raw-passes` and `--raw-tool`."""
+  parser.add_argument(
+    "--raw-gib", type=float, default=raw_gib, help=f"GiB of the raw-disk file ({raw_gib:g})"
+  )
+  parser.add_argument(
+    "--raw-passes", type=int, choices=(1, 2), default=2,
+    help="raw-disk passes: 1 before the measurements, 2 also after them (2)",
+  )  # fmt: skip
+  parser.add_argument(
+    "--raw-tool", choices=("auto", "fio", "python"), default="auto",
+    help="raw-disk tool: fio if installed, else a Python O_DIRECT loop (auto)",
+  )  # fmt: skip
+
+
+def check_raw_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+  if not args.raw_gib > 0:
+    parser.error("--raw-gib must be > 0")
+
+
 def measure_raw(workdir: pathlib.Path, raw_gib: float, tool: str) -> dict[str, Any]:
   blocks = max(1, math.ceil(raw_gib * GiB / RAW_BLOCK_BYTES))
   nbytes = blocks * RAW_BLOCK_BYTES
@@ -436,7 +464,7 @@ def random_tree(shapes: dict[str, tuple[int, ...]], seed: int, std: float) -> An
 
 
 def child_main(args: argparse.Namespace) -> dict[str, Any]:
-  """One measurement in a fresh process: `tier` (with args.fsync) or `compute`."""
+  """One measurement in a fresh process: `tier` (with args.fsync), `host` or `compute`."""
   import jax
   import optax
 
@@ -451,7 +479,11 @@ def child_main(args: argparse.Namespace) -> dict[str, Any]:
   out["baseline_rss_bytes"] = proc_status_bytes("VmRSS")  # params + grads + runtime
   out["peak_reset_supported"] = reset_peak_rss()
   log = functools.partial(print, file=sys.stderr, flush=True)
-  label = f"tier fsync={bool(args.fsync)}" if args.child == "tier" else "plain optax.adam"
+  label = {
+    "tier": f"tier fsync={bool(args.fsync)}",
+    "host": "host tier",
+    "compute": "plain optax.adam",
+  }[args.child]
 
   tier = None
   timer = CallbackTimer()
@@ -466,6 +498,8 @@ def child_main(args: argparse.Namespace) -> dict[str, Any]:
         progress=False,
       )
       tx = offlax.offload(optax.adam(LEARNING_RATE), tier)
+    elif args.child == "host":  # for scaling.py: the same step with the state in host memory
+      tx = offlax.offload(optax.adam(LEARNING_RATE))
     else:
       tx = optax.adam(LEARNING_RATE)
 
@@ -733,43 +767,61 @@ def summary_table(result: dict[str, Any]) -> str:
   return "\n".join(lines)
 
 
+Bar = tuple[str, float, float, float, str, str]  # label, median, min, max, color, note
+
+
+def raw_bars(raw: dict[str, Any]) -> list[Bar]:
+  """The raw disk's read and write GB/s as bars; none if its measurement failed."""
+  if raw.get("error"):
+    return []
+  bars = []
+  for rw in ("read", "write"):
+    median, lo, hi = (raw[f"{rw}_bytes_per_s{x}"] / GB for x in ("", "_min", "_max"))
+    bars.append((f"raw {rw}\n({raw['tool']})", median, lo, hi, "tab:gray", ""))
+  return bars
+
+
+def stats_bar(label: str, gb_per_s: dict[str, float], ratio: dict | None, color: str) -> Bar:
+  """A bar of a GB/s `stats_of` record, noted with its median ratio to the raw disk if any."""
+  note = f"\n{ratio['median']:.2f}x raw" if ratio else ""
+  return (label, gb_per_s["median"], gb_per_s["min"], gb_per_s["max"], color, note)
+
+
+def draw_bars(ax: Any, bars: Sequence[Bar], headroom: float) -> None:
+  """`bars` with min-to-max whiskers, each labelled with its median and note."""
+  x = np.arange(len(bars))
+  med = np.array([b[1] for b in bars])
+  err = [med - np.array([b[2] for b in bars]), np.array([b[3] for b in bars]) - med]
+  ax.bar(x, med, yerr=err, capsize=6, color=[b[4] for b in bars])
+  for xi, b in zip(x, bars, strict=True):
+    _common.label_above(ax, f"{b[1]:.2f}{b[5]}", (xi, b[3]), dy=3)
+  ax.set_xticks(x, [b[0] for b in bars], fontsize=8)
+  ax.set_ylim(0, max(b[3] for b in bars) * headroom)
+
+
 def plot(result: dict[str, Any], path: pathlib.Path) -> None:
   plt = _common.pyplot()
   raw, tiers = result["raw"], result["tier"]
-  bars: list[tuple[str, float, float, float, str, str]] = []  # name, value, lo, hi, color, note
-  if not raw.get("error"):
-    for label, key in (("raw read", "read"), ("raw write", "write")):
-      v, lo, hi = (raw[f"{key}_bytes_per_s{x}"] / GB for x in ("", "_min", "_max"))
-      bars.append((f"{label}\n({raw['tool']})", v, lo, hi, "tab:gray", ""))
-    if result.get("raw_combined_gb_per_s"):
-      v = result["raw_combined_gb_per_s"]
-      bars.append(("raw combined\n(tier's R+W mix)", v, v, v, "dimgray", ""))
+  bars = raw_bars(raw)
+  if bars and result.get("raw_combined_gb_per_s"):
+    v = result["raw_combined_gb_per_s"]
+    bars.append(("raw combined\n(tier's R+W mix)", v, v, v, "dimgray", ""))
   for label, key, color in (
     ("tier step\nfsync=True", "fsync", "tab:blue"),
     ("tier step\nfsync=False", "nofsync", "tab:orange"),
   ):
     t = tiers.get(key)
     if t and "error" not in t:
-      g, r = t["gb_per_s"], t.get("ratio_vs_raw")
-      note = f"\n{r['median']:.2f}x raw" if r else ""
-      bars.append((label, g["median"], g["min"], g["max"], color, note))
+      bars.append(stats_bar(label, t["gb_per_s"], t.get("ratio_vs_raw"), color))
       if "gb_per_s_incl_writeback" in t:
-        g, r = t["gb_per_s_incl_writeback"], t.get("ratio_vs_raw_incl_writeback")
-        note = f"\n{r['median']:.2f}x raw" if r else ""
-        bars.append((label + "\n+ writeback", g["median"], g["min"], g["max"], "navajowhite", note))
+        bars.append(stats_bar(label + "\n+ writeback", t["gb_per_s_incl_writeback"],
+                              t.get("ratio_vs_raw_incl_writeback"), "navajowhite"))  # fmt: skip
 
   fig, (ax, ax2) = plt.subplots(
     1, 2, figsize=(14, 6), dpi=120, gridspec_kw={"width_ratios": [1.7, 1]}
   )
   if bars:
-    x = np.arange(len(bars))
-    med = np.array([b[1] for b in bars])
-    err = [med - np.array([b[2] for b in bars]), np.array([b[3] for b in bars]) - med]
-    ax.bar(x, med, yerr=err, capsize=6, color=[b[4] for b in bars])
-    for xi, b in zip(x, bars, strict=True):
-      _common.label_above(ax, f"{b[1]:.2f}{b[5]}", (xi, b[3]), dy=3)
-    ax.set_xticks(x, [b[0] for b in bars], fontsize=8)
-    ax.set_ylim(0, max(b[3] for b in bars) * 1.2)
+    draw_bars(ax, bars, headroom=1.2)
   if result.get("raw_combined_gb_per_s"):
     ax.axhline(
       GOAL_RATIO * result["raw_combined_gb_per_s"], color="tab:red", linestyle="--",
@@ -811,14 +863,12 @@ def plot(result: dict[str, Any], path: pathlib.Path) -> None:
   )
   ax2.grid(axis="y", alpha=0.3)
   fs = result["filesystem"]
-  fig.suptitle(
+  title = (
     f"offlax NVMeTier: Adam, {result['params'] / 1e6:.0f}M params "
     f"({result['state_bytes'] / GB:.2f} GB state), {result['steps']} steps, "
-    f"{fs.get('fstype', '?')} on {fs.get('device', '?')}; whiskers: min to max",
-    fontsize=11,
+    f"{fs.get('fstype', '?')} on {fs.get('device', '?')}; whiskers: min to max"
   )
-  fig.tight_layout()
-  _common.save_png(fig, path)
+  _common.save_png(fig, path, suptitle=title)
 
 
 # -- main --------------------------------------------------------------------
@@ -826,19 +876,13 @@ def plot(result: dict[str, Any], path: pathlib.Path) -> None:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument(
-    "--params-m", type=float, default=320.0,
-    help="million fp32 params; the Adam state is 8 bytes per param (320: 2.56 GB)",
-  )  # fmt: skip
-  parser.add_argument("--raw-gib", type=float, default=2.0, help="GiB of the raw-disk file (2)")
+  add_params_argument(parser, params_m=320.0)
+  add_raw_arguments(parser, raw_gib=2.0)
   _common.add_steps_arguments(
     parser, steps=3,
     warmup_help="untimed steps after init (2: the second step compiles again, see the docstring)",
   )  # fmt: skip
-  parser.add_argument(
-    "--dir", type=pathlib.Path, default=pathlib.Path(tempfile.gettempdir()),
-    help="filesystem to test: a fresh directory is made (and removed) in it (/tmp)",
-  )  # fmt: skip
+  _common.add_dir_argument(parser, "the raw file and the stores")
   _common.add_out_argument(parser, "nvme_throughput")
   parser.add_argument(
     "--cache-mib", type=float, default=None,
@@ -847,10 +891,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument(
     "--chunk-mib", type=float, default=None,
     help="NVMeTier chunk_bytes in MiB (64, capped at 1/8 of the state)",
-  )  # fmt: skip
-  parser.add_argument(
-    "--raw-passes", type=int, choices=(1, 2), default=2,
-    help="raw-disk passes: 1 before the tier runs, 2 also after them (2)",
   )  # fmt: skip
   parser.add_argument("--no-nofsync", action="store_true", help="skip the fsync=False run")
   parser.add_argument(
@@ -863,14 +903,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     help="do not evict the store's page cache before each step",
   )  # fmt: skip
   parser.add_argument(
-    "--raw-tool", choices=("auto", "fio", "python"), default="auto",
-    help="raw-disk tool: fio if installed, else a Python O_DIRECT loop (auto)",
-  )  # fmt: skip
-  parser.add_argument(
     "--child-timeout", type=float, default=1800, help="seconds per subprocess (1800)"
   )
   # Internal: one measurement in a subprocess.
-  parser.add_argument("--child", choices=("tier", "compute"), help=argparse.SUPPRESS)
+  parser.add_argument("--child", choices=("tier", "host", "compute"), help=argparse.SUPPRESS)
   parser.add_argument("--fsync", type=int, default=1, help=argparse.SUPPRESS)
   parser.add_argument("--store", help=argparse.SUPPRESS)
   parser.add_argument("--cache-bytes", type=int, help=argparse.SUPPRESS)
@@ -879,8 +915,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   _common.check_steps_arguments(parser, args)
   if not args.params_m > 0:
     parser.error("--params-m must be > 0")
-  if not args.raw_gib > 0:
-    parser.error("--raw-gib must be > 0")
+  check_raw_arguments(parser, args)
   if args.child and not args.store:
     parser.error("--child needs --store")
   return args
@@ -1011,11 +1046,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   return result
 
 
-def _exit_on_sigterm(signum, frame):
-  raise SystemExit(128 + signum)  # runs the `finally` clauses that remove the data
-
-
 if __name__ == "__main__":
-  signal.signal(signal.SIGTERM, _exit_on_sigterm)
+  _common.exit_on_sigterm()
   outcome = main()
   sys.exit(0 if outcome.get("ok", "error" not in outcome) else 1)

@@ -6,6 +6,7 @@ Timings are not asserted: speed goals live in benchmarks/, measured side by side
 import importlib.util
 import json
 import pathlib
+import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -18,6 +19,18 @@ def _load(relative: str):
   sys.modules[name] = module  # dataclasses look their module up there
   spec.loader.exec_module(module)
   return module
+
+
+def _summary_rows(name, result):
+  """The entry point's summary rows for `result`: they read the keys it relies on."""
+  runner = _load("benchmarks/__main__.py")
+  (bench,) = [b for b in runner.BENCHMARKS if b.name == name]
+  rows = bench.rows(result)
+  assert rows
+  for row in rows:
+    assert set(row) == {"benchmark", "measure", "goal", "measured", "met"}
+    assert row["benchmark"] == name and row["met"] in (True, False, None)
+  return rows
 
 
 def test_quickstart_trains(capsys):
@@ -36,6 +49,7 @@ def test_host_overhead_benchmark_runs(tmp_path):
   assert (tmp_path / "host_overhead.png").stat().st_size > 10_000
   assert result["leaves"] >= 190
   assert set(result["ratios"]) >= {"offlax"}
+  _summary_rows("host_overhead", result)
 
 
 def test_nvme_example_trains_and_resumes(tmp_path, capsys):
@@ -59,6 +73,7 @@ def test_nvme_throughput_benchmark_runs(tmp_path):
   tier = result["tier"]["fsync"]
   assert tier["bytes_read_per_step"] > 0.5 * result["state_bytes"]  # most state streamed
   assert tier["ratio_vs_raw"]["median"] > 0
+  _summary_rows("nvme_throughput", result)
 
 
 def test_gpu_check_code_path_runs_on_cpu(tmp_path):
@@ -70,6 +85,7 @@ def test_gpu_check_code_path_runs_on_cpu(tmp_path):
   assert result["correctness"]["one_slice"]["bit_exact"]
   assert result["correctness"]["streamed"]["max_abs_diff"] < 1e-6
   assert result["memory"]["on_device"]["device_bytes_per_param"] > 0
+  _summary_rows("gpu_check", result)
 
 
 def test_host_adam_benchmark_runs(tmp_path):
@@ -93,6 +109,68 @@ def test_host_adam_benchmark_runs(tmp_path):
     "plain optax (XLA:CPU)",
     "fused kernel, update only",
   }
+  rows = _summary_rows("host_adam", result)
+  assert all(row["met"] is None and "skipped" in row["measured"] for row in rows)
+
+
+def test_scaling_benchmark_runs(tmp_path):
+  sizes = ["--host-sizes-m", "0.5", "1", "--nvme-sizes-m", "0.5", "1"]
+  _load("benchmarks/scaling.py").main(
+    [*sizes, "--steps", "1", "--dir", str(tmp_path), "--out", str(tmp_path / "out")]
+  )
+  result = json.loads((tmp_path / "out" / "scaling.json").read_text())
+  assert (tmp_path / "out" / "scaling.png").stat().st_size > 10_000
+  assert set(result["tiers"]) == {"host", "nvme"}
+  for tier in result["tiers"].values():
+    assert [p["params_m"] for p in tier["points"]] == [0.5, 1]
+    for point in tier["points"]:
+      assert point["median_s"] > 0 and point["ns_per_param"] > 0
+      assert point["peak_rss_above_baseline_bytes"] > 0
+    for fit in ("time_fit", "ram_fit"):
+      assert set(tier[fit]) == {"slope", "intercept", "r2", "loglog_slope"}
+  assert result["tiers"]["nvme"]["points"][0]["cache_bytes"] > 0
+  assert len(_summary_rows("scaling", result)) == 4
+  assert list(tmp_path.glob("offlax-scaling-*")) == []  # its stores are removed
+
+
+def test_checkpoint_benchmark_runs(tmp_path):
+  out = tmp_path / "out"
+  _load("benchmarks/checkpoint.py").main(
+    ["--params-m", "0.5", "--raw-gib", "0.01", "--raw-passes", "1", "--steps", "1",
+     "--dir", str(tmp_path), "--out", str(out)]
+  )  # fmt: skip
+  result = json.loads((out / "checkpoint.json").read_text())
+  assert (out / "checkpoint.png").stat().st_size > 10_000
+  ops = result["operations"]
+  assert set(ops) == {"host_save", "host_restore", "nvme_save", "nvme_restore"}
+  for op in ops.values():
+    assert op["gb_per_s"]["median"] > 0 and op["ratio_vs_raw"]["median"] > 0
+  assert ops["host_save"]["disk_bytes"] > 0 and ops["host_save"]["blocking_s"]["median"] > 0
+  assert ops["nvme_restore"]["disk_bytes"] >= result["state_bytes"]  # the whole store
+  assert len(_summary_rows("checkpoint", result)) == 4
+  assert list(tmp_path.glob("offlax-ckpt-bench-*")) == []  # its files are removed
+
+
+def test_entry_point_quick(tmp_path):
+  """`python -m benchmarks --quick`: subprocesses, the summary files, no gpu_check on a CPU."""
+  cmd = [sys.executable, "-m", "benchmarks", "--quick", "--only", "checkpoint", "gpu_check"]
+  proc = subprocess.run(
+    [*cmd, "--dir", str(tmp_path), "--out", str(tmp_path / "out")],
+    cwd=ROOT, capture_output=True, text=True, timeout=600, check=False,
+  )  # fmt: skip
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  out = tmp_path / "out"
+  summary = json.loads((out / "summary.json").read_text())
+  assert (out / "checkpoint.png").exists() and (out / "summary.md").exists()
+  runs = summary["benchmarks"]
+  assert list(runs) == ["host_overhead", "host_adam", "nvme_throughput", "scaling", "checkpoint",
+                        "gpu_check"]  # fmt: skip
+  assert runs["checkpoint"]["status"] == "ok" and runs["checkpoint"]["wall_s"] > 0
+  assert runs["checkpoint"]["peak_rss_bytes"] > 0
+  assert runs["scaling"]["status"] == "not run (--only)"
+  assert runs["gpu_check"]["status"].startswith("needs GPU: not run")
+  assert [r["benchmark"] for r in summary["rows"]] == ["checkpoint"] * 4 + ["gpu_check"]
+  assert "=== summary" in proc.stdout and "needs GPU: not run" in proc.stdout
 
 
 def test_lm_example_trains_checkpoints_and_resumes(tmp_path, capsys):

@@ -1,0 +1,362 @@
+"""Runs every benchmark, then prints and writes a summary table: goal, measured, met?
+
+  python -m benchmarks                     # all of them, sized for 2 cores / 24 GiB: < 15 min
+  python -m benchmarks --quick --out /tmp/bench        # tiny sizes, seconds each (the tests)
+  python -m benchmarks --only scaling checkpoint       # some of them
+
+Each benchmark runs as its own subprocess (`python -m benchmarks.<name>`), so its memory figures
+and its peak RSS (the largest of its processes, from `wait4`) are its own, and a crash stops
+only it. Each writes `<out>/<name>.json` and `<out>/<name>.png`; this script then writes
+`<out>/summary.json` and `<out>/summary.md` and prints the table last, with each benchmark's
+wall time against its share of the 15 minutes. `gpu_check` runs only where JAX's backend is a
+GPU; elsewhere its row says "needs GPU: not run".
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+# Run as `python -m benchmarks` from the repository root, or as a file from anywhere.
+_REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+if str(_REPO_ROOT) not in sys.path:
+  sys.path.append(str(_REPO_ROOT))
+from benchmarks import _common  # noqa: E402
+
+TOTAL_BUDGET_S = 15 * 60
+
+Row = dict[str, Any]  # benchmark, measure, goal, measured, met (True, False or None: no goal)
+
+
+def _row(benchmark: str, measure: str, goal: str, measured: str, met: bool | None) -> Row:
+  return {"benchmark": benchmark, "measure": measure, "goal": goal, "measured": measured,
+          "met": met}  # fmt: skip
+
+
+def _span(stats: dict[str, float], fmt: str, unit: str) -> str:
+  """`median unit (min to max)` of a `_common.stats_of` record."""
+  m, lo, hi = (format(stats[k], fmt) for k in ("median", "min", "max"))
+  return f"{m}{unit} ({lo} to {hi})"
+
+
+# -- what each benchmark's JSON says against its goal ------------------------------
+
+
+def rows_host_overhead(r: dict[str, Any]) -> list[Row]:
+  goal = r["goal_ratio"]
+  times = {v["name"]: v for v in r["variants"]}
+  ratio = r["ratios"]["offlax"]
+  return [
+    _row(
+      "host_overhead",
+      "host tier (device compute) step / plain optax step",
+      f"<= {goal:.2f}x",
+      f"{ratio:.3f}x ({times['offlax']['median_s'] * 1e3:.1f} vs "
+      f"{times['optax']['median_s'] * 1e3:.1f} ms, {r['params'] / 1e6:.0f}M params)",
+      ratio <= goal,
+    )  # fmt: skip
+  ]
+
+
+def rows_host_adam(r: dict[str, Any]) -> list[Row]:
+  goal = r["goal_ratio_vs_deepspeed"]
+  rows = []
+  for other in ("DeepSpeedCPUAdam", "torch fused Adam"):
+    measure = f"offlax host-compute Adam params/s / {other}"
+    if r["torch_skipped"]:
+      rows.append(_row("host_adam", measure, f">= {goal:.1f}x", "skipped: no torch env", None))
+      continue
+    ratios = {}
+    for size, row in r["sizes"].items():
+      pps = row["params_per_s"]
+      if other in pps:
+        ratios[size] = pps["offlax host compute"]["median"] / pps[other]["median"]
+    measured = ", ".join(f"{s} {x:.2f}x" for s, x in ratios.items()) or "not measured"
+    met = min(ratios.values()) >= goal if ratios else None
+    rows.append(_row("host_adam", measure, f">= {goal:.1f}x", measured, met))
+  return rows
+
+
+def rows_nvme_throughput(r: dict[str, Any]) -> list[Row]:
+  goal, t = r["goal_ratio"], r["tier"].get("fsync", {})
+  if "error" in t or "ratio_vs_raw" not in t:
+    return [_row("nvme_throughput", "NVMe tier state GB/s / raw disk", f">= {goal}x", "FAILED",
+                 False)]  # fmt: skip
+  peak = t["peak_rss_above_baseline_bytes"]
+  return [
+    _row(
+      "nvme_throughput", "NVMe tier state GB/s / raw direct-I/O disk (fsync=True)",
+      f">= {goal}x",
+      _span(t["ratio_vs_raw"], ".2f", "x") + f", {t['gb_per_s']['median']:.2f} GB/s",
+      t["ratio_vs_raw"]["median"] >= goal,
+    ),
+    _row(
+      "nvme_throughput", "NVMe tier peak RSS above params+grads", "vs cache_bytes (report)",
+      f"{peak / 2**20:,.0f} MiB = {peak / r['cache_bytes']:.1f}x cache_bytes "
+      f"({r['cache_bytes'] / 2**20:.3g} MiB), {peak / r['state_bytes']:.0%} of the state",
+      None,
+    ),
+  ]  # fmt: skip
+
+
+def rows_scaling(r: dict[str, Any]) -> list[Row]:
+  goal = r["goal_loglog_slope"]
+  rows = []
+  for tier, s in r["tiers"].items():
+    ok = [p for p in s["points"] if "error" not in p]
+    sizes = f"{ok[0]['params'] / 1e6:.0f}M-{ok[-1]['params'] / 1e6:.0f}M" if ok else ""
+    for what, fit, per in (("step time", "time_fit", "ns_per_param"),
+                           ("RAM", "ram_fit", "ram_bytes_per_param")):  # fmt: skip
+      f = s[fit]
+      measure = f"{tier} tier {what} vs params {sizes}: log-log slope"
+      if f is None:
+        rows.append(_row("scaling", measure, f"<= {goal}", "fewer than 2 sizes", None))
+        continue
+      unit = "ns/param" if per == "ns_per_param" else "B/param"
+      each = ", ".join(f"{p[per]:.2f}" for p in ok)
+      rows.append(
+        _row(
+          "scaling",
+          measure,
+          f"<= {goal}",
+          f"{f['loglog_slope']:.2f} ({unit}: {each})",
+          f["loglog_slope"] <= goal,
+        )  # fmt: skip
+      )
+  return rows
+
+
+def rows_checkpoint(r: dict[str, Any]) -> list[Row]:
+  labels = {
+    "host_save": "host tier orbax save",
+    "host_restore": "host tier orbax restore",
+    "nvme_save": "NVMe store NVMeStoreSave",
+    "nvme_restore": "NVMe store NVMeStoreRestore",
+  }
+  rows = []
+  for key, op in r["operations"].items():
+    ratio = op.get("ratio_vs_raw")
+    measured = _span(op["gb_per_s"], ".2f", " GB/s") + (
+      f" = {ratio['median']:.2f}x raw" if ratio else ""
+    )
+    rows.append(_row("checkpoint", f"{labels[key]} GB/s vs raw disk ({r['state_bytes'] / 1e9:.2f}"
+                     " GB)", "none set (report)", measured, None))  # fmt: skip
+  return rows
+
+
+def rows_gpu_check(r: dict[str, Any]) -> list[Row]:
+  t = r["time"]["stream"]
+  return [
+    _row(
+      "gpu_check",
+      "streamed host tier step / state on the device (GPU)",
+      "<= 1.15x",
+      f"{t['ratio']:.3f}x",
+      t["ratio"] <= 1.15,
+    )  # fmt: skip
+  ]
+
+
+@dataclasses.dataclass(frozen=True)
+class Benchmark:
+  name: str
+  full: tuple[str, ...]  # arguments of the default run, sized for 2 cores / 24 GiB
+  quick: tuple[str, ...]  # arguments of --quick: tiny sizes, seconds
+  budget_s: float  # its share of the 15 minutes of the default run
+  rows: Callable[[dict[str, Any]], list[Row]]
+  needs_gpu: bool = False
+  takes_dir: bool = False  # measures a filesystem: gets --dir
+
+
+BENCHMARKS = (
+  Benchmark("host_overhead", (), ("--size-scale", "0.01", "--steps", "2"), 120,
+            rows_host_overhead),
+  Benchmark("host_adam", ("--steps", "5"), ("--sizes-m", "0.1", "--steps", "1"), 180,
+            rows_host_adam),
+  Benchmark("nvme_throughput", ("--no-nofsync",),
+            ("--params-m", "2", "--raw-gib", "0.05", "--steps", "1", "--no-nofsync",
+             "--raw-passes", "1"),
+            240, rows_nvme_throughput, takes_dir=True),
+  Benchmark("scaling", (),
+            ("--host-sizes-m", "1", "2", "--nvme-sizes-m", "1", "2", "--steps", "1"),
+            180, rows_scaling, takes_dir=True),
+  Benchmark("checkpoint", (),
+            ("--params-m", "1", "--raw-gib", "0.02", "--steps", "1", "--raw-passes", "1"),
+            120, rows_checkpoint, takes_dir=True),
+  Benchmark("gpu_check", (), ("--size-scale", "0.001", "--steps", "2"), 300, rows_gpu_check,
+            needs_gpu=True),
+)  # fmt: skip
+NAMES = tuple(b.name for b in BENCHMARKS)
+
+
+# -- running -------------------------------------------------------------------
+
+
+def probe_environment() -> dict[str, Any]:
+  """`_common.environment()` from a subprocess.
+
+  Not in this process: on a GPU machine JAX would claim most of the GPU's memory here, for the
+  whole run, and the benchmarks run beside this process.
+  """
+  code = "import json; from benchmarks import _common; print(json.dumps(_common.environment()))"
+  proc = subprocess.run([sys.executable, "-c", code], cwd=_REPO_ROOT, capture_output=True,
+                        text=True, check=False, timeout=300)  # fmt: skip
+  if proc.returncode != 0:
+    raise SystemExit(f"cannot import jax, optax and offlax:\n{proc.stderr}")
+  return json.loads(proc.stdout.splitlines()[-1])
+
+
+def run_one(bench: Benchmark, args: argparse.Namespace) -> dict[str, Any]:
+  """Runs one benchmark in a subprocess; its status, wall time, peak RSS and summary rows."""
+  cmd = [sys.executable, "-m", f"benchmarks.{bench.name}",
+         *(bench.quick if args.quick else bench.full), "--out", str(args.out)]  # fmt: skip
+  if bench.takes_dir and args.dir is not None:
+    cmd += ["--dir", str(args.dir)]
+  print(f"\n=== {bench.name}: {' '.join(cmd[1:])}", flush=True)
+  json_path = args.out / f"{bench.name}.json"
+  start = time.time()
+  proc = subprocess.Popen(cmd, cwd=_REPO_ROOT)
+  # SIGTERM first: nvme_throughput and scaling then remove their data on disk.
+  timer = threading.Timer(args.timeout_s, proc.send_signal, (signal.SIGTERM,))
+  timer.start()
+  try:
+    _, status, usage = os.wait4(proc.pid, 0)
+  finally:
+    timer.cancel()
+  proc.returncode = os.waitstatus_to_exitcode(status)  # reaped: Popen must not wait again
+  record: dict[str, Any] = {
+    "command": cmd[1:],
+    "returncode": proc.returncode,
+    "wall_s": time.time() - start,
+    "budget_s": bench.budget_s,
+    "peak_rss_bytes": usage.ru_maxrss * 1024,  # the largest of its processes (Linux: KiB)
+  }
+  # A JSON from an earlier run is not this run's result.
+  if not json_path.exists() or json_path.stat().st_mtime < start:
+    record["status"] = f"FAILED: exit {proc.returncode}, no {json_path.name}"
+    record["rows"] = [_row(bench.name, "-", "-", record["status"], False)]
+    return record
+  record["status"] = "ok" if proc.returncode == 0 else f"exit {proc.returncode}"
+  try:
+    record["rows"] = bench.rows(json.loads(json_path.read_text()))
+  except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
+    record["rows"] = [_row(bench.name, "-", "-", f"unreadable result: {e!r}", False)]
+  return record
+
+
+def met_text(met: bool | None) -> str:
+  return {True: "yes", False: "NO", None: "-"}[met]
+
+
+def summary_markdown(summary: dict[str, Any]) -> str:
+  lines = [
+    f"# offlax benchmarks: summary ({summary['date']}, {'quick' if summary['quick'] else 'full'}"
+    f" run, {summary['cpu_count']} CPUs, {summary['backend']} backend, jax "
+    f"{summary['jax_version']})",
+    "",
+    "| benchmark | measure | goal | measured (median (min to max)) | met? |",
+    "| --- | --- | --- | --- | --- |",
+  ]
+  lines += [
+    f"| {r['benchmark']} | {r['measure']} | {r['goal']} | {r['measured']} | {met_text(r['met'])} |"
+    for r in summary["rows"]
+  ]
+  lines += ["", "| benchmark | status | wall s | budget s | peak RSS GiB |", "| --- | --- | --- |"
+            " --- | --- |"]  # fmt: skip
+  for name, b in summary["benchmarks"].items():
+    wall = f"{b['wall_s']:.0f}" if "wall_s" in b else "-"
+    rss = f"{b['peak_rss_bytes'] / 2**30:.2f}" if "peak_rss_bytes" in b else "-"
+    lines.append(f"| {name} | {b['status']} | {wall} | {b['budget_s']:.0f} | {rss} |")
+  lines.append(f"\nTotal wall time {summary['wall_s']:.0f} s (budget {TOTAL_BUDGET_S} s).")
+  return "\n".join(lines) + "\n"
+
+
+def summary_table(summary: dict[str, Any]) -> str:
+  rows = summary["rows"]
+  cols = ("benchmark", "measure", "goal", "measured", "met?")
+  cells = [[r["benchmark"], r["measure"], r["goal"], r["measured"], met_text(r["met"])]
+           for r in rows]  # fmt: skip
+  widths = [max(len(c), *(len(x[i]) for x in cells)) for i, c in enumerate(cols)]
+  fmt = lambda xs: "  ".join(x.ljust(w) for x, w in zip(xs, widths, strict=True))  # noqa: E731
+  lines = ["", "=== summary " + "=" * 60, fmt(cols), fmt(["-" * w for w in widths])]
+  lines += [fmt(c) for c in cells]
+  lines.append("")
+  for name, b in summary["benchmarks"].items():
+    if "wall_s" in b:
+      over = "" if summary["quick"] or b["wall_s"] <= b["budget_s"] else " OVER BUDGET"
+      lines.append(
+        f"{name:<16} {b['status']:<28} {b['wall_s']:>6.0f} s (budget {b['budget_s']:.0f} s"
+        f"{over}), peak RSS {b['peak_rss_bytes'] / 2**30:.2f} GiB"
+      )
+    else:
+      lines.append(f"{name:<16} {b['status']}")
+  lines.append(f"total {summary['wall_s']:.0f} s (budget {TOTAL_BUDGET_S} s for the full run)")
+  return "\n".join(lines)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(
+    prog="python -m benchmarks", description=__doc__.split("\n\n")[0]
+  )
+  parser.add_argument("--quick", action="store_true", help="tiny sizes: seconds per benchmark")
+  parser.add_argument("--only", nargs="+", choices=NAMES, metavar="NAME",
+                      help=f"run only these ({', '.join(NAMES)})")  # fmt: skip
+  parser.add_argument(
+    "--timeout-s", type=float, default=1800, help="stop a benchmark after this long (1800)"
+  )
+  parser.add_argument(
+    "--dir", type=pathlib.Path,
+    help="filesystem for the disk benchmarks (nvme_throughput, scaling, checkpoint) (/tmp)",
+  )  # fmt: skip
+  _common.add_out_argument(parser, "<name>")  # and summary.json, summary.md
+  return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+  args = parse_args(argv)
+  start = time.time()
+  args.out.mkdir(parents=True, exist_ok=True)
+  env = probe_environment()
+  benchmarks: dict[str, dict[str, Any]] = {}
+  rows: list[Row] = []
+  for bench in BENCHMARKS:
+    if args.only and bench.name not in args.only:
+      benchmarks[bench.name] = {"status": "not run (--only)", "budget_s": bench.budget_s}
+      continue
+    if bench.needs_gpu and env["backend"] != "gpu":
+      status = f"needs GPU: not run (backend {env['backend']})"
+      benchmarks[bench.name] = {"status": status, "budget_s": bench.budget_s}
+      rows.append(_row(bench.name, "GPU checks (see gpu_check.py)", "-", status, None))
+      continue
+    benchmarks[bench.name] = run_one(bench, args)
+    rows += benchmarks[bench.name]["rows"]
+    print(f"=== {bench.name}: {benchmarks[bench.name]['wall_s']:.0f} s", flush=True)
+  summary = {
+    "benchmark": "summary",
+    **env,
+    "quick": args.quick,
+    "only": args.only,
+    "rows": rows,
+    "benchmarks": benchmarks,
+    "wall_s": time.time() - start,
+  }
+  _common.write_json(summary, args.out / "summary.json")
+  (args.out / "summary.md").write_text(summary_markdown(summary))
+  print(summary_table(summary), flush=True)
+  return summary
+
+
+if __name__ == "__main__":
+  outcome = main()
+  sys.exit(0 if all(b["status"] == "ok" or "not run" in b["status"]
+                    for b in outcome["benchmarks"].values()) else 1)  # fmt: skip
