@@ -1,0 +1,218 @@
+"""Property tests: `offload(inner, tier)` equals plain optax, bit for bit, on random input.
+
+Hypothesis draws a pytree (nesting of dicts, lists and tuples; float32,
+bfloat16, float16 and int32 leaves; scalars, 0-size and small arrays), an optax
+pipeline (clipping, weight decay, schedules, masks, injected hyperparameters,
+one of several optimizers) and chunk sizes, then runs two jitted steps of
+plain optax and of the offloaded pipeline in each tier and compute mode: the
+updates of each step and the final state must be the same bits. The tree size
+is bounded by the profile (`conftest.py`): a dozen leaves by default, up to
+200 in the long profile.
+"""
+
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from conftest import assert_trees_equal, long_profile
+from hypothesis import assume, event, given
+from hypothesis import strategies as st
+
+import offlax
+
+DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16, "i32": jnp.int32}
+
+SHAPES = st.one_of(
+  st.just(()),
+  st.tuples(st.integers(0, 24)),
+  st.tuples(st.integers(0, 6), st.integers(1, 9)),
+  st.tuples(st.integers(1, 3), st.integers(0, 4), st.integers(1, 5)),
+)
+
+
+@st.composite
+def leaves(draw):
+  shape = draw(SHAPES)
+  dtype = DTYPES[draw(st.sampled_from(sorted(DTYPES)))]
+  rng = np.random.default_rng(draw(st.integers(0, 2**16)))
+  if dtype == jnp.int32:
+    return jnp.asarray(rng.integers(-5, 5, shape), dtype)
+  return jnp.asarray(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
+
+
+KEYS = st.text("abcxyz_0123", min_size=1, max_size=6)
+
+
+@st.composite
+def pytrees(draw):
+  n = 200 if long_profile() else 12
+  tree = draw(
+    st.recursive(
+      leaves(),
+      # Containers hold at least one child; an empty dict (a module without
+      # params) may be one of them.
+      lambda children: st.one_of(
+        st.dictionaries(KEYS, children | st.just({}), min_size=1, max_size=4),
+        st.lists(children, min_size=1, max_size=3),
+        st.lists(children, min_size=1, max_size=3).map(tuple),
+      ),
+      max_leaves=n,
+    )
+  )
+  assume(jax.tree.leaves(tree))
+  return tree
+
+
+def grads(params, step):
+  """Deterministic gradients of each step; int leaves get zeros, as optax expects."""
+
+  def g(x):
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      return jnp.zeros_like(x)
+    return jnp.sin(x.astype(jnp.float32) * (step + 1) + 0.3).astype(x.dtype)
+
+  return jax.tree.map(g, params)
+
+
+def learning_rates():
+  return st.sampled_from(
+    [
+      ("1e-3", lambda: 1e-3),
+      ("warmup_cosine", lambda: optax.warmup_cosine_decay_schedule(0.0, 1e-2, 2, 10)),
+      ("exponential", lambda: optax.exponential_decay(1e-2, 1, 0.5)),
+      ("piecewise", lambda: optax.piecewise_constant_schedule(1e-2, {1: 0.1})),
+    ]
+  )
+
+
+# name -> (offloaded inner, plain reference): offlax.adam must be optax.adam, bit for bit.
+OPTIMIZERS = {
+  "adam": lambda lr: (optax.adam(lr), optax.adam(lr)),
+  "nadam": lambda lr: (optax.adam(lr, nesterov=True), optax.adam(lr, nesterov=True)),
+  "adamw": lambda lr: (optax.adamw(lr, weight_decay=0.1), optax.adamw(lr, weight_decay=0.1)),
+  "offlax.adam": lambda lr: (offlax.adam(lr), optax.adam(lr)),
+  "offlax.adamw": lambda lr: (offlax.adamw(lr), optax.adamw(lr)),
+  "sgd": lambda lr: (optax.sgd(lr), optax.sgd(lr)),
+  "sgd_nesterov": lambda lr: (
+    optax.sgd(lr, momentum=0.9, nesterov=True),
+    optax.sgd(lr, momentum=0.9, nesterov=True),
+  ),
+  "lion": lambda lr: (optax.lion(lr), optax.lion(lr)),
+  "rmsprop": lambda lr: (optax.rmsprop(lr, momentum=0.5), optax.rmsprop(lr, momentum=0.5)),
+  "adagrad": lambda lr: (optax.adagrad(lr), optax.adagrad(lr)),
+  "adafactor": lambda lr: (optax.adafactor(lr), optax.adafactor(lr)),
+  "lamb": lambda lr: (optax.lamb(lr), optax.lamb(lr)),
+  "adabelief": lambda lr: (optax.adabelief(lr), optax.adabelief(lr)),
+}
+
+
+def _float_labels(tree):
+  return jax.tree.map(lambda x: "float" if jnp.issubdtype(x.dtype, jnp.floating) else "int", tree)
+
+
+@st.composite
+def pipelines(draw, params):
+  """(description, offloaded inner, plain reference) for `params`."""
+  lr_name, lr = draw(learning_rates())
+  name = draw(st.sampled_from(sorted(OPTIMIZERS)))
+  inject = draw(st.booleans()) and name in ("adam", "sgd", "lion")
+  if inject:  # hyperparameters in the state: scalar state leaves the tier keeps on device
+    make = {"adam": optax.adam, "sgd": optax.sgd, "lion": optax.lion}[name]
+    pair = [optax.inject_hyperparams(make)(learning_rate=lr()) for _ in range(2)]
+  else:
+    pair = list(OPTIMIZERS[name](lr()))
+  floats = jax.tree.map(lambda x: bool(jnp.issubdtype(x.dtype, jnp.floating)), params)
+  mask = jax.tree.map(lambda f: f and draw(st.booleans()), floats)
+  before = draw(
+    st.lists(
+      st.sampled_from(["clip_global", "clip_value", "decay_masked", "masked_scale"]), max_size=2
+    )  # fmt: skip
+  )
+  finite = draw(st.booleans())
+  parts = [name + ("(injected)" if inject else ""), f"lr={lr_name}", *before]
+
+  def build(opt):
+    chain = []
+    for b in before:
+      chain.append(
+        {
+          "clip_global": lambda: optax.clip_by_global_norm(0.5),
+          "clip_value": lambda: optax.clip(0.3),
+          "decay_masked": lambda: optax.add_decayed_weights(0.05, mask=mask),
+          "masked_scale": lambda: optax.masked(optax.scale(0.5), mask),
+        }[b]()
+      )
+    tx = optax.chain(*chain, opt)
+    if finite:  # a global counter coupled to every leaf: the whole state is one slice
+      tx = optax.apply_if_finite(tx, 2)
+    # Int leaves (step counters, token ids in real models) get no update.
+    return optax.multi_transform({"float": tx, "int": optax.set_to_zero()}, _float_labels)
+
+  if finite:
+    parts.append("apply_if_finite")
+  return " + ".join(parts), build(pair[0]), build(pair[1])
+
+
+def run(tx, params, steps=2):
+  """Per-step updates and the final state of `steps` jitted steps."""
+  state = tx.init(params)
+
+  @jax.jit
+  def step(params, state, g):
+    updates, state = tx.update(g, state, params)
+    return optax.apply_updates(params, updates), state, updates
+
+  history = []
+  for i in range(steps):
+    params, state, updates = step(params, state, grads(params, i))
+    history.append(updates)
+  return history, state
+
+
+CHUNKS = st.one_of(st.sampled_from([2**40, 64, 1024]), st.integers(16, 3000))
+
+
+@given(data=st.data())
+def test_offload_equals_optax_in_every_tier(data):
+  params = data.draw(pytrees(), "params")
+  what, inner, reference = data.draw(pipelines(params), "pipeline")
+  try:
+    want_updates, want_state = run(reference, params)
+  except Exception as e:  # optax itself refuses some pipelines for some trees
+    event(f"optax refused: {type(e).__name__}")
+    assume(False)
+  chunk = data.draw(CHUNKS, "chunk_bytes")
+  n = len(jax.tree.leaves(params))
+  event(f"leaves: {'1' if n == 1 else '2-9' if n < 10 else '10-49' if n < 50 else '50-200'}")
+  event(f"optimizer: {what.split(' + ')[0]}")
+  for x in jax.tree.leaves(params):
+    event(f"leaf: {x.dtype}" + (", scalar" if x.ndim == 0 else ", 0-size" if x.size == 0 else ""))
+  tiers = {
+    "host/device": offlax.HostTier(chunk_bytes=chunk),
+    "host/host": offlax.HostTier(compute="host"),
+  }
+  for mode, tier in tiers.items():
+    got_updates, got_state = run(offlax.offload(inner, tier), params)
+    for i, (got, want) in enumerate(zip(got_updates, want_updates, strict=True)):
+      _same(got, want, f"{mode}, {what}, chunk {chunk}: updates of step {i}")
+    _same(got_state.inner_state, want_state, f"{mode}, {what}, chunk {chunk}: state")
+
+  cache = data.draw(st.sampled_from([0, 64, 2**20]), "cache_bytes")
+  with tempfile.TemporaryDirectory() as path:
+    tier = offlax.NVMeTier(path, chunk_bytes=chunk, cache_bytes=cache, progress=False, fsync=False)
+    got_updates, got_state = run(offlax.offload(inner, tier), params)
+    stored = tier.read_state(got_state)
+    tier.close()
+  where = f"nvme, {what}, chunk {chunk}, cache {cache}"
+  for i, (got, want) in enumerate(zip(got_updates, want_updates, strict=True)):
+    _same(got, want, f"{where}: updates of step {i}")
+  _same(stored, want_state, f"{where}: state")
+
+
+def _same(got, want, where):
+  try:
+    assert_trees_equal(got, want)
+  except AssertionError as e:
+    raise AssertionError(f"{where}: {e}") from None
