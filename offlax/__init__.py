@@ -18,6 +18,7 @@ from offlax._src.errors import (
   StoreExistsError,
   StoreLockedError,
   StoreMismatchError,
+  TransformationTypeError,
   TreeMismatchError,
 )
 from offlax._src.host_adam import adam, adamw
@@ -50,6 +51,7 @@ __all__ = [
   "StoreExistsError",
   "StoreLockedError",
   "StoreMismatchError",
+  "TransformationTypeError",
   "TreeMismatchError",
   "abstract_state",
   "adam",

@@ -47,6 +47,7 @@ def abstract_state(
     >>> state.inner_state[0].mu["w"].sharding.memory_kind
     'pinned_host'
   """
+  errors.check_transformation(inner, "abstract_state: inner")
   tier = HostTier() if tier is None else tier
   if not isinstance(tier, HostTier):
     raise errors.InvalidTierError(
@@ -135,6 +136,7 @@ def retier(
     >>> state.inner_state[0].mu["w"].sharding.memory_kind
     'pinned_host'
   """
+  errors.check_transformation(inner, "retier: inner")
   params = flax_glue.unbox(params)
   spec = _spec_of(params, "params")
   inner = optax.with_extra_args_support(inner)

@@ -47,3 +47,19 @@ class StoreMismatchError(TreeMismatchError):
 
 class StaleStateError(OffloadError, RuntimeError):
   """An NVMe-tier state older than the store's last commit was updated."""
+
+
+class TransformationTypeError(OffloadError, TypeError):
+  """An argument that must be an optax GradientTransformation is not one."""
+
+
+def check_transformation(tx: object, where: str) -> None:
+  """Raises `TransformationTypeError` unless `tx` has optax's `init` and `update`.
+
+  Duck-typed, as optax is: any object with callable `init` and `update` passes.
+  """
+  if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
+    hint = " (call it: optax.adam(1e-3), not optax.adam)" if callable(tx) else ""
+    raise TransformationTypeError(
+      f"{where} must be an optax GradientTransformation, got {type(tx).__name__} {tx!r:.60}{hint}."
+    )
