@@ -153,21 +153,27 @@ class Store:
         meta = json.load(f)
     except (OSError, ValueError) as e:
       raise errors.StoreCorruptedError(f"cannot read {name}: {e}") from e
+    if not isinstance(meta, dict):
+      raise errors.StoreCorruptedError(f"{name} is malformed: not a JSON object.")
     version = meta.get("format_version")
     if not isinstance(version, int) or version > FORMAT_VERSION:
       raise errors.StoreCorruptedError(
         f"{name} has format_version {version!r}; this offlax reads versions <= {FORMAT_VERSION}."
       )
     try:
-      self.records = [
+      records = [
         LeafRecord(r["index"], r["path"], tuple(r["shape"]), r["dtype"], r["chunk"], r["hot"])
         for r in meta["leaves"]
       ]
-      self.step, self.generation = int(meta["step"]), int(meta["generation"])
-      self.chunk_bytes = int(meta["chunk_bytes"])
-      self.structure = str(meta.get("state_structure", ""))
+      step, generation, chunk_bytes = meta["step"], meta["generation"], meta["chunk_bytes"]
+      problem = _metadata_problem(records, step, generation, chunk_bytes)
     except (KeyError, TypeError, ValueError) as e:
-      raise errors.StoreCorruptedError(f"{name} is malformed: {e!r}") from e
+      problem = repr(e)
+    if problem:
+      raise errors.StoreCorruptedError(f"{name} is malformed: {problem}.")
+    self.records, self.step, self.generation = records, step, generation
+    self.chunk_bytes = chunk_bytes
+    self.structure = str(meta.get("state_structure", ""))
     return meta
 
   def create(self, records: Sequence[LeafRecord], structure: str, chunk_bytes: int) -> None:
@@ -178,6 +184,10 @@ class Store:
     for gen in (0, 1):
       for r in self.records:
         self.open_array(r, gen, create=True)
+        # Owner-only, like the chunk files: tensorstore creates with the umask.
+        _chmod(self._array_path(r.index, gen), 0o700, r)
+        _chmod(os.path.join(self._array_path(r.index, gen), "zarr.json"), 0o600, r)
+      _chmod(os.path.join(self.path, f"gen{gen}"), 0o700)
 
   # -- arrays ----------------------------------------------------------------
 
@@ -393,6 +403,43 @@ class Store:
     self.step, self.generation = step, 1 - self.generation
 
 
+def _chmod(name: str, mode: int, r: LeafRecord | None = None) -> None:
+  try:
+    os.chmod(name, mode, follow_symlinks=False)
+  except OSError as e:
+    leaf = "" if r is None else f" (state leaf {r.path})"
+    raise errors.StoreError(f"I/O error on {name}{leaf}: {e}") from e
+
+
+def _metadata_problem(records, step, generation, chunk_bytes) -> str | None:
+  """What makes these fields of `offlax.json` impossible, or None.
+
+  Checked before any is used: `generation` and `index` name directories, and a
+  wrong one would send the step's writes elsewhere.
+  """
+
+  def nat(x, low=0):
+    return type(x) is int and x >= low  # not `isinstance`: True is no step
+
+  if not nat(step) or generation not in (0, 1) or type(generation) is not int:
+    return f"step {step!r}, generation {generation!r}"
+  if not nat(chunk_bytes, 1):
+    return f"chunk_bytes {chunk_bytes!r}"
+  for position, r in enumerate(records):
+    dtype = jnp.dtype(r.dtype)  # TypeError for names that are no dtype
+    if (
+      r.index != position
+      or not nat(r.index)
+      or not isinstance(r.path, str)
+      or not all(nat(d) for d in r.shape)
+      or not (jnp.issubdtype(dtype, jnp.number) or dtype == np.bool_)
+      or not nat(r.chunk)  # 0 for a 0-size item
+      or type(r.hot) is not bool
+    ):
+      return f"leaf record {position} is {dataclasses.asdict(r)}"
+  return None
+
+
 def _write_metadata(directory: str, meta: dict, *, fsync: bool) -> None:
   """Replaces `offlax.json` atomically: write, fsync, rename, fsync the directory."""
   name = os.path.join(directory, _METADATA)
@@ -415,9 +462,9 @@ def _write_metadata(directory: str, meta: dict, *, fsync: bool) -> None:
 def copy_store(src: str, dest: str, *, progress: bool = True) -> int:
   """Copies the committed step of the store at `src` into a new store at `dest`.
 
-  File by file in the kernel (`shutil.copyfile`: no state in this process's
-  RAM): the committed generation's arrays, the other generation's array
-  metadata, then `offlax.json` last and atomically, after a flush of `dest`,
+  File by file in the kernel (`sendfile`, into owner-only files: no state in
+  this process's RAM): the committed generation's arrays, the other
+  generation's array metadata, then `offlax.json` last and atomically, after a flush of `dest`,
   so a crash leaves no store at `dest` rather than a torn one. The caller
   keeps `src` from changing (holds its lock, between steps). Returns the step.
   """
@@ -428,20 +475,37 @@ def copy_store(src: str, dest: str, *, progress: bool = True) -> int:
   gen = store.generation
   try:
     os.makedirs(dest, mode=0o700, exist_ok=True)
+    for g in (0, 1):
+      os.makedirs(os.path.join(dest, f"gen{g}"), mode=0o700, exist_ok=True)
     for r in _progress(store.records, progress, f"offlax: copying {src} -> {dest}"):
       for g in (gen, 1 - gen):
         source = store._array_path(r.index, g)
         target = os.path.join(dest, os.path.relpath(source, store.path))
         if g == gen:
-          shutil.copytree(source, target, copy_function=shutil.copyfile)
+          shutil.copytree(source, target, copy_function=_copy_private)
         else:  # only the array's metadata: its chunks belong to no committed step
           os.makedirs(target, mode=0o700)
-          shutil.copyfile(os.path.join(source, "zarr.json"), os.path.join(target, "zarr.json"))
+          _copy_private(os.path.join(source, "zarr.json"), os.path.join(target, "zarr.json"))
     _syncfs(dest)
     _write_metadata(dest, meta, fsync=True)
   except OSError as e:
     raise errors.StoreError(f"cannot copy the store {src} to {dest}: {e}") from e
   return store.step
+
+
+def _copy_private(src: str, dst: str) -> None:
+  """Copies a file in the kernel (`sendfile`, as `shutil.copyfile`) into a new owner-only file."""
+  with open(src, "rb") as f:
+    fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+      offset, size = 0, os.fstat(f.fileno()).st_size
+      while offset < size:
+        n = os.sendfile(fd, f.fileno(), offset, size - offset)
+        if n == 0:
+          raise OSError(f"{src} ended after {offset} of {size} bytes")
+        offset += n
+    finally:
+      os.close(fd)
 
 
 class NVMeTier:
@@ -496,6 +560,9 @@ class NVMeTier:
     for name, value, low in (("cache_bytes", cache_bytes, 0), ("readahead", readahead, 1)):
       if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
         raise errors.InvalidTierError(f"NVMeTier.{name} must be an int >= {low}, got {value!r}.")
+    for name, flag in (("resume", resume), ("fsync", fsync), ("progress", progress)):
+      if not isinstance(flag, (bool, np.bool_)):  # "no" would be true
+        raise errors.InvalidTierError(f"NVMeTier.{name} must be a bool, got {flag!r}.")
     if not isinstance(path, (str, os.PathLike)) or not str(path):
       raise errors.InvalidTierError(f"NVMeTier.path must be a directory path, got {path!r}.")
     self.host = HostTier(chunk_bytes=_DEFAULT_CHUNK if chunk_bytes is None else chunk_bytes)
@@ -503,10 +570,10 @@ class NVMeTier:
     self.path = os.fspath(path)
     self.cache_bytes = int(cache_bytes)
     self._chunk_bytes_given = chunk_bytes is not None
-    self.resume = resume
-    self.progress = progress
+    self.resume = bool(resume)
+    self.progress = bool(progress)
     self.readahead = int(readahead)
-    self.store = Store(self.path, fsync=fsync)
+    self.store = Store(self.path, fsync=bool(fsync))
 
   @property
   def chunk_bytes(self) -> int:
