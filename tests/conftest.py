@@ -28,6 +28,7 @@ os.environ.setdefault("OFFLAX_CACHE_DIR", tempfile.mkdtemp(prefix="offlax-test-c
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+import optax  # noqa: E402
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
@@ -99,6 +100,20 @@ def assert_trees_equal(a, b):
       f"leaf {jax.tree_util.keystr(path)} differs: max |diff| "
       f"{np.max(np.abs(x.astype(np.float64) - y.astype(np.float64)))}"
     )
+
+
+def run_steps(tx, params, steps=3):
+  """Runs `steps` jitted steps; returns params, state and the last updates."""
+  state = tx.init(params)
+
+  @jax.jit
+  def step(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, updates
+
+  for i in range(steps):
+    params, state, updates = step(params, state, grads_like(params, i))
+  return params, state, updates
 
 
 @pytest.fixture
