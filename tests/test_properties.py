@@ -6,7 +6,7 @@ pipeline (clipping, weight decay, schedules, masks, injected hyperparameters,
 one of several optimizers) and chunk sizes, then runs two jitted steps of
 plain optax and of the offloaded pipeline in each tier and compute mode: the
 params after both steps, the last updates and the state must be the same bits. The tree size
-is bounded by the profile (`conftest.py`): a dozen leaves by default, up to
+is bounded by the profile (`conftest.py`): 8 leaves by default, up to
 200 in the long profile.
 """
 
@@ -47,21 +47,31 @@ KEYS = st.text("abcxyz_0123", min_size=1, max_size=6)
 
 @st.composite
 def pytrees(draw):
-  n = 200 if long_profile() else 12
-  tree = draw(
-    st.recursive(
-      leaves(),
-      # Containers hold at least one child; an empty dict (a module without
-      # params) may be one of them.
-      lambda children: st.one_of(
-        st.dictionaries(KEYS, children | st.just({}), min_size=1, max_size=4),
-        st.lists(children, min_size=1, max_size=3),
-        st.lists(children, min_size=1, max_size=3).map(tuple),
-      ),
-      max_leaves=n,
-    )
-  )
-  assume(jax.tree.leaves(tree))
+  """A tree of 1 to 8 leaves (200 in the long profile), nested up to 4 deep."""
+  n = draw(st.integers(1, 200 if long_profile() else 8))
+  return _nest(draw, [draw(leaves()) for _ in range(n)], 0)
+
+
+def _nest(draw, xs, depth):
+  if len(xs) == 1 and (depth >= 4 or draw(st.booleans())):
+    return xs[0]  # the whole tree may be a bare leaf
+  # Cut the leaves into groups, one child each; at the bottom, one leaf each.
+  if depth >= 4:
+    k, cuts = len(xs), list(range(1, len(xs)))
+  else:
+    k = draw(st.integers(1, min(4, len(xs))))
+    cuts = [] if k == 1 else sorted(draw(st.sets(st.integers(1, len(xs) - 1), min_size=k - 1,
+                                                 max_size=k - 1)))  # fmt: skip
+  children = [
+    _nest(draw, xs[a:b], depth + 1) for a, b in zip([0, *cuts], [*cuts, len(xs)], strict=True)
+  ]
+  kind = draw(st.sampled_from(["dict", "list", "tuple"]))
+  if kind != "dict":
+    return children if kind == "list" else tuple(children)
+  keys = draw(st.lists(KEYS, min_size=k, max_size=k, unique=True))
+  tree = dict(zip(keys, children, strict=True))
+  if draw(st.booleans()):
+    tree["no_params"] = {}  # a module without params (not a key KEYS can draw)
   return tree
 
 
