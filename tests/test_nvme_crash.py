@@ -27,6 +27,7 @@ from offlax._src.layout import StateLayout
 from offlax._src.nvme_tier import Store
 from offlax._src.transform import _spec_of
 
+KEEP = 3  # the children's orbax max_to_keep
 SHAPES = {"emb": (512, 64), "w1": (64, 256), "b1": (256,), "w2": (256, 64), "scale": ()}
 
 CHILD = textwrap.dedent(
@@ -46,7 +47,7 @@ CHILD = textwrap.dedent(
   if {checkpoints!r}:  # an orbax checkpoint of the store after every step
     import orbax.checkpoint as ocp
     mngr = ocp.CheckpointManager({checkpoints!r}, options=ocp.CheckpointManagerOptions(
-      max_to_keep=3, enable_async_checkpointing=True))
+      max_to_keep={keep}, enable_async_checkpointing=True))
   start = int(state.step)
   for i in range(start, start + 1000):
     updates, state = step(params, state, grads(i))
@@ -101,12 +102,16 @@ def run_trials(path, trials: int, seed: int, checkpoints=None) -> dict:
   rng = np.random.default_rng(seed)
   figures = {"trials": trials, "committed_steps": [], "lost_or_torn": 0}
   if checkpoints is not None:
-    figures.update(killed_mid_checkpoint=0, checkpoints_restored=0)
+    figures.update(killed_mid_checkpoint=0, checkpoints_restored=0, half_deleted_refused=0)
   for _ in range(trials):
     resume = os.path.exists(os.path.join(path, "offlax.json"))
     unfinished = _unfinished(checkpoints)
     script = CHILD.format(
-      shapes=SHAPES, path=str(path), resume=resume, checkpoints=checkpoints and str(checkpoints)
+      shapes=SHAPES,
+      path=str(path),
+      resume=resume,
+      checkpoints=checkpoints and str(checkpoints),
+      keep=KEEP,
     )
     child = subprocess.Popen(
       [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -124,7 +129,9 @@ def run_trials(path, trials: int, seed: int, checkpoints=None) -> dict:
     if checkpoints is not None:
       if _unfinished(checkpoints) - unfinished:
         figures["killed_mid_checkpoint"] += 1
-      figures["checkpoints_restored"] += _check_checkpoints(checkpoints, path, reference)
+      restored, refused = _check_checkpoints(checkpoints, path, reference)
+      figures["checkpoints_restored"] += restored
+      figures["half_deleted_refused"] += refused
   return figures
 
 
@@ -135,25 +142,37 @@ def _unfinished(directory) -> set[str]:
   return {name for name in os.listdir(directory) if "tmp" in name}
 
 
-def _check_checkpoints(directory, path, reference) -> int:
-  """Restores every finished checkpoint; each must be its step's state. Returns how many."""
+def _check_checkpoints(directory, path, reference) -> tuple[int, int]:
+  """Restores every checkpoint orbax lists; each must be its step's state.
+
+  Returns (restored, refused). Orbax deletes the checkpoints beyond
+  `max_to_keep` with `rmtree`, oldest first and not atomically: a kill during
+  it leaves a half-deleted step that orbax still lists. offlax must refuse
+  such a one with its error (a file missing from the copy, or a chunk missing
+  when read), never restore it; it may only be one of those being deleted.
+  """
   import orbax.checkpoint as ocp
 
   import offlax
 
   restored_path = f"{path}-restored"
+  refused = 0
   with ocp.CheckpointManager(directory) as mngr:
-    steps = mngr.all_steps()
+    steps = sorted(mngr.all_steps())
     for label in steps:
       shutil.rmtree(restored_path, ignore_errors=True)
       args = ocp.args.Composite(opt=offlax.NVMeStoreRestore(restored_path, progress=False))
-      step = mngr.restore(label, args=args).opt
-      assert step == label, f"checkpoint {label} holds store step {step}"
-      stored, step = _stored(restored_path, reference(0))
-      assert step == label
+      try:
+        step = mngr.restore(label, args=args).opt
+        stored, stored_step = _stored(restored_path, reference(0))
+      except (offlax.StoreError, offlax.StoreCorruptedError) as e:
+        assert label in steps[: len(steps) - KEEP], f"checkpoint {label} of {steps}: {e}"
+        refused += 1
+        continue
+      assert step == stored_step == label, f"checkpoint {label} holds store step {step}"
       assert_trees_equal(stored, reference(label))
   shutil.rmtree(restored_path, ignore_errors=True)
-  return len(steps)
+  return len(steps) - refused, refused
 
 
 def _trials(default: int) -> int:
