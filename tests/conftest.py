@@ -49,8 +49,11 @@ settings.load_profile("default")  # the plugin loads "long" after this when aske
 
 
 def long_profile() -> bool:
-  """Whether this run asked for the long profile (read at test time, not import)."""
-  return settings.get_current_profile_name() == "long"
+  """Whether this run asked for the long profile (read at test time, not import).
+
+  A prefix: `--hypothesis-verbosity` loads a copy named "long-with-...-verbosity".
+  """
+  return settings.get_current_profile_name().startswith("long")
 
 
 def model_params(seed: int = 0) -> dict:
