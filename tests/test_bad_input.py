@@ -82,6 +82,16 @@ def test_nvme_tier_options_of_wrong_type(tmp_path, bad):
     offlax.NVMeTier(kw.pop("path"), **kw)
 
 
+def test_checkpoint_arguments_of_wrong_type():
+  with pytest.raises(
+    offlax.InvalidTierError, match="NVMeStoreSave takes an NVMeTier, got HostTier"
+  ):
+    offlax.NVMeStoreSave(offlax.HostTier())
+  for path in (None, "", 3):
+    with pytest.raises(offlax.InvalidTierError, match="NVMeStoreRestore.path"):
+      offlax.NVMeStoreRestore(path)
+
+
 # -- NaN and inf gradients: documented to propagate as in the inner optimizer ----
 
 

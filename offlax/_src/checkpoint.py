@@ -198,6 +198,13 @@ class NVMeStoreSave(ocp.args.CheckpointArgs):
 
   tier: NVMeTier
 
+  def __post_init__(self):
+    if not isinstance(self.tier, NVMeTier):  # orbax would fail later, in its save thread
+      raise errors.InvalidTierError(
+        f"NVMeStoreSave takes an NVMeTier, got {type(self.tier).__name__}; save a host tier's "
+        "state with ocp.args.StandardSave."
+      )
+
 
 @ocp.args.register_with_handler(_NVMeStoreHandler, for_restore=True)
 @dataclasses.dataclass
@@ -214,3 +221,9 @@ class NVMeStoreRestore(ocp.args.CheckpointArgs):
 
   path: str
   progress: bool = True
+
+  def __post_init__(self):
+    if not isinstance(self.path, (str, os.PathLike)) or not str(self.path):
+      raise errors.InvalidTierError(
+        f"NVMeStoreRestore.path must be a directory path, got {self.path!r}."
+      )
