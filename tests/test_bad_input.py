@@ -117,6 +117,30 @@ def test_nan_and_inf_gradients_propagate_like_optax(tmp_path, mode):
     assert_trees_equal(inner_state, want_state)  # NaN moments, or the skipped step's count
 
 
+@pytest.mark.parametrize("cache", [0, 2**20])
+def test_update_that_changes_a_state_dtype(tmp_path, cache):
+  """Found by the property test: optax's state may change dtype; a store's cannot.
+
+  Before, the float32 moments were written into bfloat16 chunks, torn, and committed.
+  """
+  # Mixed dtypes: inject_hyperparams keeps its hyperparameters float32, which
+  # promote lion's bf16 moment.
+  params = {"w": jnp.ones(8, jnp.bfloat16), "b": jnp.ones(4)}
+  inner = optax.inject_hyperparams(optax.lion)(learning_rate=1e-3)
+  _, plain = inner.update(params, inner.init(params), params)
+  assert plain.inner_state[0].mu["w"].dtype == jnp.float32
+  tier = _tier(tmp_path, cache_bytes=cache)
+  tx = offlax.offload(inner, tier)
+  state = tx.init(params)
+  meta = (tmp_path / "offlax.json").read_bytes()
+  with pytest.raises(
+    offlax.StoreMismatchError, match=r"state leaf .*mu\['w'\] as float32.*stores it as bfloat16"
+  ):
+    jax.jit(tx.update)(params, state, params)
+  tier.close()
+  assert (tmp_path / "offlax.json").read_bytes() == meta
+
+
 # -- storage: non-existent, read-only, full -----------------------------------
 
 

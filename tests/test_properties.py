@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from conftest import assert_trees_equal, float_labels, long_profile, run_steps
 from hypothesis import assume, event, given
 from hypothesis import strategies as st
@@ -175,12 +176,23 @@ def test_offload_equals_optax_in_every_tier(data):
     got = run_steps(offlax.offload(inner, tier), params, steps=2)
     _same(got, want, got[1].inner_state, f"{mode}, {what}, chunk {chunk}")
 
+  # Some pipelines change a state leaf's dtype in the update (inject_hyperparams
+  # promotes bf16 moments to f32); a store keeps its dtypes and must refuse them.
+  dtypes = lambda state: jax.tree.map(lambda x: x.dtype, state)  # noqa: E731
+  changes_dtype = dtypes(want[1]) != dtypes(jax.eval_shape(reference.init, params))
+  event(f"nvme: {'refuses a dtype change' if changes_dtype else 'compared'}")
   cache = data.draw(st.sampled_from([0, 64, 2**20]), "cache_bytes")
   with tempfile.TemporaryDirectory() as path:
     tier = offlax.NVMeTier(path, chunk_bytes=chunk, cache_bytes=cache, progress=False, fsync=False)
-    got = run_steps(offlax.offload(inner, tier), params, steps=2)
-    stored = tier.read_state(got[1])
-    tier.close()
+    try:
+      if changes_dtype:
+        with pytest.raises(offlax.StoreMismatchError, match="cannot change a state array's dtype"):
+          run_steps(offlax.offload(inner, tier), params, steps=2)
+        return
+      got = run_steps(offlax.offload(inner, tier), params, steps=2)
+      stored = tier.read_state(got[1])
+    finally:
+      tier.close()  # also when a comparison fails: no I/O may outlive the directory
   _same(got, want, stored, f"nvme, {what}, chunk {chunk}, cache {cache}")
 
 

@@ -983,13 +983,15 @@ class DiskIO:
     ]
     if self.cold[k]:
       ticket = jax.ShapeDtypeStruct((), jnp.int32)
-      cold = [values[n] for n in self.cold[k]]
+      cold = [self._same_dtype(self.keys[k][n][0], values[n]) for n in self.cold[k]]
       self.tickets.append((k, io_callback(functools.partial(self.reader.write, k), ticket, *cold)))
     return out
 
   def finish(self, items):
     items = [self.items[j] if x is None else x for j, x in enumerate(items)]
     hot = [j for j, x in enumerate(items) if not isinstance(x, layout_lib.OnDisk)]
+    for j in hot:
+      self._same_dtype(j, items[j])
     # The write tickets make the commit wait for every write callback.
     commit = functools.partial(self.reader.commit, hot, len(self.tickets))
     tickets = [t for _, t in self.tickets]
@@ -998,6 +1000,22 @@ class DiskIO:
 
   def next_step(self):
     return self.step + 1
+
+  def _same_dtype(self, j: int, x: Any) -> Any:
+    """`x`, the new value of item `j`, if it has the item's stored dtype (checked when traced).
+
+    A store keeps each array's dtype; bytes of another would be written into
+    its chunks, torn, and committed.
+    """
+    r = self.tier.store.records[j]
+    if np.dtype(x.dtype) != np.dtype(r.dtype):
+      raise errors.StoreMismatchError(
+        f"the inner update returns state leaf {r.path} as {np.dtype(x.dtype).name}, but "
+        f"{self.tier.path} stores it as {r.dtype}, as init made it: the NVMe tier cannot change "
+        "a state array's dtype. (optax.inject_hyperparams, for one, promotes low-precision "
+        "moments to float32 with its float32 hyperparameters; give the moments a fixed dtype.)"
+      )
+    return x
 
 
 def _flat_range(item: layout_lib.OnDisk, piece) -> tuple[int, int, tuple[int, ...]]:
