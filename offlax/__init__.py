@@ -20,6 +20,7 @@ from offlax._src.errors import (
   StoreExistsError,
   StoreLockedError,
   StoreMismatchError,
+  TransformationTypeError,
   TreeMismatchError,
 )
 from offlax._src.host_adam import adam, adamw
@@ -59,6 +60,7 @@ __all__ = [
   "StoreLockedError",
   "StoreMismatchError",
   "StoreReport",
+  "TransformationTypeError",
   "TreeMismatchError",
   "abstract_state",
   "adam",

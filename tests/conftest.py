@@ -6,17 +6,19 @@ around it, in two ways: the algebraic simplifier turns `m / broadcast(s)` into
 contracts `a * b + c` into one FMA only where both ops land in the same fusion.
 So the same Adam update of a leaf can differ by an ulp between a program
 holding the whole tree and one holding a slice of it (plain optax jitted on a
-sub-tree shows the same). With the simplifier off and no FMA in the ISA, every
-operation is rounded as written, which is what "the maths is the same" means
-for the bit-for-bit tests; `test_default_flags.py` checks the default
-configuration in a subprocess, with the tolerance stated there.
+sub-tree shows the same). With the simplifier off and no FMA in the ISA (AVX has
+none, FMA comes with AVX2; SSE4.2 has none either, but XLA:CPU then fails to
+link float16 conversions, `__truncsfhf2`), every operation is rounded as
+written, which is what "the maths is the same" means for the bit-for-bit tests;
+`test_default_flags.py` checks the default configuration in a subprocess, with
+the tolerance stated there.
 """
 
 import os
 import tempfile
 
 os.environ["XLA_FLAGS"] = (
-  os.environ.get("XLA_FLAGS", "") + " --xla_disable_hlo_passes=algsimp --xla_cpu_max_isa=SSE4_2"
+  os.environ.get("XLA_FLAGS", "") + " --xla_disable_hlo_passes=algsimp --xla_cpu_max_isa=AVX"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The native Adam kernel is built per test session (a few seconds), never taken
@@ -26,7 +28,32 @@ os.environ.setdefault("OFFLAX_CACHE_DIR", tempfile.mkdtemp(prefix="offlax-test-c
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+import optax  # noqa: E402
 import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+# Hypothesis profiles (`--hypothesis-profile=long`, hypothesis's own pytest option,
+# loads the other). "default" is what CI runs: few examples of small trees, from a
+# fixed seed so CI does not turn red on a new draw; every example jit-compiles a
+# few programs, so its count is what the default run pays. "long" is the deeper
+# run of docs/reliability.md: random seeds, many more examples, trees up to 200
+# leaves, and the crash tests' 50+ trials (see `long_profile`).
+_SLOW_OK = [HealthCheck.too_slow, HealthCheck.data_too_large]
+settings.register_profile(
+  "default", max_examples=10, deadline=None, derandomize=True, suppress_health_check=_SLOW_OK
+)
+settings.register_profile(
+  "long", max_examples=60, deadline=None, derandomize=False, suppress_health_check=_SLOW_OK
+)
+settings.load_profile("default")  # the plugin loads "long" after this when asked
+
+
+def long_profile() -> bool:
+  """Whether this run asked for the long profile (read at test time, not import).
+
+  A prefix: `--hypothesis-verbosity` loads a copy named "long-with-...-verbosity".
+  """
+  return settings.get_current_profile_name().startswith("long")
 
 
 def model_params(seed: int = 0) -> dict:
@@ -76,6 +103,20 @@ def assert_trees_equal(a, b):
       f"leaf {jax.tree_util.keystr(path)} differs: max |diff| "
       f"{np.max(np.abs(x.astype(np.float64) - y.astype(np.float64)))}"
     )
+
+
+def run_steps(tx, params, steps=3):
+  """Runs `steps` jitted steps; returns params, state and the last updates."""
+  state = tx.init(params)
+
+  @jax.jit
+  def step(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, updates
+
+  for i in range(steps):
+    params, state, updates = step(params, state, grads_like(params, i))
+  return params, state, updates
 
 
 @pytest.fixture

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import optax
 import pytest
 from conftest import assert_trees_equal, float_labels, grads_like, model_params
+from conftest import run_steps as run
 
 import offlax
 
@@ -27,20 +28,6 @@ OPTIMIZERS = {
 # One slice holding the whole state; slices of a few KiB, so that small leaves
 # are grouped and the larger ones cut into rows.
 CHUNKS = {"one_slice": 2**40, "streamed": 3000}
-
-
-def run(tx, params, steps=3):
-  """Runs `steps` jitted steps; returns params, state and the last updates."""
-  state = tx.init(params)
-
-  @jax.jit
-  def step(params, state, grads):
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state, updates
-
-  for i in range(steps):
-    params, state, updates = step(params, state, grads_like(params, i))
-  return params, state, updates
 
 
 def with_int_leaves(tx):

@@ -5,9 +5,13 @@ A child process trains with the NVMe tier and is killed at a random moment
 I/O). The store is then read back and must equal, bit for bit, plain optax's
 state after exactly the committed step. The next trial resumes the same store.
 Gradients depend on the step only, so the reference does not need the params.
+The same harness kills children that save an orbax checkpoint of the store
+after every step. A handful of trials run by default, 50 of each kind with
+`--hypothesis-profile=long` (docs/reliability.md has the figures).
 """
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -17,13 +21,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import pytest
-from conftest import assert_trees_equal
+from conftest import assert_trees_equal, long_profile
 
 from offlax._src.layout import StateLayout
 from offlax._src.nvme_tier import Store
 from offlax._src.transform import _spec_of
 
+KEEP = 3  # the children's orbax max_to_keep
 SHAPES = {"emb": (512, 64), "w1": (64, 256), "b1": (256,), "w2": (256, 64), "scale": ()}
 
 CHILD = textwrap.dedent(
@@ -39,9 +43,18 @@ CHILD = textwrap.dedent(
   tx = offlax.offload(optax.adamw(1e-3), tier)
   state = tx.init(params)
   step = jax.jit(lambda p, s, g: tx.update(g, s, p))
+  mngr = None
+  if {checkpoints!r}:  # an orbax checkpoint of the store after every step
+    import orbax.checkpoint as ocp
+    mngr = ocp.CheckpointManager({checkpoints!r}, options=ocp.CheckpointManagerOptions(
+      max_to_keep={keep}, enable_async_checkpointing=True))
   start = int(state.step)
   for i in range(start, start + 1000):
     updates, state = step(params, state, grads(i))
+    if mngr is not None:
+      committed = int(state.step)  # waits for the step's commit
+      if committed not in mngr.all_steps():
+        mngr.save(committed, args=ocp.args.Composite(opt=offlax.NVMeStoreSave(tier)))
     if i == start + 1:  # the second call compiles again (committed scalars)
       jax.block_until_ready(state)
       print("ready", start, flush=True)  # compiled: kills now land in steps
@@ -66,22 +79,42 @@ def _stored(path, like):
   return StateLayout(like, _spec_of(_params(), "params")).merge(values), store.step
 
 
-def run_trials(path, trials: int, seed: int) -> dict:
+def run_trials(path, trials: int, seed: int, checkpoints=None) -> dict:
+  """Kills `trials` training children at random points; checks the store after each.
+
+  With `checkpoints` (a directory), each child also saves an orbax checkpoint
+  of the store after every step, so kills land in checkpoint writes too; each
+  checkpoint orbax lists after the kill is restored and must hold exactly the
+  state of the step it is labelled with.
+  """
   inner = optax.adamw(1e-3)
   params = _params()
   # Gradients are computed eagerly here as in the child: inside this jit XLA would
   # constant-fold `sin` with its own evaluator, a different rounding.
   update = jax.jit(lambda s, g: inner.update(g, s, params)[1])
   references = [inner.init(params)]
+
+  def reference(step):
+    while len(references) <= step:
+      references.append(update(references[-1], _grads(len(references) - 1)))
+    return references[step]
+
   rng = np.random.default_rng(seed)
-  steps_seen = []
+  figures = {"trials": trials, "committed_steps": [], "lost_or_torn": 0}
+  if checkpoints is not None:
+    figures.update(killed_mid_checkpoint=0, checkpoints_restored=0, half_deleted_refused=0)
   for _ in range(trials):
     resume = os.path.exists(os.path.join(path, "offlax.json"))
+    unfinished = _unfinished(checkpoints)
+    script = CHILD.format(
+      shapes=SHAPES,
+      path=str(path),
+      resume=resume,
+      checkpoints=checkpoints and str(checkpoints),
+      keep=KEEP,
+    )
     child = subprocess.Popen(
-      [sys.executable, "-c", CHILD.format(shapes=SHAPES, path=str(path), resume=resume)],
-      stdout=subprocess.PIPE,
-      stderr=subprocess.PIPE,
-      text=True,
+      [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     try:
       line = child.stdout.readline()
@@ -91,21 +124,73 @@ def run_trials(path, trials: int, seed: int) -> dict:
       child.kill()
       child.wait(timeout=60)
     stored, step = _stored(path, references[0])
-    while len(references) <= step:
-      references.append(update(references[-1], _grads(len(references) - 1)))
-    assert_trees_equal(stored, references[step])
-    steps_seen.append(step)
-  return {"trials": trials, "committed_steps": steps_seen, "lost_or_torn": 0}
+    assert_trees_equal(stored, reference(step))
+    figures["committed_steps"].append(step)
+    if checkpoints is not None:
+      if _unfinished(checkpoints) - unfinished:
+        figures["killed_mid_checkpoint"] += 1
+      restored, refused = _check_checkpoints(checkpoints, path, reference)
+      figures["checkpoints_restored"] += restored
+      figures["half_deleted_refused"] += refused
+  return figures
+
+
+def _unfinished(directory) -> set[str]:
+  """Orbax's temporary checkpoint directories (renamed when a save is done)."""
+  if directory is None or not os.path.isdir(directory):
+    return set()
+  return {name for name in os.listdir(directory) if "tmp" in name}
+
+
+def _check_checkpoints(directory, path, reference) -> tuple[int, int]:
+  """Restores every checkpoint orbax lists; each must be its step's state.
+
+  Returns (restored, refused). Orbax deletes the checkpoints beyond
+  `max_to_keep` with `rmtree`, oldest first and not atomically: a kill during
+  it leaves a half-deleted step that orbax still lists. offlax must refuse
+  such a one with its error (a file missing from the copy, or a chunk missing
+  when read), never restore it; it may only be one of those being deleted.
+  """
+  import orbax.checkpoint as ocp
+
+  import offlax
+
+  restored_path = f"{path}-restored"
+  refused = 0
+  with ocp.CheckpointManager(directory) as mngr:
+    steps = sorted(mngr.all_steps())
+    for label in steps:
+      shutil.rmtree(restored_path, ignore_errors=True)
+      args = ocp.args.Composite(opt=offlax.NVMeStoreRestore(restored_path, progress=False))
+      try:
+        step = mngr.restore(label, args=args).opt
+        stored, stored_step = _stored(restored_path, reference(0))
+      except (offlax.StoreError, offlax.StoreCorruptedError) as e:
+        assert label in steps[: len(steps) - KEEP], f"checkpoint {label} of {steps}: {e}"
+        refused += 1
+        continue
+      assert step == stored_step == label, f"checkpoint {label} holds store step {step}"
+      assert_trees_equal(stored, reference(label))
+  shutil.rmtree(restored_path, ignore_errors=True)
+  return len(steps) - refused, refused
+
+
+def _trials(default: int) -> int:
+  """A handful of trials by default; the long profile's 50 (docs/reliability.md)."""
+  return 50 if long_profile() else default
 
 
 def test_sigkill_keeps_the_last_committed_state(tmp_path):
-  figures = run_trials(tmp_path / "store", trials=4, seed=0)
+  figures = run_trials(tmp_path / "store", trials=_trials(3), seed=0)
+  print(figures)
   steps = figures["committed_steps"]
   # Kills land at random points of the steps that follow compilation (2 per child).
   assert steps[-1] > 2 * len(steps), figures
 
 
-@pytest.mark.slow
-def test_sigkill_many_trials(tmp_path):
-  figures = run_trials(tmp_path / "store", trials=50, seed=1)
+def test_sigkill_during_orbax_checkpoints(tmp_path):
+  figures = run_trials(
+    tmp_path / "store", trials=_trials(2), seed=2, checkpoints=tmp_path / "checkpoints"
+  )
   print(figures)
+  assert figures["checkpoints_restored"] >= figures["trials"], figures

@@ -49,6 +49,7 @@ def abstract_state(
     >>> state.inner_state[0].mu["w"].sharding.memory_kind
     'pinned_host'
   """
+  errors.check_transformation(inner, "abstract_state: inner")
   tier = HostTier() if tier is None else tier
   if not isinstance(tier, HostTier):
     raise errors.InvalidTierError(
@@ -147,6 +148,7 @@ def retier(
     >>> state.inner_state[0].mu["w"].sharding.memory_kind
     'pinned_host'
   """
+  errors.check_transformation(inner, "retier: inner")
   params = flax_glue.unbox(params)
   spec = _spec_of(params, "params")
   inner = optax.with_extra_args_support(inner)
@@ -208,6 +210,13 @@ class NVMeStoreSave(ocp.args.CheckpointArgs):
 
   tier: NVMeTier
 
+  def __post_init__(self):
+    if not isinstance(self.tier, NVMeTier):  # orbax would fail later, in its save thread
+      raise errors.InvalidTierError(
+        f"NVMeStoreSave takes an NVMeTier, got {type(self.tier).__name__}; save a host tier's "
+        "state with ocp.args.StandardSave."
+      )
+
 
 @ocp.args.register_with_handler(_NVMeStoreHandler, for_restore=True)
 @dataclasses.dataclass
@@ -224,3 +233,9 @@ class NVMeStoreRestore(ocp.args.CheckpointArgs):
 
   path: str
   progress: bool = True
+
+  def __post_init__(self):
+    if not isinstance(self.path, (str, os.PathLike)) or not str(self.path):
+      raise errors.InvalidTierError(
+        f"NVMeStoreRestore.path must be a directory path, got {self.path!r}."
+      )

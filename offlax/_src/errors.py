@@ -55,3 +55,19 @@ class StepNotKeptError(OffloadError, LookupError):
 
 class PerformanceWarning(UserWarning):
   """The configuration works but costs speed or memory; the message says what to change."""
+
+
+class TransformationTypeError(OffloadError, TypeError):
+  """An argument that must be an optax GradientTransformation is not one."""
+
+
+def check_transformation(tx: object, where: str) -> None:
+  """Raises `TransformationTypeError` unless `tx` has optax's `init` and `update`.
+
+  Duck-typed, as optax is: any object with callable `init` and `update` passes.
+  """
+  if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
+    hint = " (call it: optax.adam(1e-3), not optax.adam)" if callable(tx) else ""
+    raise TransformationTypeError(
+      f"{where} must be an optax GradientTransformation, got {type(tx).__name__} {tx!r:.60}{hint}."
+    )

@@ -60,6 +60,7 @@ def master_weights(
     >>> state.master["w"]  # ... but the master moved
     Array([0.9999, 0.9999, 0.9999], dtype=float32)
   """
+  errors.check_transformation(inner, "master_weights: inner")
   inner = optax.with_extra_args_support(inner)
   dtype = jnp.dtype(dtype)
   if not jnp.issubdtype(dtype, jnp.floating):

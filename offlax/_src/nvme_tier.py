@@ -168,37 +168,32 @@ class Store:
         meta = json.load(f)
     except (OSError, ValueError) as e:
       raise errors.StoreCorruptedError(f"cannot read {name}: {e}") from e
+    if not isinstance(meta, dict):
+      raise errors.StoreCorruptedError(f"{name} is malformed: not a JSON object.")
     version = meta.get("format_version")
     if not isinstance(version, int) or version > FORMAT_VERSION:
       raise errors.StoreCorruptedError(
         f"{name} has format_version {version!r}; this offlax reads versions <= {FORMAT_VERSION}."
       )
     try:
-      self.records = [
+      records = [
         LeafRecord(r["index"], r["path"], tuple(r["shape"]), r["dtype"], r["chunk"], r["hot"])
         for r in meta["leaves"]
       ]
-      self.step, self.generation = int(meta["step"]), int(meta["generation"])
-      self.chunk_bytes = int(meta["chunk_bytes"])
-      self.structure = str(meta.get("state_structure", ""))
+      step, generation, chunk_bytes = meta["step"], meta["generation"], meta["chunk_bytes"]
       if version < 3:  # two generations, the committed one the only step kept
-        self.generations, self.kept = 2, [(self.step, self.generation)]
+        generations, kept = 2, [[step, generation]]
       else:
-        self.generations = int(meta["generations"])
-        self.kept = [(int(s), int(g)) for s, g in meta["kept"]]
+        generations, kept = meta["generations"], meta["kept"]
+      problem = _metadata_problem(records, step, generation, chunk_bytes, generations, kept)
     except (KeyError, TypeError, ValueError) as e:
-      raise errors.StoreCorruptedError(f"{name} is malformed: {e!r}") from e
-    gens = {g for _, g in self.kept}
-    if (
-      not 0 <= self.generation < self.generations
-      or (self.step, self.generation) not in self.kept
-      or not gens <= set(range(self.generations))
-      or len(gens) != len(self.kept)
-    ):
-      raise errors.StoreCorruptedError(
-        f"{name} is malformed: step {self.step} in generation {self.generation}, kept "
-        f"{self.kept}, {self.generations} generations."
-      )
+      problem = repr(e)
+    if problem:
+      raise errors.StoreCorruptedError(f"{name} is malformed: {problem}.")
+    self.records, self.step, self.generation = records, step, generation
+    self.generations, self.kept = generations, [(s, g) for s, g in kept]
+    self.chunk_bytes = chunk_bytes
+    self.structure = str(meta.get("state_structure", ""))
     return meta
 
   def create(
@@ -212,6 +207,10 @@ class Store:
     for gen in range(generations):
       for r in self.records:
         self.open_array(r, gen, create=True)
+        # Owner-only, like the chunk files: tensorstore creates with the umask.
+        _chmod(self._array_path(r.index, gen), 0o700, r)
+        _chmod(os.path.join(self._array_path(r.index, gen), "zarr.json"), 0o600, r)
+      _chmod(os.path.join(self.path, f"gen{gen}"), 0o700)
 
   # -- arrays ----------------------------------------------------------------
 
@@ -459,6 +458,54 @@ class Store:
     }
 
 
+def _chmod(name: str, mode: int, r: LeafRecord | None = None) -> None:
+  try:
+    os.chmod(name, mode, follow_symlinks=False)
+  except OSError as e:
+    leaf = "" if r is None else f" (state leaf {r.path})"
+    raise errors.StoreError(f"I/O error on {name}{leaf}: {e}") from e
+
+
+def _metadata_problem(records, step, generation, chunk_bytes, generations, kept) -> str | None:
+  """What makes these fields of `offlax.json` impossible, or None.
+
+  Checked before any is used: `generation` and `index` name directories, and a
+  wrong one would send the step's writes elsewhere.
+  """
+
+  def nat(x, low=0):
+    return type(x) is int and x >= low  # not `isinstance`: True is no step
+
+  if not nat(generations, 2):
+    return f"generations {generations!r}"
+  if not nat(step) or not nat(generation) or generation >= generations:
+    return f"step {step!r}, generation {generation!r} of {generations}"
+  pairs = kept if isinstance(kept, list) else None
+  if (
+    pairs is None
+    or not all(isinstance(e, list) and len(e) == 2 and all(nat(x) for x in e) for e in pairs)
+    or [step, generation] not in pairs
+    or len({g for _, g in pairs}) != len(pairs)
+    or any(g >= generations for _, g in pairs)
+  ):
+    return f"kept steps {kept!r} (step {step}, generation {generation} of {generations})"
+  if not nat(chunk_bytes, 1):
+    return f"chunk_bytes {chunk_bytes!r}"
+  for position, r in enumerate(records):
+    dtype = jnp.dtype(r.dtype)  # TypeError for names that are no dtype
+    if (
+      r.index != position
+      or not nat(r.index)
+      or not isinstance(r.path, str)
+      or not all(nat(d) for d in r.shape)
+      or not (jnp.issubdtype(dtype, jnp.number) or dtype == np.bool_)
+      or not nat(r.chunk)  # 0 for a 0-size item
+      or type(r.hot) is not bool
+    ):
+      return f"leaf record {position} is {dataclasses.asdict(r)}"
+  return None
+
+
 def _write_metadata(directory: str, meta: dict, *, fsync: bool) -> None:
   """Replaces `offlax.json` atomically: write, fsync, rename, fsync the directory."""
   name = os.path.join(directory, _METADATA)
@@ -529,12 +576,12 @@ def rollback(path: str | os.PathLike, step: int) -> int:
 def copy_store(src: str, dest: str, *, progress: bool = True) -> int:
   """Copies the committed step of the store at `src` into a new store at `dest`.
 
-  File by file in the kernel (`shutil.copyfile`: no state in this process's
-  RAM): the committed generation's arrays, the other generations' array
-  metadata, then `offlax.json` last and atomically, after a flush of `dest`,
-  so a crash leaves no store at `dest` rather than a torn one. The copy keeps
-  only the committed step. The caller keeps `src` from changing (holds its
-  lock, between steps). Returns the step.
+  File by file in the kernel (`sendfile`, into owner-only files: no state in
+  this process's RAM): the committed generation's arrays, the other
+  generations' array metadata, then `offlax.json` last and atomically, after a
+  flush of `dest`, so a crash leaves no store at `dest` rather than a torn one.
+  The copy keeps only the committed step. The caller keeps `src` from changing
+  (holds its lock, between steps). Returns the step.
   """
   if os.path.exists(os.path.join(dest, _METADATA)):
     raise errors.StoreExistsError(f"{dest} already holds an offlax store; choose another path.")
@@ -543,20 +590,37 @@ def copy_store(src: str, dest: str, *, progress: bool = True) -> int:
   gen = store.generation
   try:
     os.makedirs(dest, mode=0o700, exist_ok=True)
+    for g in range(store.generations):
+      os.makedirs(os.path.join(dest, f"gen{g}"), mode=0o700, exist_ok=True)
     for r in _progress(store.records, progress, f"offlax: copying {src} -> {dest}"):
       for g in range(store.generations):
         source = store._array_path(r.index, g)
         target = os.path.join(dest, os.path.relpath(source, store.path))
         if g == gen:
-          shutil.copytree(source, target, copy_function=shutil.copyfile)
+          shutil.copytree(source, target, copy_function=_copy_private)
         else:  # only the array's metadata: its chunks belong to no step the copy keeps
           os.makedirs(target, mode=0o700)
-          shutil.copyfile(os.path.join(source, "zarr.json"), os.path.join(target, "zarr.json"))
+          _copy_private(os.path.join(source, "zarr.json"), os.path.join(target, "zarr.json"))
     _syncfs(dest)
     _write_metadata(dest, store.metadata(store.step, gen, [(store.step, gen)]), fsync=True)
   except OSError as e:
     raise errors.StoreError(f"cannot copy the store {src} to {dest}: {e}") from e
   return store.step
+
+
+def _copy_private(src: str, dst: str) -> None:
+  """Copies a file in the kernel (`sendfile`, as `shutil.copyfile`) into a new owner-only file."""
+  with open(src, "rb") as f:
+    fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+      offset, size = 0, os.fstat(f.fileno()).st_size
+      while offset < size:
+        n = os.sendfile(fd, f.fileno(), offset, size - offset)
+        if n == 0:
+          raise OSError(f"{src} ended after {offset} of {size} bytes")
+        offset += n
+    finally:
+      os.close(fd)
 
 
 class NVMeTier:
@@ -623,6 +687,9 @@ class NVMeTier:
     ):
       if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
         raise errors.InvalidTierError(f"NVMeTier.{name} must be an int >= {low}, got {value!r}.")
+    for name, flag in (("resume", resume), ("fsync", fsync), ("progress", progress)):
+      if not isinstance(flag, (bool, np.bool_)):  # "no" would be true
+        raise errors.InvalidTierError(f"NVMeTier.{name} must be a bool, got {flag!r}.")
     if not isinstance(path, (str, os.PathLike)) or not str(path):
       raise errors.InvalidTierError(f"NVMeTier.path must be a directory path, got {path!r}.")
     self.host = HostTier(chunk_bytes=DEFAULT_CHUNK if chunk_bytes is None else chunk_bytes)
@@ -630,12 +697,12 @@ class NVMeTier:
     self.path = os.fspath(path)
     self.cache_bytes = int(cache_bytes)
     self._chunk_bytes_given = chunk_bytes is not None
-    self.resume = resume
-    self.progress = progress
+    self.resume = bool(resume)
+    self.progress = bool(progress)
     self.readahead = int(readahead)
     self.keep = keep
     self.telemetry = telemetry_lib.DiskTelemetry(log_every)
-    self.store = Store(self.path, fsync=fsync, telemetry=self.telemetry)
+    self.store = Store(self.path, fsync=bool(fsync), telemetry=self.telemetry)
 
   @property
   def chunk_bytes(self) -> int:
@@ -1058,13 +1125,15 @@ class DiskIO:
     ]
     if self.cold[k]:
       ticket = jax.ShapeDtypeStruct((), jnp.int32)
-      cold = [values[n] for n in self.cold[k]]
+      cold = [self._same_dtype(self.keys[k][n][0], values[n]) for n in self.cold[k]]
       self.tickets.append((k, io_callback(functools.partial(self.reader.write, k), ticket, *cold)))
     return out
 
   def finish(self, items):
     items = [self.items[j] if x is None else x for j, x in enumerate(items)]
     hot = [j for j, x in enumerate(items) if not isinstance(x, layout_lib.OnDisk)]
+    for j in hot:
+      self._same_dtype(j, items[j])
     # The write tickets make the commit wait for every write callback.
     commit = functools.partial(self.reader.commit, hot, len(self.tickets))
     tickets = [t for _, t in self.tickets]
@@ -1073,6 +1142,22 @@ class DiskIO:
 
   def next_step(self):
     return self.step + 1
+
+  def _same_dtype(self, j: int, x: Any) -> Any:
+    """`x`, the new value of item `j`, if it has the item's stored dtype (checked when traced).
+
+    A store keeps each array's dtype; bytes of another would be written into
+    its chunks, torn, and committed.
+    """
+    r = self.tier.store.records[j]
+    if np.dtype(x.dtype) != np.dtype(r.dtype):
+      raise errors.StoreMismatchError(
+        f"the inner update returns state leaf {r.path} as {np.dtype(x.dtype).name}, but "
+        f"{self.tier.path} stores it as {r.dtype}, as init made it: the NVMe tier cannot change "
+        "a state array's dtype. (optax.inject_hyperparams, for one, promotes low-precision "
+        "moments to float32 with its float32 hyperparameters; give the moments a fixed dtype.)"
+      )
+    return x
 
 
 def _flat_range(item: layout_lib.OnDisk, piece) -> tuple[int, int, tuple[int, ...]]:

@@ -137,6 +137,7 @@ def plan(
   for name, value in (("device_bytes", device_bytes), ("host_bytes", host_bytes)):
     if not isinstance(value, (int, np.integer)) or value <= 0:
       raise errors.InvalidTierError(f"plan: {name} must be a positive int, got {value!r}.")
+  errors.check_transformation(tx, "plan: tx")
   params = flax_glue.unbox(params)
   flat_state = jax.tree_util.tree_flatten_with_path(jax.eval_shape(tx.init, params))[0]
   leaves = [(jax.tree_util.keystr(p), _nbytes(x)) for p, x in flat_state if _nbytes(x)]

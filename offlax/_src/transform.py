@@ -72,6 +72,7 @@ def offload(
     >>> updates["w"].shape
     (4, 3)
   """
+  errors.check_transformation(inner, "offload: inner")
   if tier is None:
     tier = HostTier(**tier_options)
   elif tier_options:
