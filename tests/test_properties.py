@@ -162,6 +162,9 @@ def test_offload_equals_optax_in_every_tier(data):
   except Exception as e:  # optax itself refuses some pipelines for some trees
     event(f"optax refused: {type(e).__name__}")
     assume(False)
+  # Known and open: test_inject_hyperparams_with_float16_and_bfloat16 (below).
+  kinds = {x.dtype for x in jax.tree.leaves(params)}
+  assume(not ("injected" in what and {jnp.float16, jnp.bfloat16} <= kinds))
   chunk = data.draw(CHUNKS, "chunk_bytes")
   n = len(jax.tree.leaves(params))
   event(f"leaves: {'1' if n == 1 else '2-9' if n < 10 else '10-49' if n < 50 else '50-200'}")
@@ -204,3 +207,22 @@ def _same(got, want, got_state, where):
       assert_trees_equal(a, b)
     except AssertionError as e:
       raise AssertionError(f"{where}: {name}: {e}") from None
+
+
+@pytest.mark.xfail(strict=True, raises=ValueError, reason="open: see docs/reliability.md")
+def test_inject_hyperparams_with_float16_and_bfloat16():
+  """Found by the long run. inject_hyperparams casts its hyperparameters to the
+  highest float dtype of the params it is given; a slice holding float16 and
+  bfloat16 leaves but no float32 one has none, and optax raises, where the whole
+  tree (float32 among them) works. The coupling analysis follows values, not
+  dtypes, so it does not see that the update depends on the other leaves.
+  """
+  params = {
+    "a": jnp.linspace(0, 1, 64),
+    "b": jnp.linspace(0, 1, 64).astype(jnp.float16),
+    "c": jnp.linspace(0, 1, 64).astype(jnp.bfloat16),
+  }
+  inner = optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)
+  want = run_steps(inner, params, steps=1)
+  got = run_steps(offlax.offload(inner, offlax.HostTier(chunk_bytes=600)), params, steps=1)
+  assert_trees_equal(got[2], want[2])
