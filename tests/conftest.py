@@ -123,6 +123,7 @@ def run_steps(tx, params, steps=3):
 def params():
   return model_params()
 
+
 # Scripts the tests run in subprocesses (8 devices, 2 processes): not test modules,
 # and importing one here would start its run.
 collect_ignore = ["sharded_run.py", "multiprocess_worker.py"]
