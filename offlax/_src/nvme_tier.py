@@ -725,7 +725,10 @@ class NVMeTier:
 
   def close(self) -> None:
     """Waits for steps in flight (`jax.effects_barrier`) and releases the store's lock."""
-    jax.effects_barrier()  # a dispatched step's callbacks have yet to run
+    try:
+      jax.effects_barrier()  # a dispatched step's callbacks have yet to run
+    except jax.errors.JaxRuntimeError:
+      pass  # a failed step's error: its own outputs raise it, not closing the store
     self.store.close()
 
   # -- init ------------------------------------------------------------------
