@@ -14,8 +14,6 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from offlax._src import errors, flax_glue, nvme_tier
-from offlax._src import layout as layout_lib
-from offlax._src import sharding as sharding_lib
 from offlax._src.host_tier import HostTier
 from offlax._src.nvme_tier import NVMeTier
 from offlax._src.transform import OffloadState, _devices_of, _spec_of
@@ -69,9 +67,7 @@ def abstract_state(
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
   if spec.mesh is not None:  # each leaf as `offload(...).init` shards it
-    layout = layout_lib.StateLayout(shapes, spec)
-    items, host = layout.split(shapes), layout.split(placement)
-    mesh_plan = sharding_lib.plan(spec, layout.owners, items, host, tier.shard_axis)
+    layout, items, host, mesh_plan = tier.mesh_plan(shapes, spec, placement)
     targets = [
       sds(x, spec.mesh, mesh_plan.item_specs[j], h)
       for j, (x, h) in enumerate(zip(items, host, strict=True))

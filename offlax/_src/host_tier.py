@@ -166,14 +166,19 @@ class HostTier:
 
     if spec is None or spec.mesh is None:
       return jax.tree.map(lambda x, h: self.to_host(x) if h else back(x), state, placement)
-    layout = layout_lib.StateLayout(state, spec)
-    items, host = layout.split(state), layout.split(placement)
-    mesh_plan = sharding_lib.plan(spec, layout.owners, items, host, self.shard_axis)
+    layout, items, host, mesh_plan = self.mesh_plan(state, spec, placement)
     placed = [
       mesh_plan.put(j, x, self.memory_kind) if h else back(x)
       for j, (x, h) in enumerate(zip(items, host, strict=True))
     ]
     return layout.merge(placed)
+
+  def mesh_plan(self, state: Any, spec: layout_lib.ParamSpec, placement: Any = None):
+    """For params on a mesh: the state's layout, its items, which go to host, their `MeshPlan`."""
+    layout = layout_lib.StateLayout(state, spec)
+    placement = self.placement(state) if placement is None else placement
+    items, host = layout.split(state), layout.split(placement)
+    return layout, items, host, sharding_lib.plan(spec, layout.owners, items, host, self.shard_axis)
 
   def _selects(self, path: str) -> bool:
     if self.select is None:
