@@ -103,6 +103,10 @@ def test_abstract_state_is_placed_like_init():
   assert jax.tree.map(lambda x: (x.shape, x.dtype), abstract) == jax.tree.map(
     lambda x: (x.shape, x.dtype), state
   )
+  # The offload transformation itself stands for its inner transformation and tier.
+  assert offlax.abstract_state(tx, params) == abstract
+  with pytest.raises(offlax.InvalidTierError, match="different tier"):
+    offlax.abstract_state(tx, params, offlax.HostTier())
 
 
 def test_abstract_state_refuses_the_nvme_tier(tmp_path):

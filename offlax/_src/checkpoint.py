@@ -32,9 +32,11 @@ def abstract_state(
   ``inner_state`` is the target for a checkpoint of the plain optimizer.
 
   Args:
-    inner: the offloaded transformation.
+    inner: the offloaded transformation, or the `offload(inner, tier)`
+      transformation itself (then its tier is used).
     params: the params, or their `jax.ShapeDtypeStruct`s.
-    tier: a `HostTier`; None means the default one. The NVMe tier keeps its
+    tier: a `HostTier`; None means the default one (or the one of `inner`
+      if `inner` is an `offload` transformation). The NVMe tier keeps its
       own store, see the README's "Checkpoints".
 
   Returns:
@@ -48,6 +50,14 @@ def abstract_state(
     'pinned_host'
   """
   errors.check_transformation(inner, "abstract_state: inner")
+  wrapped = getattr(inner.init, "offlax_offload", None)
+  if wrapped is not None:
+    if tier is not None and tier is not wrapped[1]:
+      raise errors.InvalidTierError(
+        f"abstract_state got an offload transformation (tier {wrapped[1]!r}) and a different "
+        f"tier {tier!r}; pass either offload(inner, tier), or inner and tier."
+      )
+    inner, tier = wrapped
   tier = HostTier() if tier is None else tier
   if not isinstance(tier, HostTier):
     raise errors.InvalidTierError(

@@ -10,9 +10,12 @@ threads) that reads the gradient and both moments once and writes the moments
 in place: 36 bytes. The update stays in JAX, in optax's expressions, so that
 XLA fuses it into `apply_updates` and rounds it as it rounds optax's program.
 
-On other platforms (a GPU, including the host computation of a GPU program,
-which is lowered for the GPU's platform) and for leaves the kernel does not
-cover, the same arithmetic runs as plain JAX, or optax itself runs. The
+With `native_update=True` the kernel writes the update too (24 bytes): the
+host's share of a step whose update leaves the host (`HostTier(compute="host")`).
+
+On other platforms (a GPU program outside its host computation, which JAX
+lowers for the CPU) and for leaves the kernel does not cover, the same
+arithmetic runs as plain JAX, or optax itself runs. The
 kernel is compiled with the system C++ compiler on first use and cached; if
 that fails, or `OFFLAX_NATIVE=0`, plain JAX runs everywhere, with the same
 results.
@@ -55,6 +58,7 @@ def adam(
   mu_dtype: Any = None,
   *,
   nesterov: bool = False,
+  native_update: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   """`optax.adam`, with the moments updated by one native pass on XLA:CPU.
 
@@ -77,6 +81,13 @@ def adam(
     mu_dtype: dtype of the first moment; anything but None or float32 runs
       `optax.adam` itself.
     nesterov: Nesterov momentum; True runs `optax.adam` itself.
+    native_update: the kernel writes the update too, in the same pass over
+      memory as the moments (24 bytes per parameter instead of 32 for a step
+      whose update is written out). Meant for ``HostTier(compute="host")``,
+      where the update is written out to cross back to the device anyway (the
+      host's share of a ZeRO-Offload step). The moments stay bit-identical to
+      optax's; the update agrees with optax's to 2e-6 relative, since XLA
+      rounds optax's update in a form that depends on the program around it.
 
   Returns:
     A `optax.GradientTransformationExtraArgs` with `optax.adam`'s state.
@@ -92,7 +103,9 @@ def adam(
     True
   """
   reference = optax.adam(learning_rate, b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov)
-  return _fused(reference, learning_rate, (b1, b2, eps, eps_root), None, None, nesterov, mu_dtype)
+  return _fused(
+    reference, learning_rate, (b1, b2, eps, eps_root), None, None, nesterov, mu_dtype, native_update
+  )
 
 
 def adamw(
@@ -106,6 +119,7 @@ def adamw(
   mask: Any = None,
   *,
   nesterov: bool = False,
+  native_update: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   """`optax.adamw`, with the moments updated by one native pass on XLA:CPU.
 
@@ -124,6 +138,7 @@ def adamw(
     weight_decay: decoupled weight decay.
     mask: which leaves are decayed, as in `optax.adamw`.
     nesterov: Nesterov momentum; True runs `optax.adamw` itself.
+    native_update: the kernel writes the update too (see `adam`).
 
   Returns:
     A `optax.GradientTransformationExtraArgs` with `optax.adamw`'s state;
@@ -144,11 +159,18 @@ def adamw(
     learning_rate, b1, b2, eps, eps_root, mu_dtype, weight_decay, mask, nesterov=nesterov
   )
   return _fused(
-    reference, learning_rate, (b1, b2, eps, eps_root), weight_decay, mask, nesterov, mu_dtype
+    reference,
+    learning_rate,
+    (b1, b2, eps, eps_root),
+    weight_decay,
+    mask,
+    nesterov,
+    mu_dtype,
+    native_update,
   )
 
 
-def _fused(reference, learning_rate, betas, weight_decay, mask, nesterov, mu_dtype):
+def _fused(reference, learning_rate, betas, weight_decay, mask, nesterov, mu_dtype, native_update):
   b1, b2, eps, eps_root = betas
   fusable = (
     not nesterov
@@ -187,10 +209,10 @@ def _fused(reference, learning_rate, betas, weight_decay, mask, nesterov, mu_dty
       callable(learning_rate),
       weight_decay if decays else 0.0,
     )
-    vector = hyper.vector()
+    vector = hyper.vector(moments_only=not native_update)
     p_leaves = jax.tree.leaves(params) if decays else [None] * len(leaves)
     out = [
-      _step(g, m, v, p, hyper, vector, d)
+      _step(g, m, v, p, hyper, vector, d, native_update)
       for g, m, v, p, d in zip(
         leaves,
         jax.tree.leaves(adam_state.mu),
@@ -261,27 +283,36 @@ class _Hyper(NamedTuple):
     return jnp.stack([jnp.asarray(x, jnp.float32) for x in values])
 
 
-def _step(g, m, v, p, hyper: _Hyper, vector, decay: bool):
+def _step(g, m, v, p, hyper: _Hyper, vector, decay: bool, native_update: bool):
   """One leaf: moments by the native kernel on XLA:CPU, else by JAX; update by JAX.
 
   The update is left to XLA, in optax's expressions, so that XLA fuses it with
   what consumes it (`optax.apply_updates`: one pass over the params) and
-  rewrites it exactly as it rewrites optax's program.
+  rewrites it exactly as it rewrites optax's program; with `native_update`
+  the kernel writes it too.
   """
 
   def moments(g, m, v, vector):
     return (1 - hyper.b1) * g + hyper.b1 * m, (1 - hyper.b2) * (g * g) + hyper.b2 * v
 
-  if g.size and native_available():
-    moments = functools.partial(jax.lax.platform_dependent, cpu=_native_moments, default=moments)
-  m, v = moments(g, m, v, vector)
-  u = (m / hyper.bc1.astype(m.dtype)) / (
-    jnp.sqrt(v / hyper.bc2.astype(v.dtype) + hyper.eps_root) + hyper.eps
-  )
-  if decay:
-    u = u + hyper.weight_decay * p
-  step_size = jnp.array(hyper.step_size, u.dtype) if hyper.scheduled else hyper.step_size
-  return step_size * u, m, v
+  def whole(g, m, v, p, vector, moments=moments):
+    m, v = moments(g, m, v, vector)
+    u = (m / hyper.bc1.astype(m.dtype)) / (
+      jnp.sqrt(v / hyper.bc2.astype(v.dtype) + hyper.eps_root) + hyper.eps
+    )
+    if decay:
+      u = u + hyper.weight_decay * p
+    step_size = jnp.array(hyper.step_size, u.dtype) if hyper.scheduled else hyper.step_size
+    return step_size * u, m, v
+
+  if not (g.size and native_available()):
+    return whole(g, m, v, p, vector)
+  if native_update:
+    kernel = functools.partial(fused_update, decay=decay)
+    p = vector if p is None else p  # read only with decay; not g, which XLA would copy
+    return jax.lax.platform_dependent(g, m, v, p, vector, cpu=kernel, default=whole)
+  native = functools.partial(jax.lax.platform_dependent, cpu=_native_moments, default=moments)
+  return whole(g, m, v, p, vector, moments=native)
 
 
 def _native_moments(g, m, v, vector):
@@ -294,11 +325,9 @@ def _native_moments(g, m, v, vector):
 def fused_update(g, m, v, p, vector, *, decay: bool):
   """The whole Adam step of one leaf in one native pass: (update, m, v).
 
-  Not used by `adam`: with the update written to memory, `apply_updates` would
-  read it back, where XLA fuses optax's update into it. It is what a host step
-  costs when the update leaves the host (ZeRO-Offload), measured by
-  benchmarks/host_adam.py and tried under a GPU's host computation by
-  benchmarks/gpu_check.py. Call `native_available()` first.
+  What `adam(..., native_update=True)` runs on XLA:CPU, and in a host
+  computation: the host's share of a step whose update leaves the host
+  (ZeRO-Offload). Call `native_available()` first.
   """
   out = jax.ShapeDtypeStruct(g.shape, jnp.float32)
   # In place: the update into the gradient's buffer, the moments into theirs.

@@ -113,6 +113,8 @@ def offload(
     step = _Step(inner, tier, updates, state.inner_state, params, extra_args)
     return step.run(state.spec, state.step)
 
+  # What `abstract_state` reads when it is given this transformation.
+  init_fn.offlax_offload = (inner, tier)  # type: ignore[attr-defined]
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
