@@ -107,6 +107,13 @@ MiB = 2**20
 GiB = 2**30
 LEARNING_RATE = 1e-3
 GOAL_RATIO = 0.8
+# On the CPU backend every step fills fresh buffers XLA allocates (slices read
+# back, the updates): with 4 KiB pages that is a page fault per 4 KiB, a fifth
+# of the step at 1 GB of state. Where transparent huge pages are in "madvise"
+# mode, this glibc tunable (read when a process starts) makes malloc advise
+# them. The tier's processes run with it unless --no-malloc-hugetlb; the
+# "default malloc" run measures the tier without it.
+HUGETLB = "glibc.malloc.hugetlb=1"
 NUM_MATRICES = 32
 MATRIX_COLS = (1024, 4096, 2048, 8192)
 NUM_VECTORS = 8
@@ -471,6 +478,7 @@ def child_main(args: argparse.Namespace) -> dict[str, Any]:
   import offlax
 
   out: dict[str, Any] = {"mode": args.child, "fsync": bool(args.fsync), "pid": os.getpid()}
+  out["glibc_tunables"] = os.environ.get("GLIBC_TUNABLES", "")
   out["rss_after_import_bytes"] = proc_status_bytes("VmRSS")
   shapes = param_shapes(args.params_m)
   params = random_tree(shapes, seed=0, std=0.02)
@@ -572,9 +580,20 @@ def child_main(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_child(
-  args: argparse.Namespace, mode: str, fsync: bool, store: pathlib.Path, cache: int, chunk: int
+  args: argparse.Namespace,
+  mode: str,
+  fsync: bool,
+  store: pathlib.Path,
+  cache: int,
+  chunk: int,
+  *,
+  hugetlb: bool = True,
 ) -> dict[str, Any]:
-  """Runs `child_main` in a fresh interpreter; its result, or an `error` record."""
+  """Runs `child_main` in a fresh interpreter; its result, or an `error` record.
+
+  `hugetlb`: glibc's malloc asks for transparent huge pages (`GLIBC_TUNABLES`,
+  read when a process starts), see `HUGETLB`.
+  """
   cmd = [
     sys.executable,
     str(pathlib.Path(__file__).resolve()),
@@ -589,9 +608,14 @@ def run_child(
   ]  # fmt: skip
   if args.warm_cache:
     cmd.append("--warm-cache")
+  env = dict(os.environ)
+  if hugetlb:
+    env["GLIBC_TUNABLES"] = ":".join(filter(None, (env.get("GLIBC_TUNABLES"), HUGETLB)))
   start = time.perf_counter()
   try:
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=args.child_timeout)
+    proc = subprocess.run(
+      cmd, stdout=subprocess.PIPE, text=True, timeout=args.child_timeout, env=env
+    )
   except subprocess.TimeoutExpired:
     return {"error": f"timed out after {args.child_timeout} s", "wall_s": args.child_timeout}
   finally:
@@ -608,6 +632,13 @@ def run_child(
 
 # -- reporting ---------------------------------------------------------------
 
+# The tier runs: (name in tables, key in the results, plot colour).
+TIER_RUNS = (
+  ("fsync=True", "fsync", "tab:blue"),
+  ("fsync=True, default malloc", "plainmalloc", "tab:purple"),
+  ("fsync=False", "nofsync", "tab:orange"),
+)
+
 
 def summarize_tier(child: dict[str, Any], raw: dict[str, Any] | None) -> dict[str, Any]:
   """Derived figures of one tier run: traffic, GB/s, ratio to the raw disk, RAM."""
@@ -622,6 +653,7 @@ def summarize_tier(child: dict[str, Any], raw: dict[str, Any] | None) -> dict[st
     "step_s": _common.stats_of(times),
     "gb_per_s": _common.stats_of([moved / t / GB for t in times]),
     "init_gb_per_s": child["state_bytes"] / child["init_s"] / GB,
+    "glibc_tunables": child.get("glibc_tunables", ""),
     "peak_rss_above_baseline_bytes": child["peak_rss_steps_bytes"] - child["baseline_rss_bytes"],
     "peak_rss_rise_during_steps_bytes": (
       child["peak_rss_steps_bytes"] - child["rss_before_steps_bytes"]
@@ -697,7 +729,7 @@ def summary_table(result: dict[str, Any]) -> str:
       )  # fmt: skip
     if result.get("raw_combined_gb_per_s"):
       row("raw combined (tier's read/write mix)", result["raw_combined_gb_per_s"])
-  for name, key in (("fsync=True", "fsync"), ("fsync=False", "nofsync")):
+  for name, key, _ in TIER_RUNS:
     t = tiers.get(key)
     if key in result["skipped"]:
       lines.append(f"tier step, {name}: {result['skipped'][key]}")
@@ -721,7 +753,7 @@ def summary_table(result: dict[str, Any]) -> str:
     lines.append(f"plain optax.adam: FAILED: {c['error'].strip().splitlines()[-1]}")
 
   compute_s = c["step_s"]["median"] if c and "error" not in c else None
-  for name, key in (("fsync=True", "fsync"), ("fsync=False", "nofsync")):
+  for name, key, _ in TIER_RUNS:
     t = tiers.get(key)
     b = t.get("breakdown_median_s") if t and "error" not in t else None
     if b:
@@ -733,7 +765,7 @@ def summary_table(result: dict[str, Any]) -> str:
         f" {b['commit_flush']:.2f}) + rest {other:.2f} s"
         + ("" if compute_s is None else f" (plain adam step: {compute_s:.2f} s)")
       )
-  for name, key in (("fsync=True", "fsync"), ("fsync=False", "nofsync")):
+  for name, key, _ in TIER_RUNS:
     t = tiers.get(key)
     if t and "error" not in t:
       peak = t["peak_rss_above_baseline_bytes"]
@@ -756,7 +788,7 @@ def summary_table(result: dict[str, Any]) -> str:
       f"(its state alone is {result['state_bytes'] / MiB:,.0f} MiB)"
     )
   verdicts = []
-  for name, key in (("fsync=True", "fsync"), ("fsync=False", "nofsync")):
+  for name, key, _ in TIER_RUNS:
     t = tiers.get(key)
     if t and "error" not in t and "ratio_vs_raw" in t:
       verdicts.append(f"{name} {verdict(t['ratio_vs_raw']['median'])}")
@@ -806,10 +838,8 @@ def plot(result: dict[str, Any], path: pathlib.Path) -> None:
   if bars and result.get("raw_combined_gb_per_s"):
     v = result["raw_combined_gb_per_s"]
     bars.append(("raw combined\n(tier's R+W mix)", v, v, v, "dimgray", ""))
-  for label, key, color in (
-    ("tier step\nfsync=True", "fsync", "tab:blue"),
-    ("tier step\nfsync=False", "nofsync", "tab:orange"),
-  ):
+  for name, key, color in TIER_RUNS:
+    label = "tier step\n" + name.replace(", ", "\n")
     t = tiers.get(key)
     if t and "error" not in t:
       bars.append(stats_bar(label, t["gb_per_s"], t.get("ratio_vs_raw"), color))
@@ -837,10 +867,8 @@ def plot(result: dict[str, Any], path: pathlib.Path) -> None:
   ax.grid(axis="y", alpha=0.3)
 
   mem = [("cache_bytes", result["cache_bytes"], "tab:green")]
-  for label, key, color in (
-    ("tier\nfsync=True", "fsync", "tab:blue"),
-    ("tier\nfsync=False", "nofsync", "tab:orange"),
-  ):
+  for name, key, color in TIER_RUNS:
+    label = "tier\n" + name.replace(", ", "\n")
     t = tiers.get(key)
     if t and "error" not in t:
       mem.append((label, t["peak_rss_above_baseline_bytes"], color))
@@ -893,6 +921,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     help="NVMeTier chunk_bytes in MiB (64, capped at 1/8 of the state)",
   )  # fmt: skip
   parser.add_argument("--no-nofsync", action="store_true", help="skip the fsync=False run")
+  parser.add_argument(
+    "--no-malloc-hugetlb", dest="malloc_hugetlb", action="store_false",
+    help=f"start the tier's processes without GLIBC_TUNABLES={HUGETLB}",
+  )  # fmt: skip
+  parser.add_argument(
+    "--no-plain-malloc", action="store_true",
+    help="skip the fsync=True run without the huge-page tunable (run if time allows)",
+  )  # fmt: skip
   parser.add_argument(
     "--time-budget-s", type=float, default=600,
     help="run the fsync=False variant only if the whole run should still end within this (600)",
@@ -975,13 +1011,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     runs = [("fsync", "tier", True)]
     if not args.no_compute:
       runs.append(("compute", "compute", True))
+    if not args.no_plain_malloc:
+      runs.append(("plainmalloc", "tier", True))
     if not args.no_nofsync:
       runs.append(("nofsync", "tier", False))
     children: dict[str, dict[str, Any]] = {}
     skipped: dict[str, str] = {}
     for key, mode, fsync in runs:
       elapsed = time.perf_counter() - wall_start
-      if key == "nofsync" and "wall_s" in children["fsync"]:
+      if key in ("plainmalloc", "nofsync") and "wall_s" in children["fsync"]:
         # "If time allows": it does the same work as the fsync=True run.
         expected = elapsed + children["fsync"]["wall_s"]
         if expected > args.time_budget_s:
@@ -993,7 +1031,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
           print(f"-- {key} {skipped[key]} --", flush=True)
           continue
       print(f"-- subprocess: {key} --", flush=True)
-      children[key] = run_child(args, mode, fsync, workdir / f"store_{key}", cache, chunk)
+      hugetlb = args.malloc_hugetlb and key != "plainmalloc"
+      children[key] = run_child(
+        args, mode, fsync, workdir / f"store_{key}", cache, chunk, hugetlb=hugetlb
+      )
       if "error" in children[key]:
         print(f"{key} FAILED:\n{children[key]['error']}", flush=True)
     if args.raw_passes > 1:  # again after the tier, to catch a drift of the disk's speed
@@ -1003,7 +1044,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
   raw = combine_raw(passes)
   raw_ok = None if raw.get("error") else raw
-  tier = {k: summarize_tier(children[k], raw_ok) for k in ("fsync", "nofsync") if k in children}
+  tier = {k: summarize_tier(children[k], raw_ok) for _, k, _ in TIER_RUNS if k in children}
   compute = children.get("compute")
   if compute is not None and "error" not in compute:
     compute = {**compute, "step_s": _common.stats_of(compute["times_s"])}

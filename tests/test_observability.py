@@ -150,6 +150,25 @@ def test_pinned_pool_warning(monkeypatch):
     telemetry.check_pinned(2**40, "cpu")  # the CPU backend's host memory is uncapped
 
 
+@pytest.mark.parametrize("mode", ["always [madvise] never", "[always] madvise never"])
+def test_hugepage_hint(mode, tmp_path, monkeypatch):
+  thp = tmp_path / "enabled"
+  thp.write_text(mode + "\n")
+  monkeypatch.setattr(telemetry, "_THP", str(thp))
+  monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+  if "[madvise]" in mode:
+    with pytest.warns(offlax.PerformanceWarning, match="GLIBC_TUNABLES=glibc.malloc.hugetlb=1"):
+      telemetry.check_hugepages(2**31, "cpu")
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    telemetry.check_hugepages(2**29, "cpu")  # small states are not worth it
+    telemetry.check_hugepages(2**31, "cuda")  # XLA's buffers are device memory there
+    if "[always]" in mode:
+      telemetry.check_hugepages(2**31, "cpu")  # every process gets them already
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1")
+    telemetry.check_hugepages(2**31, "cpu")
+
+
 def test_slice_size_warnings():
   params = {"w": jnp.ones((512, 512))}  # Adam state 2 MiB
   with pytest.warns(offlax.PerformanceWarning, match="512 slices"):

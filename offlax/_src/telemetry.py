@@ -31,6 +31,8 @@ STALL_MIN_S = 0.25  # shorter steps (small states: the commit's flush dominates)
 # XLA's default cap on a GPU's pinned host pool, raised by this variable.
 PINNED_LIMIT_ENV = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
 PINNED_LIMIT_DEFAULT_GB = 64.0
+HUGETLB_TUNABLE = "glibc.malloc.hugetlb=1"
+_THP = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
 class OffloadStats(NamedTuple):
@@ -271,6 +273,33 @@ def check_pinned(host_bytes: int, platform: str) -> None:
       f"will fail or spill. Raise it (e.g. {PINNED_LIMIT_ENV}="
       f"{int(host_bytes * 1.25 / 2**30) + 1}) before JAX starts, offload less "
       "(HostTier(fraction=...)), or use the NVMe tier.",
+      errors.PerformanceWarning,
+      stacklevel=4,
+    )
+
+
+def check_hugepages(nvme_bytes: int, platform: str) -> None:
+  """Hints at glibc's huge-page tunable for a large NVMe state on the CPU backend.
+
+  On the CPU backend each step fills fresh buffers that XLA allocates (slices
+  read back, the updates), so with 4 KiB pages it faults once per 4 KiB of
+  state: a fifth to a quarter of the step in benchmarks/nvme_throughput.py. If
+  transparent huge pages are in "madvise" mode, only a process started with
+  the tunable gets them for malloc'd memory; nothing can turn it on later.
+  """
+  if platform != "cpu" or nvme_bytes < 2**30 or "hugetlb" in os.environ.get("GLIBC_TUNABLES", ""):
+    return
+  try:
+    with open(_THP) as f:
+      mode = f.read()
+  except OSError:
+    return
+  if "[madvise]" in mode:
+    warnings.warn(
+      f"offlax: the NVMe tier streams {format_bytes(nvme_bytes)} through buffers XLA allocates "
+      "afresh each step, and transparent huge pages are in madvise mode here: start Python "
+      f"with GLIBC_TUNABLES={HUGETLB_TUNABLE} to get them (steps ~25% faster in "
+      "benchmarks/nvme_throughput.py).",
       errors.PerformanceWarning,
       stacklevel=4,
     )
