@@ -127,3 +127,42 @@ def test_schedule_bounds_slices_and_covers_every_element(chunk):
     assert (schedule.join(covered[leaf], parts, shapes[leaf]) == x).all()
   # Coupled leaves 2 and 3 always share a slice.
   assert any({p.leaf for p in s} >= {2, 3} for s in slices)
+
+
+MIXED = {
+  "a": jnp.linspace(-1, 1, 32).reshape(8, 4),
+  "b": jnp.linspace(-1, 1, 4).astype(jnp.bfloat16),
+  "c": jnp.linspace(-1, 1, 15).reshape(3, 5).astype(jnp.float16),
+}
+
+
+@pytest.mark.parametrize("inner", [optax.adam(1e-3), optax.adamw(1e-3), optax.lion(1e-3)])
+def test_mixed_dtypes_alone_do_not_couple(inner):
+  c = _analyze(inner, MIXED)
+  assert c.reason is None
+  assert len(c.groups) == 3
+
+
+def _scale_by_highest_dtype(factor):
+  """Scales by `factor` cast to the tree's highest float dtype: reads the whole tree's dtypes."""
+
+  def update(updates, state, params=None):
+    del params
+    c = jnp.asarray(factor, optax.tree.dtype(updates, "highest"))
+    return jax.tree.map(lambda g: (g * c).astype(g.dtype), updates), state
+
+  return optax.GradientTransformation(lambda p: optax.EmptyState(), update)
+
+
+@pytest.mark.parametrize(
+  "inner, why",
+  [
+    (_scale_by_highest_dtype(0.1), "computes differently"),
+    (optax.inject_hyperparams(optax.adam)(learning_rate=1e-3), "fails without the others"),
+  ],
+)
+def test_a_dependence_on_the_tree_dtypes_keeps_one_slice(inner, why):
+  """Traced on part of the tree, the update would cast or compute in another dtype, or fail."""
+  c = _analyze(inner, MIXED)
+  assert len(c.groups) == 1
+  assert why in c.reason

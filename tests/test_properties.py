@@ -162,9 +162,6 @@ def test_offload_equals_optax_in_every_tier(data):
   except Exception as e:  # optax itself refuses some pipelines for some trees
     event(f"optax refused: {type(e).__name__}")
     assume(False)
-  # Known and open: test_inject_hyperparams_with_float16_and_bfloat16 (below).
-  kinds = {x.dtype for x in jax.tree.leaves(params)}
-  assume(not ("injected" in what and {jnp.float16, jnp.bfloat16} <= kinds))
   chunk = data.draw(CHUNKS, "chunk_bytes")
   n = len(jax.tree.leaves(params))
   event(f"leaves: {'1' if n == 1 else '2-9' if n < 10 else '10-49' if n < 50 else '50-200'}")
@@ -209,20 +206,39 @@ def _same(got, want, got_state, where):
       raise AssertionError(f"{where}: {name}: {e}") from None
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError, reason="open: see docs/reliability.md")
-def test_inject_hyperparams_with_float16_and_bfloat16():
-  """Found by the long run. inject_hyperparams casts its hyperparameters to the
-  highest float dtype of the params it is given; a slice holding float16 and
-  bfloat16 leaves but no float32 one has none, and optax raises, where the whole
-  tree (float32 among them) works. The coupling analysis follows values, not
-  dtypes, so it does not see that the update depends on the other leaves.
+def _scale_by_highest_dtype(factor):
+  """Scales by `factor` cast to the tree's highest float dtype: reads the whole tree's dtypes."""
+
+  def update(updates, state, params=None):
+    del params
+    c = jnp.asarray(factor, optax.tree.dtype(updates, "highest"))
+    return jax.tree.map(lambda g: (g * c).astype(g.dtype), updates), state
+
+  return optax.GradientTransformation(lambda p: optax.EmptyState(), update)
+
+
+@pytest.mark.parametrize("compute", ["device", "host"])
+@pytest.mark.parametrize("low", [("float16", "bfloat16"), ("bfloat16",)], ids=["f16_bf16", "bf16"])
+@pytest.mark.parametrize("name", ["inject_hyperparams", "highest_dtype"])
+def test_updates_that_read_the_tree_dtypes(name, low, compute):
+  """Found by the long run. inject_hyperparams asks for the highest float dtype
+  of the params it is given: a slice holding float16 and bfloat16 leaves but no
+  float32 one has none, and optax raised. An update that casts a constant to
+  that dtype would run in bfloat16 on a slice of bfloat16 leaves, in float32 on
+  the whole tree: silently different. The coupling analysis follows values, not
+  dtypes; the leaves of each subset of the dtypes are now traced alone too, and
+  a failure or a difference keeps one slice.
   """
-  params = {
-    "a": jnp.linspace(0, 1, 64),
-    "b": jnp.linspace(0, 1, 64).astype(jnp.float16),
-    "c": jnp.linspace(0, 1, 64).astype(jnp.bfloat16),
-  }
-  inner = optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)
-  want = run_steps(inner, params, steps=1)
-  got = run_steps(offlax.offload(inner, offlax.HostTier(chunk_bytes=600)), params, steps=1)
+  n = 64 if name == "inject_hyperparams" else 256  # sizes at which each failed (600 B slices)
+  params = {"a": jnp.linspace(0, 1, n)}
+  params |= {f"b{i}": jnp.linspace(0, 1, n).astype(d) for i, d in enumerate(low)}
+  inner = {
+    "inject_hyperparams": optax.inject_hyperparams(optax.adam)(learning_rate=1e-3),
+    "highest_dtype": optax.chain(_scale_by_highest_dtype(0.3), optax.sgd(0.1, momentum=0.9)),
+  }[name]
+  tier = offlax.HostTier(chunk_bytes=600, compute=compute)
+  got = run_steps(offlax.offload(inner, tier), params, steps=2)
+  want = run_steps(inner, params, steps=2)
+  assert_trees_equal(got[0], want[0])
+  assert_trees_equal(got[1].inner_state, want[1])
   assert_trees_equal(got[2], want[2])

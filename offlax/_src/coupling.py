@@ -21,6 +21,7 @@ per leaf, so their values depend on how many leaves a call sees.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Sequence
 from typing import Any
@@ -207,6 +208,39 @@ def _eqn(eqn: jex.JaxprEqn, ins: list[_Val]) -> list[_Val]:
   elif name == "broadcast_in_dim" and _shape(eqn.outvars[0]) == _shape(eqn.invars[0]):
     return [ins[0]]
   return [_Val(deps, random=random)] * n_out
+
+
+def signatures(jaxpr: jex.ClosedJaxpr) -> collections.Counter:
+  """The operations of `jaxpr`, as a multiset of (primitive, operand and result types).
+
+  Equations that hold other jaxprs (calls, loops, conditionals) count as the
+  operations of their bodies, not as themselves: a call over a whole tree and
+  one over part of it then differ only in the operations of the leaves left
+  out. So the update of some leaves computes as it does within the whole
+  tree (same operations in the same dtypes) only if its signatures are a
+  sub-multiset of the whole tree's.
+  """
+  out: collections.Counter = collections.Counter()
+
+  def types(vs) -> tuple:
+    return tuple((tuple(v.aval.shape), str(v.aval.dtype)) for v in vs if hasattr(v.aval, "dtype"))
+
+  def walk(j: jex.Jaxpr) -> None:
+    for eqn in j.eqns:
+      bodies = [
+        b.jaxpr if isinstance(b, jex.ClosedJaxpr) else b
+        for p in eqn.params.values()
+        for b in (p if isinstance(p, (tuple, list)) else (p,))
+        if isinstance(b, (jex.ClosedJaxpr, jex.Jaxpr))
+      ]
+      if bodies:
+        for b in bodies:
+          walk(b)
+      else:
+        out[(eqn.primitive.name, types(eqn.invars), types(eqn.outvars))] += 1
+
+  walk(jaxpr.jaxpr)
+  return out
 
 
 def _shape(var: Any) -> tuple[int, ...]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import numbers
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -214,21 +215,37 @@ class _Step:
     position = {leaf: k for k, leaf in enumerate(leaves)}
     spec = layout.spec
 
-    def flat_update(u, s, p, e):
-      extra_args = jax.tree.unflatten(extra_def, _fill(extra_leaves, arrays, e))
-      u_slots = _fill(self.u_slots, leaves, u)
-      p_slots = None if p is None else _fill(self.p_slots, leaves, p)
-      new_u, new_state = self._update(spec, u_slots, layout.merge(s), p_slots, extra_args)
-      return [new_u[i] for i in leaves], layout.split(new_state)
+    def restricted(keep):
+      """The flat inner update of the leaves in `keep`, the others masked as in a slice."""
+      kept = [i for i in leaves if i in keep]
+      kept_items = [j for j, o in enumerate(layout.owners) if o == coupling_lib.GLOBAL or o in keep]
+      mask = lambda slots: [
+        layout_lib.MASKED() if i in position and i not in keep else x for i, x in enumerate(slots)
+      ]
+
+      def flat_update(u, s, p, e):
+        extra_args = jax.tree.unflatten(extra_def, _fill(extra_leaves, arrays, e))
+        u_slots = _fill(mask(self.u_slots), kept, u)
+        p_slots = None if p is None else _fill(mask(self.p_slots), kept, p)
+        s_items = _fill([layout_lib.MASK] * len(items), kept_items, s)
+        new_u, new_state = self._update(spec, u_slots, layout.merge(s_items), p_slots, extra_args)
+        new_items = layout.split(new_state)
+        return [new_u[i] for i in kept], [new_items[j] for j in kept_items]
+
+      u_args = abstract([self.u_slots[i] for i in kept])
+      p_args = None if self.p_slots is None else abstract([self.p_slots[i] for i in kept])
+      args = (u_args, abstract([items[j] for j in kept_items]), p_args)
+      return flat_update, (*args, abstract([extra_leaves[i] for i in arrays])), kept, kept_items
 
     abstract = lambda xs: [
       jax.ShapeDtypeStruct(layout_lib.shape_of(x), layout_lib.dtype_of(x)) for x in xs
     ]
-    u_args = abstract([self.u_slots[i] for i in leaves])
-    p_args = None if self.p_slots is None else abstract([self.p_slots[i] for i in leaves])
-    jaxpr = jax.make_jaxpr(flat_update)(
-      u_args, abstract(items), p_args, abstract([extra_leaves[i] for i in arrays])
-    )
+    flat_update, args, _, _ = restricted(set(leaves))
+    reason = _dtype_dependence(restricted, leaves, args[0])
+    if reason is not None:
+      return coupling_lib.single_group(len(leaves), reason)
+    jaxpr = jax.make_jaxpr(flat_update)(*args)
+    p_args = args[2]
     owner = lambda o: o if o == coupling_lib.GLOBAL else position[o]
     in_owners = (
       list(range(len(leaves)))
@@ -302,6 +319,45 @@ class _Step:
     new_state = OffloadState(layout.merge(out_items), spec, io.next_step())
     out_u_slots = sharding_lib.like_params(spec, out_u_slots)
     return spec.treedef.unflatten(out_u_slots), new_state
+
+
+def _dtype_dependence(restricted, leaves, u_args) -> str | None:
+  """Why the update of some leaves would change if other leaves left the call, or None.
+
+  The coupling analysis follows values, not dtypes; some transformations read
+  the dtypes of the whole tree (`optax.inject_hyperparams` casts its
+  hyperparameters to the highest float dtype among the params), so a slice
+  without the tree's highest dtype would compute in another precision, or
+  fail (no common dtype for float16 and bfloat16 without a float32 leaf). For
+  a tree of several float dtypes, the leaves of each proper subset of them are
+  traced alone (at most 14 traces: four dtypes): a failure, or an operation the
+  whole tree does not do (e.g. a cast to another dtype), keeps one slice.
+  """
+  floats = sorted({str(a.dtype) for a in u_args if jax.dtypes.issubdtype(a.dtype, np.floating)})
+  if len(floats) < 2:
+    return None
+  if len(floats) > 4:
+    return f"the params have {len(floats)} float dtypes ({', '.join(floats)})"
+  fn, args, _, _ = restricted(set(leaves))
+  whole = coupling_lib.signatures(jax.make_jaxpr(fn)(*args))
+  subsets = [c for n in range(1, len(floats)) for c in itertools.combinations(floats, n)]
+  for dtypes in subsets:
+    keep = {i for i, a in zip(leaves, u_args, strict=True) if str(a.dtype) in dtypes}
+    fn, args, _, _ = restricted(keep)
+    what = f"the update of the {'/'.join(dtypes)} leaves"
+    try:
+      part = coupling_lib.signatures(jax.make_jaxpr(fn)(*args))
+    except Exception as e:  # the inner update's own error: the whole tree avoids it
+      first = (str(e).splitlines() or [""])[0][:200]
+      return f"{what} fails without the others ({type(e).__name__}: {first})"
+    extra = part - whole
+    if extra:
+      prim, ins, outs = next(iter(extra))
+      return (
+        f"{what} computes differently without the others "
+        f"({prim} of {ins} to {outs} is not in the whole tree's update)"
+      )
+  return None
 
 
 class _HostIO:
