@@ -160,3 +160,50 @@ def test_stateless_inner(opts):
   _same_training(optax.sgd(1e-2), offlax.offload(optax.sgd(1e-2), **opts))
   params = _params()
   assert jax.tree.leaves(offlax.offload(optax.sgd(1e-2)).init(params)) == []
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_donating_params_and_state(opts, dtype):
+  """The step as optax loops write it, params and state donated: exact, buffers reused."""
+  params = jax.tree.map(lambda x: x.astype(dtype), _params())
+  inner = optax.adam(1e-3) if dtype == "float32" else offlax.master_weights(optax.adam(1e-3))
+  tx = offlax.offload(inner, **opts)
+
+  def step(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  donated = jax.jit(step, donate_argnums=(0, 1))
+  p, s = jax.tree.map(jnp.copy, params), tx.init(params)
+  want = params, tx.init(params)
+  for i in range(3):
+    old = jax.tree.leaves(s)
+    p, s = donated(p, s, grads_like(params, i))
+    want = jax.jit(step)(*want, grads_like(params, i))
+    assert all(x.is_deleted() for x in old if x.size)
+  assert_trees_equal(p, want[0])
+  assert_trees_equal(s, want[1])
+
+
+def test_donating_the_state_alone_aborts_in_jax_0_10(tmp_path):
+  """Pins a JAX limitation that README "Donation" warns about.
+
+  Without `out_shardings` JAX pairs donated buffers with outputs by shape and
+  dtype alone, so in `jit(tx.update, donate_argnums=1)` the updates (device)
+  take the buffers of the state (pinned_host) and the process aborts. If this
+  starts passing, JAX fixed it: update the README.
+  """
+  import subprocess
+  import sys
+
+  script = tmp_path / "donate.py"
+  script.write_text(
+    "import jax, jax.numpy as jnp, optax, offlax\n"
+    "p = {'w': jnp.ones(1000)}\n"
+    "tx = offlax.offload(optax.adam(1e-3))\n"
+    "update = jax.jit(tx.update, donate_argnums=1)\n"
+    "jax.block_until_ready(update(p, tx.init(p), p))\n"
+  )
+  run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+  assert run.returncode != 0
+  assert "memory kind does not match" in run.stderr
