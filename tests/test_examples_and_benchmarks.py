@@ -73,7 +73,11 @@ def test_nvme_throughput_benchmark_runs(tmp_path):
   tier = result["tier"]["fsync"]
   assert tier["bytes_read_per_step"] > 0.5 * result["state_bytes"]  # most state streamed
   assert tier["ratio_vs_raw"]["median"] > 0
-  _summary_rows("nvme_throughput", result)
+  # The tier runs with glibc's huge-page tunable, and once without it.
+  assert "glibc.malloc.hugetlb=1" in tier["glibc_tunables"]
+  assert "hugetlb" not in result["tier"]["plainmalloc"]["glibc_tunables"]
+  rows = _summary_rows("nvme_throughput", result)
+  assert any("without the huge-page tunable" in row["measure"] for row in rows)
 
 
 def test_gpu_check_code_path_runs_on_cpu(tmp_path):
@@ -84,6 +88,8 @@ def test_gpu_check_code_path_runs_on_cpu(tmp_path):
   assert json.loads((tmp_path / "gpu_check.json").read_text())["benchmark"] == "gpu_check"
   assert result["correctness"]["one_slice"]["bit_exact"]
   assert result["correctness"]["streamed"]["max_abs_diff"] < 1e-6
+  assert result["correctness"]["host_compute_offlax_adamw"]["bit_exact"]
+  assert result["correctness"]["host_compute_native_update"]["max_abs_diff"] < 1e-6
   assert result["memory"]["on_device"]["device_bytes_per_param"] > 0
   _summary_rows("gpu_check", result)
 
