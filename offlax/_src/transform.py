@@ -235,16 +235,16 @@ class _Step:
       u_args = abstract([self.u_slots[i] for i in kept])
       p_args = None if self.p_slots is None else abstract([self.p_slots[i] for i in kept])
       args = (u_args, abstract([items[j] for j in kept_items]), p_args)
-      return flat_update, (*args, abstract([extra_leaves[i] for i in arrays])), kept, kept_items
+      return flat_update, (*args, abstract([extra_leaves[i] for i in arrays]))
 
     abstract = lambda xs: [
       jax.ShapeDtypeStruct(layout_lib.shape_of(x), layout_lib.dtype_of(x)) for x in xs
     ]
-    flat_update, args, _, _ = restricted(set(leaves))
-    reason = _dtype_dependence(restricted, leaves, args[0])
+    flat_update, args = restricted(set(leaves))
+    jaxpr = jax.make_jaxpr(flat_update)(*args)
+    reason = _dtype_dependence(restricted, leaves, args[0], jaxpr)
     if reason is not None:
       return coupling_lib.single_group(len(leaves), reason)
-    jaxpr = jax.make_jaxpr(flat_update)(*args)
     p_args = args[2]
     owner = lambda o: o if o == coupling_lib.GLOBAL else position[o]
     in_owners = (
@@ -321,7 +321,7 @@ class _Step:
     return spec.treedef.unflatten(out_u_slots), new_state
 
 
-def _dtype_dependence(restricted, leaves, u_args) -> str | None:
+def _dtype_dependence(restricted, leaves, u_args, jaxpr) -> str | None:
   """Why the update of some leaves would change if other leaves left the call, or None.
 
   The coupling analysis follows values, not dtypes; some transformations read
@@ -338,12 +338,11 @@ def _dtype_dependence(restricted, leaves, u_args) -> str | None:
     return None
   if len(floats) > 4:
     return f"the params have {len(floats)} float dtypes ({', '.join(floats)})"
-  fn, args, _, _ = restricted(set(leaves))
-  whole = coupling_lib.signatures(jax.make_jaxpr(fn)(*args))
+  whole = coupling_lib.signatures(jaxpr)  # the whole tree's update
   subsets = [c for n in range(1, len(floats)) for c in itertools.combinations(floats, n)]
   for dtypes in subsets:
     keep = {i for i, a in zip(leaves, u_args, strict=True) if str(a.dtype) in dtypes}
-    fn, args, _, _ = restricted(keep)
+    fn, args = restricted(keep)
     what = f"the update of the {'/'.join(dtypes)} leaves"
     try:
       part = coupling_lib.signatures(jax.make_jaxpr(fn)(*args))
