@@ -120,8 +120,12 @@ def main(argv: list[str] | None = None) -> float:
   data = np.array([chars.index(c) for c in text], np.int32)
   model = LM(len(chars), args.dim, 4, args.layers, args.seq, nnx.Rngs(0))
   tier = make_tier(args.tier, directory, args.resume)
+  # In host compute the update is written out to cross back to the device, so the
+  # native kernel writes it too, in the same pass as the moments.
   inner = offlax.adamw(
-    optax.warmup_cosine_decay_schedule(0.0, args.lr, 20, 1000), weight_decay=0.01
+    optax.warmup_cosine_decay_schedule(0.0, args.lr, 20, 1000),
+    weight_decay=0.01,
+    native_update=args.tier == "host_compute",
   )
   tx = inner if tier is None else offlax.offload(inner, tier)
   optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
