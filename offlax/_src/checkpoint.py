@@ -185,7 +185,10 @@ class _NVMeStoreHandler(ocp.handlers.CheckpointHandler):
     args.tier.snapshot(os.fspath(directory))
 
   def restore(self, directory: epath.Path, args: NVMeStoreRestore) -> int:
-    return nvme_tier.copy_store(os.fspath(directory), os.fspath(args.path), progress=args.progress)
+    src, dest = os.fspath(directory), os.fspath(args.path)
+    if nvme_tier.is_sharded(src):  # each process restores its own shards' stores
+      return nvme_tier.copy_sharded(src, dest, progress=args.progress)
+    return nvme_tier.copy_store(src, dest, progress=args.progress)
 
 
 @ocp.args.register_with_handler(_NVMeStoreHandler, for_save=True)

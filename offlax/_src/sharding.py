@@ -106,6 +106,44 @@ def shards(spec: PartitionSpec | None, mesh: Mesh, ndim: int) -> int:
   return math.prod(mesh.shape[a] for e in padded(spec, ndim) for a in _axes(e))
 
 
+def local_shape(shape: tuple[int, ...], spec: PartitionSpec | None, mesh: Mesh) -> tuple[int, ...]:
+  """The shape of each device's shard of an array of `shape` sharded as `spec`."""
+  return tuple(
+    n // math.prod(mesh.shape[a] for a in _axes(e))
+    for n, e in zip(shape, padded(spec, len(shape)), strict=True)
+  )
+
+
+def uneven_axis(shape: tuple[int, ...], spec: PartitionSpec | None, mesh: Mesh) -> int | None:
+  """The first axis of `shape` that `spec`'s mesh axes do not divide evenly, or None."""
+  for i, (n, e) in enumerate(zip(shape, padded(spec, len(shape)), strict=True)):
+    if n % math.prod(mesh.shape[a] for a in _axes(e)):
+      return i
+  return None
+
+
+def describe(mesh: Mesh, specs: Sequence[PartitionSpec | None], paths: Sequence[str]) -> dict:
+  """What a store records of the mesh its state was sharded on (JSON-ready).
+
+  `processes` lists the process owning each mesh position (row-major over the
+  axes, as `mesh.devices.flat` and `jax.lax.axis_index(mesh.axis_names)`).
+  """
+  return {
+    "axis_names": [str(a) for a in mesh.axis_names],
+    "axis_sizes": [int(n) for n in mesh.devices.shape],
+    "specs": {p: str(_trimmed(s)) for p, s in zip(paths, specs, strict=True)},
+    "processes": [int(d.process_index) for d in mesh.devices.flat],
+  }
+
+
+def _trimmed(spec: PartitionSpec | None) -> PartitionSpec:
+  """`spec` without trailing Nones: P('data', None) and P('data') shard alike."""
+  entries = list(spec or ())
+  while entries and entries[-1] is None:
+    entries.pop()
+  return PartitionSpec(*entries)
+
+
 def check_axis(mesh: Mesh | None, shard_axis: str | None) -> None:
   if shard_axis is not None and (mesh is None or shard_axis not in mesh.axis_names):
     where = "params on no mesh" if mesh is None else f"a mesh with axes {mesh.axis_names}"
