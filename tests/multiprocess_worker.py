@@ -136,6 +136,28 @@ for i in (2, 3):
 got.update(resumed_exact=all(ok), resumed_step=tier.store.step)
 got["dirs"] = sorted(d for d in os.listdir(restored) if d.startswith("shard_"))
 tier.close()
+# Resharded for other specs (offlax.reshard: each process reads every shard through
+# the shared directory and writes its own devices' stores), then one more step.
+new_params = {
+  "w": global_array((32, 16), P(None, "data"), 0),
+  "b": global_array((16,), P("data"), 1),
+}
+resharded = os.path.join(ckpt_dir, "nvme_resharded")
+got["reshard_step"] = offlax.reshard(restored, resharded, optax.adamw(1e-2), new_params, **options)
+tier = offlax.NVMeTier(resharded, resume=True, **options)
+tx = optax.chain(optax.clip_by_global_norm(1.0), offlax.offload(optax.adamw(1e-2), tier))
+state = tx.init(new_params)
+like_new = lambda tree: jax.tree.map(lambda x, p: jax.device_put(x, p.sharding), tree, new_params)
+g = like_new(grads(4))
+adam = ref_state[1][0]
+moved = (
+  ref_state[0],
+  (adam._replace(mu=like_new(adam.mu), nu=like_new(adam.nu)),) + ref_state[1][1:],
+)
+u, state = jax.jit(tx.update)(g, state, new_params)
+got["resharded_exact"] = same(u, ref_step(g, moved, new_params)[0])
+got["resharded_shards"] = sorted(tier.shards)
+tier.close()
 results["nvme"] = got
 
 print("RESULT " + json.dumps({"process": process_id, **results}), flush=True)

@@ -24,6 +24,7 @@ from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import offlax  # noqa: E402
+from offlax._src import sharding  # noqa: E402
 from offlax._src.nvme_tier import Store  # noqa: E402
 
 TIERS = {
@@ -169,13 +170,13 @@ def run_nvme(axis_type, base):
   # Elsewhere: another mesh, another spec, a coupled update inside offload.
   errors = {}
   other = jax.make_mesh((2, 4), ("data", "model"), axis_types=(axis_type,) * 2)
-  moved = {
+  elsewhere = {
     "mesh": jax.tree.map(
       lambda x: jax.device_put(x, NamedSharding(other, x.sharding.spec)), params
     ),
     "spec": {**params, "v": jax.device_put(params["v"], NamedSharding(mesh, P("data")))},
   }
-  for name, where in moved.items():
+  for name, where in elsewhere.items():
     try:
       tx(nvme_tier(path, resume=True)).init(where)
       errors[name] = "accepted"
@@ -207,6 +208,55 @@ def run_nvme(axis_type, base):
   u, _ = jax.jit(tx(tier).update)(grads[2], (states[1][0], moved), params)
   out["retier_exact"] = same(u, ref[2])
   tier.close()
+  # Resharded (offlax.reshard) for another mesh, other specs, or no mesh: the
+  # step after it is exact there, sharded as those params.
+  resharded = {}
+  targets = {**elsewhere, "none": jax.tree.map(np.asarray, params)}
+  for name, where in targets.items():
+    dest = os.path.join(base, f"reshard_{name}")
+    step_of = offlax.reshard(path, dest, optax.adamw(1e-2), where, progress=False, fsync=False)
+    tier = nvme_tier(dest, resume=True)
+    opt = tx(tier)
+    state = opt.init(where)
+    g = jax.tree.map(
+      lambda x, p: jax.device_put(x, p.sharding) if hasattr(p, "sharding") else np.asarray(x),
+      grads[3],
+      where,
+    )
+    # Plain optax's step there, from its state after 3 steps moved there (the
+    # global norm's sums may round differently on another mesh).
+    adam = states[2][1][0]
+    put = lambda tree, where=where: jax.tree.map(
+      lambda x, p: jax.device_put(np.asarray(x), getattr(p, "sharding", None)), tree, where
+    )
+    moved_state = (
+      states[2][0],
+      (adam._replace(count=np.asarray(adam.count), mu=put(adam.mu), nu=put(adam.nu)),)
+      + states[2][1][1:],
+    )
+    want = ref_step(g, moved_state, where)[0]
+    u, state = jax.jit(opt.update)(g, state, where)
+    resharded[name] = {
+      "step": step_of,
+      "exact": all(np.array_equal(np.asarray(u[n]), np.asarray(want[n])) for n in params),
+      "sharded_like_params": all(
+        u[n].sharding.is_equivalent_to(where[n].sharding, u[n].ndim)
+        for n in params
+        if hasattr(where[n], "sharding")
+      ),
+      "shards": sorted(tier.shards),
+    }
+    tier.close()
+  out["resharded"] = resharded
+  # The block of each mesh position, as offlax.reshard computes it, is JAX's.
+  sizes = dict(mesh.shape)
+  bounds = lambda index: [s.indices(n) for s, n in zip(index, (64, 32), strict=True)]
+  out["blocks_match"] = all(
+    bounds(sharding.block_index((64, 32), spec, sizes, i))
+    == bounds(NamedSharding(mesh, spec).devices_indices_map((64, 32))[d])
+    for spec in (P("data"), P(None, "model"), P(("model", "data")), P("model", "data"), P())
+    for i, d in enumerate(mesh.devices.flat)
+  )
   return out
 
 

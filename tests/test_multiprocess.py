@@ -61,3 +61,6 @@ def test_two_processes_train_and_checkpoint(tmp_path):
     assert nvme["shards"] == [2 * r["process"], 2 * r["process"] + 1]
     # Each restored its own shards into one directory (listed after a collective).
     assert nvme["dirs"] == [f"shard_0000{i}" for i in range(4)]
+    # offlax.reshard for other specs, run by both: the next step is plain optax's.
+    assert nvme["reshard_step"] == 4 and nvme["resharded_exact"], nvme
+    assert nvme["resharded_shards"] == nvme["shards"]

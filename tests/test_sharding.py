@@ -117,6 +117,19 @@ def test_nvme_tier_keeps_one_store_per_device_with_only_its_shard(results, mesh)
 
 
 @pytest.mark.parametrize("mesh", MESHES)
+def test_nvme_store_resharded_for_another_mesh_continues_exactly(results, mesh):
+  # offlax.reshard writes the store for a (2, 4) mesh, for other specs on the same
+  # mesh, and for params on no mesh; the next step there equals plain optax's
+  # from the same state, sharded as those params.
+  resharded = results[mesh]["nvme"]["resharded"]
+  assert set(resharded) == {"mesh", "spec", "none"}
+  assert results[mesh]["nvme"]["blocks_match"]  # each position's block, as JAX places it
+  for name, got in resharded.items():
+    assert got["step"] == 3 and got["exact"] and got["sharded_like_params"], (name, got)
+    assert got["shards"] == ([] if name == "none" else list(range(8)))
+
+
+@pytest.mark.parametrize("mesh", MESHES)
 def test_nvme_shards_a_step_apart_resume_from_the_common_step(results, mesh):
   # One shard's store rolled back a step, as a crash between commits leaves it:
   # reopening brings the others back to its step, and the next step is exact.
@@ -130,7 +143,8 @@ def test_nvme_tier_refuses_another_mesh_or_a_coupled_update(results, mesh):
   assert "written on a mesh {'data': 4, 'model': 2}" in errors["mesh"]
   assert "these params are on a mesh {'data': 2, 'model': 4}" in errors["mesh"]
   assert "param ['v'] is sharded as P() in the store, P('data',) now" in errors["spec"]
-  assert "resharding a store is not supported" in errors["spec"]
+  assert "offlax.reshard(path, new_path, inner, params)" in errors["spec"]
+  assert "offlax.reshard(path, new_path, inner, params)" in errors["mesh"]
   assert "sharded param(s) ['m'], ['w'] needs the other shards" in errors["coupled"]
   assert "optax.chain(optax.clip_by_global_norm(1.0), offlax.offload(" in errors["coupled"]
   assert "sharded param(s) ['m'], ['w'] needs the other shards" in errors["lamb"]

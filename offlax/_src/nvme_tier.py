@@ -144,8 +144,8 @@ class Store:
 
   # -- opening ---------------------------------------------------------------
 
-  def lock(self) -> None:
-    """Creates the directory if needed and takes the writer lock."""
+  def lock(self, shared: bool = False) -> None:
+    """Creates the directory if needed and takes the writer lock (a reader's, if `shared`)."""
     if os.path.lexists(self.path) and not os.path.isdir(self.path):
       raise errors.StoreError(f"NVMe store path {self.path} exists and is not a directory.")
     try:
@@ -155,7 +155,7 @@ class Store:
     except OSError as e:
       raise errors.StoreError(f"cannot open NVMe store {self.path}: {e}") from e
     try:
-      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+      fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
     except BlockingIOError:
       os.close(fd)
       raise errors.StoreLockedError(
@@ -852,16 +852,18 @@ class NVMeTier:
   def _init_sharded(
     self, inner: Any, params: Any, spec: layout_lib.ParamSpec, state: Any
   ) -> tuple[Any, Any]:
-    """`init` for params on a mesh: one store per device of this process, each its shard."""
+    """`init` for params on a mesh: one store per device of this process, each its shard.
+
+    A given `state` may hold numpy arrays (the whole state, as `read_sharded`
+    returns it): each device's block is cut from them on the host.
+    """
     mesh = spec.mesh
     abstract = jax.eval_shape(inner.init, params)
     layout = layout_lib.StateLayout(abstract, spec)
     shapes = layout.split(abstract)
     specs = item_specs(spec, layout, shapes, _item_paths(abstract, layout))
     record = sharding_lib.describe(mesh, spec.specs, spec.paths)
-    record["shapes"] = {
-      p: None if s is None else list(s) for p, s in zip(spec.paths, spec.shapes, strict=True)
-    }
+    record["shapes"] = _shapes_record(spec)
     name = os.path.join(self.path, _MESH)
     if os.path.exists(os.path.join(self.path, _METADATA)):
       raise errors.StoreMismatchError(
@@ -905,10 +907,7 @@ class NVMeTier:
         local_state = None
         if values is not None:  # each device's shard of the given state
           local_state = layout.merge(
-            [
-              _shard_on(sharding_lib.place(jnp.asarray(x), mesh, s), device)
-              for x, s in zip(values, specs, strict=True)
-            ]
+            [_local_value(x, mesh, s, device) for x, s in zip(values, specs, strict=True)]
           )
         inner_state, _ = shard.init(inner, local_params, local, local_state)
         self.shards[i] = shard
@@ -1102,6 +1101,20 @@ def _shard_on(x: Any, device: Any) -> Any:
   return jax.device_put(x, device)
 
 
+def _shapes_record(spec: layout_lib.ParamSpec) -> dict[str, Any]:
+  """Each param's global shape, as the mesh record keeps it (JSON)."""
+  return {p: None if s is None else list(s) for p, s in zip(spec.paths, spec.shapes, strict=True)}
+
+
+def _local_value(x: Any, mesh: Any, spec: P, device: Any) -> Any:
+  """`device`'s block of a state value `x` sharded as `spec`: sliced on the host if numpy."""
+  if isinstance(x, jax.Array):
+    return _shard_on(sharding_lib.place(x, mesh, spec), device)
+  x = np.asarray(x)
+  index = jax.sharding.NamedSharding(mesh, spec).devices_indices_map(x.shape)[device]
+  return jax.device_put(x[index], device)
+
+
 def _read_json(name: str) -> dict:
   try:
     with open(name) as f:
@@ -1140,24 +1153,111 @@ def _mesh_text(record: dict) -> str:
   return f"a mesh {axes}"
 
 
-def _check_mesh(path: str, saved: dict, now: dict) -> None:
+_RESHARD = (
+  "The NVMe tier resumes on the mesh and specs a store was written with (each device's store "
+  "holds that mesh's shard); offlax.reshard(path, new_path, inner, params) writes a copy "
+  "sharded for these params."
+)
+
+
+def _check_mesh(path: str, saved: dict, now: dict, *, shapes_only: bool = False) -> None:
   """Raises `StoreMismatchError` unless the store was written on this mesh, these specs."""
   for key, what in (("axis_names", "mesh axes"), ("axis_sizes", "mesh axis sizes")):
-    if saved.get(key) != now[key]:
+    if not shapes_only and saved.get(key) != now[key]:
       raise errors.StoreMismatchError(
         f"{path} was written on {_mesh_text(saved)}; these params are on {_mesh_text(now)} "
-        f"(different {what}). The NVMe tier restores onto the mesh it was written on: each "
-        "device's store holds that mesh's shard (resharding a store is not supported)."
+        f"(different {what}). {_RESHARD}"
       )
   for key, what in (("specs", "is sharded as"), ("shapes", "has shape")):
+    if shapes_only and key == "specs":
+      continue
     old, new = saved.get(key) or {}, now[key]
+    show = sharding_lib.spec_of_entries if key == "specs" else (lambda x: x)
     for leaf in sorted(set(old) | set(new)):
       if old.get(leaf) != new.get(leaf):
+        was, now_ = (None if x is None else show(x) for x in (old.get(leaf), new.get(leaf)))
         raise errors.StoreMismatchError(
-          f"{path}: param {leaf} {what} {old.get(leaf)} in the store, {new.get(leaf)} now. "
-          "The NVMe tier restores onto the mesh and specs it was written with (resharding a "
-          "store is not supported)."
+          f"{path}: param {leaf} {what} {was} in the store, {now_} now. "
+          + ("" if key == "shapes" else _RESHARD)
         )
+
+
+def read_sharded(
+  path: str, inner: Any, params: Any, spec: layout_lib.ParamSpec, *, progress: bool = True
+) -> tuple[Any, int, dict[str, int]]:
+  """The whole inner state held by the sharded store at `path` (numpy arrays), and its step.
+
+  Also returns the stores' `chunk_bytes` and `keep`, as `NVMeTier` options.
+
+  Reads every shard's store (all must be visible from this process and at one
+  step; none open for writing) into arrays of the global shapes, each shard at
+  its block for the mesh and specs `path` records. Needs RAM for the state.
+  With several processes every one calls it, and all raise if one fails.
+  """
+  # Every process has closed its tier on `path` (its lock) before any reads.
+  _all_processes(np.zeros(1))
+  error: errors.OffloadError | None = None
+  try:
+    result = _read_sharded(path, inner, params, spec, progress)
+  except errors.OffloadError as e:
+    error = e
+  failed = _all_processes(np.array([error is not None]))[:, 0]
+  if error is not None:
+    raise error
+  if failed.any():
+    raise errors.StoreError(
+      f"{path}: reading the shards' stores failed in process(es) {np.flatnonzero(failed)}."
+    )
+  return result
+
+
+def _read_sharded(path, inner, params, spec, progress) -> tuple[Any, int, dict[str, int]]:
+  name = os.path.join(path, _MESH)
+  if not os.path.exists(name):
+    raise errors.StoreError(f"{path} holds no sharded offlax store ({_MESH}).")
+  record = _read_json(name)
+  abstract = jax.eval_shape(inner.init, params)
+  layout = layout_lib.StateLayout(abstract, spec)
+  shapes = layout.split(abstract)
+  paths = _item_paths(abstract, layout)
+  now = {"shapes": _shapes_record(spec)}
+  _check_mesh(path, record, now, shapes_only=True)
+  try:
+    sizes = dict(zip(record["axis_names"], record["axis_sizes"], strict=True))
+    old_specs = tuple(sharding_lib.spec_of_entries(record["specs"][p]) for p in spec.paths)
+    mesh = jax.sharding.AbstractMesh(tuple(sizes.values()), tuple(sizes))
+  except (KeyError, TypeError, ValueError) as e:
+    raise errors.StoreCorruptedError(f"{name} is malformed: {e!r}.") from e
+  old = dataclasses.replace(spec, mesh=mesh, specs=old_specs)
+  specs = item_specs(old, layout, shapes, paths)
+  values = [np.empty(x.shape, x.dtype) for x in shapes]
+  steps = set()
+  for position in _progress(range(mesh.size), progress, f"offlax: reading {path}"):
+    store = Store(os.path.join(path, _shard_dir(position)), fsync=False)
+    if not store.exists():
+      raise errors.StoreCorruptedError(f"{store.path}: the shard's store is missing.")
+    store.lock(shared=True)  # no process may be writing it; readers may share it
+    try:
+      store.read_metadata()
+      steps.add(store.step)
+      for r, x, s, want in zip(store.records, shapes, specs, paths, strict=True):
+        if r.path != want or r.dtype != np.dtype(x.dtype).name:
+          raise errors.StoreMismatchError(
+            f"{store.path}: state leaf {r.path} ({r.dtype}); this optimizer has {want} "
+            f"({np.dtype(x.dtype).name})."
+          )
+        block = sharding_lib.block_index(tuple(x.shape), s, sizes, position)
+        data = store.result(store.read(r.index, 0, r.size))
+        values[r.index][block] = data.reshape(values[r.index][block].shape)
+    finally:
+      store.close()
+  if len(steps) > 1:
+    raise errors.StoreCorruptedError(
+      f"{path}: the shards' stores are at steps {sorted(steps)}; open it once with "
+      "NVMeTier(path, resume=True) on its own mesh, which brings them to one step."
+    )
+  options = {"chunk_bytes": store.chunk_bytes, "keep": store.generations - 1}
+  return layout.merge(values), steps.pop(), options
 
 
 def _agree(path: str, shards: dict[int, NVMeTier]) -> None:
