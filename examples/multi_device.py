@@ -12,6 +12,10 @@ where the param is replicated there: each device's host RAM holds only its
 shard. The script prints the loss and, last, the state bytes each device holds
 with and without `shard_axis`.
 
+With `--nvme DIR` the state goes to `offlax.NVMeTier(DIR)` instead: one store
+per device under DIR (`DIR/shard_00000`, ...), each holding only its device's
+shard; the script then prints each store's bytes.
+
 For several hosts, start one process per host with the same script after
 `jax.distributed.initialize(coordinator_address, num_processes, process_id)`
 (see README "Multi-device and multi-host"); nothing else changes.
@@ -74,6 +78,7 @@ def main(argv: list[str] | None = None) -> dict:
   parser.add_argument("--steps", type=int, default=200)
   parser.add_argument("--width", type=int, default=512)
   parser.add_argument("--model", type=int, default=2, help="devices on the model axis")
+  parser.add_argument("--nvme", metavar="DIR", help="keep the state in NVMe stores under DIR")
   args = parser.parse_args(argv)
 
   n = len(jax.devices())
@@ -85,7 +90,9 @@ def main(argv: list[str] | None = None) -> dict:
   x = jax.device_put(jnp.linspace(-3, 3, 1024)[:, None], NamedSharding(mesh, P("data")))
   y = jnp.sin(x) + 0.05 * jax.random.normal(jax.random.key(1), x.shape)
 
-  tier = offlax.HostTier(shard_axis="data")
+  tier: offlax.HostTier | offlax.NVMeTier = offlax.HostTier(shard_axis="data")
+  if args.nvme:
+    tier = offlax.NVMeTier(args.nvme, progress=False)
   tx = offlax.offload(optax.adamw(3e-3, weight_decay=1e-4), tier)
   opt_state = tx.init(params)
 
@@ -100,6 +107,11 @@ def main(argv: list[str] | None = None) -> dict:
     if step % max(1, args.steps // 5) == 0 or step == args.steps - 1:
       print(f"step {step:4d}  loss {float(loss):.4f}")
 
+  if isinstance(tier, offlax.NVMeTier):
+    tier.close()
+    sizes = {i: sum(r.nbytes for r in shard.store.records) for i, shard in tier.shards.items()}
+    print(f"NVMe tier: {len(sizes)} stores under {args.nvme}, state bytes each: {sizes}")
+    return {"loss": float(loss), "devices": n, "store_bytes": sizes}
   unsharded = offlax.offload(optax.adamw(3e-3), offlax.HostTier()).init(params)
   result = {
     "loss": float(loss),

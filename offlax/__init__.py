@@ -5,6 +5,7 @@ from offlax._src.checkpoint import (
   NVMeStoreSave,
   abstract_state,
   placed,
+  reshard,
   retier,
 )
 from offlax._src.errors import (
@@ -70,6 +71,7 @@ __all__ = [
   "offload",
   "placed",
   "plan",
+  "reshard",
   "retier",
   "rollback",
   "stats",

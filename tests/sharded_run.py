@@ -18,11 +18,14 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import offlax  # noqa: E402
+from offlax._src import sharding  # noqa: E402
+from offlax._src.nvme_tier import Store  # noqa: E402
 
 TIERS = {
   "stream": lambda: offlax.HostTier(chunk_bytes=512),
@@ -34,18 +37,7 @@ TIERS = {
 
 def run(axis_type):
   mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(axis_type,) * 2)
-  k = jax.random.split(jax.random.key(0), 4)
-  layout = {
-    "w": ((64, 32), P("data", None)),  # cut along axis 1, the one no mesh axis shards
-    "m": ((32, 16), P("data", "model")),  # every axis sharded: moves whole
-    "v": ((128,), P()),  # replicated: ZeRO-1 shards its state over "data"
-    "r": ((6, 6), P()),  # no axis divisible by 4: stays replicated under ZeRO-1
-  }
-  params = {
-    name: jax.device_put(jax.random.normal(key, shape), NamedSharding(mesh, spec))
-    for key, (name, (shape, spec)) in zip(k, layout.items(), strict=True)
-  }
-  grads = [jax.tree.map(lambda x, i=i: jnp.sin(x * (i + 1)), params) for i in range(2)]
+  params, grads = make_params(mesh, 2)
   inner = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2))
   ref_step = jax.jit(inner.update)
   ref_state, ref = inner.init(params), []
@@ -101,13 +93,194 @@ def run(axis_type):
   return out
 
 
-results = {str(t).split(".")[-1].lower(): run(t) for t in (AxisType.Explicit, AxisType.Auto)}
-mesh = jax.make_mesh((8,), ("data",))
-try:
-  sharded = {"w": jax.device_put(jnp.ones((8, 4)), NamedSharding(mesh, P("data")))}
-  offlax.offload(optax.adam(1e-3), offlax.NVMeTier(sys.argv[1], progress=False)).init(sharded)
-  results["nvme"] = "accepted"
-except offlax.InvalidTierError as e:
-  results["nvme"] = str(e)
+def nvme_tier(path, **kw):
+  return offlax.NVMeTier(path, chunk_bytes=1024, cache_bytes=300, progress=False, fsync=False, **kw)
+
+
+def same(tree, want):
+  return all(
+    bool(jnp.array_equal(a, b)) and a.sharding.is_equivalent_to(b.sharding, a.ndim)
+    for a, b in zip(jax.tree.leaves(tree), jax.tree.leaves(want), strict=True)
+  )
+
+
+def run_nvme(axis_type, base):
+  """The NVMe tier on the mesh: one store per device, exact, resumed, refused elsewhere."""
+  mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(axis_type,) * 2)
+  params, grads = make_params(mesh, 4)
+  inner = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2))
+  ref_step = jax.jit(inner.update)
+  ref_state, ref, states = inner.init(params), [], []
+  for g in grads:
+    u, ref_state = ref_step(g, ref_state, params)
+    ref.append(u)
+    states.append(ref_state)
+  path = os.path.join(base, "store")
+  # The global clip outside offload sees global arrays; adamw runs per shard.
+  tx = lambda tier: optax.chain(
+    optax.clip_by_global_norm(1.0), offlax.offload(optax.adamw(1e-2), tier)
+  )
+  tier = nvme_tier(path)
+  opt = tx(tier)
+  state = opt.init(params)
+  step = jax.jit(opt.update)
+  exact = []
+  for i in range(2):
+    u, state = step(grads[i], state, params)
+    exact.append(same(u, ref[i]))
+  out = {"exact": exact, "step": int(state[1].step), "shards": sorted(tier.shards)}
+  tier.close()
+  # What each device's store holds: its shard of every state array, nothing more.
+  stored, shapes, nbytes, disk = True, {}, {}, {}
+  want = states[1][1]  # adamw's state after 2 steps, as offload(adamw) stores it
+  flat = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_flatten_with_path(want)[0]}
+  for i, device in enumerate(mesh.devices.flat):
+    store = Store(os.path.join(path, f"shard_{i:05d}"), fsync=False)
+    store.read_metadata()
+    nbytes[i] = sum(r.nbytes for r in store.records)
+    committed = os.path.join(store.path, f"gen{store.generation}")
+    chunks = [os.path.join(d, f) for d, _, fs in os.walk(committed) for f in fs if "/c" in d]
+    disk[i] = sum(os.path.getsize(c) - 4 for c in chunks)  # each chunk file ends in a crc32c
+    for r in store.records:
+      got = store.result(store.read(r.index, 0, r.size)).reshape(r.shape)
+      (shard,) = [s for s in flat[r.path].addressable_shards if s.device == device]
+      stored &= bool(np.array_equal(got, np.asarray(shard.data)))
+      shapes[r.path] = list(r.shape)
+  out.update(stored=stored, shard_shapes=shapes, shard_bytes=nbytes, disk_bytes=disk)
+  # Reopened on the same mesh: continues bit for bit.
+  tier = nvme_tier(path, resume=True)
+  opt = tx(tier)
+  state = opt.init(params)
+  u, state = jax.jit(opt.update)(grads[2], state, params)
+  out["resumed_exact"] = same(u, ref[2]) and int(state[1].step) == 3
+  tier.close()
+  # A crash between two shards' commits: one shard a step behind. Reopening
+  # rolls the others back to its step, and training continues from there.
+  offlax.rollback(os.path.join(path, "shard_00005"), 2)
+  tier = nvme_tier(path, resume=True)
+  opt = tx(tier)
+  state = opt.init(params)
+  steps = [
+    Store(os.path.join(path, f"shard_{i:05d}"), fsync=False).read_metadata()["step"]
+    for i in range(8)
+  ]
+  u, state = jax.jit(opt.update)(grads[2], state, params)
+  out["agreed"] = {"steps": steps, "exact": same(u, ref[2])}
+  tier.close()
+  # Elsewhere: another mesh, another spec, a coupled update inside offload.
+  errors = {}
+  other = jax.make_mesh((2, 4), ("data", "model"), axis_types=(axis_type,) * 2)
+  elsewhere = {
+    "mesh": jax.tree.map(
+      lambda x: jax.device_put(x, NamedSharding(other, x.sharding.spec)), params
+    ),
+    "spec": {**params, "v": jax.device_put(params["v"], NamedSharding(mesh, P("data")))},
+  }
+  for name, where in elsewhere.items():
+    try:
+      tx(nvme_tier(path, resume=True)).init(where)
+      errors[name] = "accepted"
+    except offlax.StoreMismatchError as e:
+      errors[name] = str(e)
+  big = {"w": jax.device_put(jnp.ones((256, 256)), NamedSharding(mesh, P("data")))}
+  for name, (opt, where) in {
+    "coupled": (inner, params),
+    "lamb": (optax.lamb(1e-3), params),  # a per-leaf norm: needs the leaf's other shards
+    "factored": (optax.adafactor(1e-3), big),  # state shaped unlike its param
+  }.items():
+    coupled = offlax.offload(opt, nvme_tier(os.path.join(base, name)))
+    try:
+      jax.jit(coupled.update)(where, coupled.init(where), where)
+      errors[name] = "accepted"
+    except offlax.InvalidTierError as e:
+      errors[name] = str(e)
+  try:  # a sharded store opened for params on no mesh
+    offlax.offload(optax.adamw(1e-2), nvme_tier(path, resume=True)).init(
+      jax.tree.map(np.asarray, params)
+    )
+    errors["no_mesh"] = "accepted"
+  except offlax.StoreMismatchError as e:
+    errors["no_mesh"] = str(e)
+  out["errors"] = errors
+  # A plain optax state moved into a sharded store (`retier`) continues exactly.
+  tier = nvme_tier(os.path.join(base, "retier"))
+  moved = offlax.retier(states[1][1], optax.adamw(1e-2), params, tier)
+  u, _ = jax.jit(tx(tier).update)(grads[2], (states[1][0], moved), params)
+  out["retier_exact"] = same(u, ref[2])
+  tier.close()
+  # Resharded (offlax.reshard) for another mesh, other specs, or no mesh: the
+  # step after it is exact there, sharded as those params.
+  resharded = {}
+  targets = {**elsewhere, "none": jax.tree.map(np.asarray, params)}
+  for name, where in targets.items():
+    dest = os.path.join(base, f"reshard_{name}")
+    step_of = offlax.reshard(path, dest, optax.adamw(1e-2), where, progress=False, fsync=False)
+    tier = nvme_tier(dest, resume=True)
+    opt = tx(tier)
+    state = opt.init(where)
+    g = jax.tree.map(
+      lambda x, p: jax.device_put(x, p.sharding) if hasattr(p, "sharding") else np.asarray(x),
+      grads[3],
+      where,
+    )
+    # Plain optax's step there, from its state after 3 steps moved there (the
+    # global norm's sums may round differently on another mesh).
+    adam = states[2][1][0]
+    put = lambda tree, where=where: jax.tree.map(
+      lambda x, p: jax.device_put(np.asarray(x), getattr(p, "sharding", None)), tree, where
+    )
+    moved_state = (
+      states[2][0],
+      (adam._replace(count=np.asarray(adam.count), mu=put(adam.mu), nu=put(adam.nu)),)
+      + states[2][1][1:],
+    )
+    want = ref_step(g, moved_state, where)[0]
+    u, state = jax.jit(opt.update)(g, state, where)
+    resharded[name] = {
+      "step": step_of,
+      "exact": all(np.array_equal(np.asarray(u[n]), np.asarray(want[n])) for n in params),
+      "sharded_like_params": all(
+        u[n].sharding.is_equivalent_to(where[n].sharding, u[n].ndim)
+        for n in params
+        if hasattr(where[n], "sharding")
+      ),
+      "shards": sorted(tier.shards),
+    }
+    tier.close()
+  out["resharded"] = resharded
+  # The block of each mesh position, as offlax.reshard computes it, is JAX's.
+  sizes = dict(mesh.shape)
+  bounds = lambda index: [s.indices(n) for s, n in zip(index, (64, 32), strict=True)]
+  out["blocks_match"] = all(
+    bounds(sharding.block_index((64, 32), spec, sizes, i))
+    == bounds(NamedSharding(mesh, spec).devices_indices_map((64, 32))[d])
+    for spec in (P("data"), P(None, "model"), P(("model", "data")), P("model", "data"), P())
+    for i, d in enumerate(mesh.devices.flat)
+  )
+  return out
+
+
+def make_params(mesh, n_grads):
+  """Params of four sharding cases on `mesh`, and `n_grads` gradients."""
+  k = jax.random.split(jax.random.key(0), 4)
+  layout = {
+    "w": ((64, 32), P("data", None)),  # cut along axis 1, the one no mesh axis shards
+    "m": ((32, 16), P("data", "model")),  # every axis sharded: moves whole
+    "v": ((128,), P()),  # replicated: ZeRO-1 shards its state over "data"
+    "r": ((6, 6), P()),  # no axis divisible by 4: stays replicated under ZeRO-1
+  }
+  params = {
+    name: jax.device_put(jax.random.normal(key, shape), NamedSharding(mesh, spec))
+    for key, (name, (shape, spec)) in zip(k, layout.items(), strict=True)
+  }
+  grads = [jax.tree.map(lambda x, i=i: jnp.sin(x * (i + 1)), params) for i in range(n_grads)]
+  return params, grads
+
+
+results = {}
+for t in (AxisType.Explicit, AxisType.Auto):
+  name = str(t).split(".")[-1].lower()
+  results[name] = run(t)
+  results[name]["nvme"] = run_nvme(t, os.path.join(sys.argv[1], name))
 print("RESULT " + json.dumps(results), flush=True)
 sys.exit(0)

@@ -219,3 +219,23 @@ def test_multi_device_example():
   zero1, plain = (int(s.replace(",", "")) for s in sizes)
   assert zero1 * 3 < plain  # ZeRO-1 over 4 data devices: about a quarter
   assert "P(None, ('model', 'data')), pinned_host" in out.stdout
+
+
+def test_multi_device_example_with_the_nvme_tier(tmp_path):
+  import os
+  import re
+  import subprocess
+
+  args = ["--steps", "20", "--width", "64", "--nvme", str(tmp_path / "store")]
+  out = subprocess.run(
+    [sys.executable, str(ROOT / "examples/multi_device.py"), *args],
+    capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)},
+  )  # fmt: skip
+  assert out.returncode == 0, out.stderr[-3000:]
+  losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", out.stdout)]
+  assert losses[-1] < losses[0]
+  # 8 stores, each the device's shard: kernels (64 fp32) split 2 ways on "model",
+  # hidden bias likewise, out bias whole: mu and nu, and the step count.
+  each = 2 * 4 * (32 + 32 + 32 + 1) + 4
+  assert f"NVMe tier: 8 stores under {tmp_path / 'store'}, state bytes each: " in out.stdout
+  assert out.stdout.count(f": {each}") == 8, out.stdout

@@ -194,3 +194,109 @@ def test_sigkill_during_orbax_checkpoints(tmp_path):
   )
   print(figures)
   assert figures["checkpoints_restored"] >= figures["trials"], figures
+
+
+# -- on a mesh: one store per device ---------------------------------------------
+
+MESH_SHAPES = {
+  "emb": ((512, 64), ("data", None)),
+  "w1": ((64, 256), (None, "model")),
+  "b1": ((256,), ("model",)),
+  "w2": ((256, 64), ("data", "model")),
+  "scale": ((), ()),
+}
+MESH = {"data": 4, "model": 2}
+
+MESH_CHILD = textwrap.dedent(
+  """
+  import os
+  os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+  import jax, jax.numpy as jnp, numpy as np, optax, offlax
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  mesh = jax.make_mesh((4, 2), ("data", "model"))
+  shapes = {shapes!r}
+  put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, P(*spec)))
+  params = {{k: put(jnp.ones(s, jnp.float32), spec) for k, (s, spec) in shapes.items()}}
+  def grads(i):
+    return {{k: put(jnp.sin(jnp.arange(np.prod(s), dtype=jnp.float32).reshape(s) + i), spec)
+            for k, (s, spec) in shapes.items()}}
+  tier = offlax.NVMeTier({path!r}, chunk_bytes=4096, cache_bytes=512, progress=False,
+                         fsync=False, resume={resume})
+  tx = offlax.offload(optax.adamw(1e-3), tier)
+  state = tx.init(params)
+  steps = {{s.store.step for s in tier.shards.values()}}  # one step, after reopening
+  step = jax.jit(lambda p, s, g: tx.update(g, s, p))
+  start = int(state.step)
+  for i in range(start, start + 1000):
+    updates, state = step(params, state, grads(i))
+    if i == start + 1:
+      jax.block_until_ready(state)
+      print("ready", start, len(steps), flush=True)
+  """
+)
+
+
+def _mesh_grads(i):
+  return {
+    k: jnp.sin(jnp.arange(np.prod(s), dtype=jnp.float32).reshape(s) + i)
+    for k, (s, _) in MESH_SHAPES.items()
+  }
+
+
+def _block(shape, spec, position):
+  """The index of mesh position `position`'s shard of an array of `shape` sharded as `spec`."""
+  coords = dict(zip(MESH, np.unravel_index(position, tuple(MESH.values())), strict=True))
+  index = []
+  for n, axis in zip(shape, spec + (None,) * (len(shape) - len(spec)), strict=True):
+    size = n // (MESH[axis] if axis else 1)
+    start = size * int(coords[axis]) if axis else 0
+    index.append(slice(start, start + size))
+  return tuple(index)
+
+
+def test_sigkill_on_a_mesh_keeps_every_shard_committed(tmp_path):
+  # A child trains on 8 devices (one store each) and is killed at a random point,
+  # maybe between two shards' commits. Each store must hold exactly optax's
+  # state (computed unsharded: adamw is elementwise) at its own committed step;
+  # the next child reopens the stores and must find them all at one step.
+  path = tmp_path / "store"
+  inner = optax.adamw(1e-3)
+  params = {k: jnp.ones(s, jnp.float32) for k, (s, _) in MESH_SHAPES.items()}
+  update = jax.jit(lambda s, g: inner.update(g, s, params)[1])
+  references = [inner.init(params)]
+  rng = np.random.default_rng(5)
+  split, steps_seen = 0, []
+  for _ in range(_trials(3)):
+    script = MESH_CHILD.format(shapes=MESH_SHAPES, path=str(path), resume=path.exists())
+    child = subprocess.Popen(
+      [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+      line = child.stdout.readline()
+      assert line.startswith("ready"), child.stderr.read()[-3000:]
+      assert line.split()[2] == "1", line  # every shard at the same step after reopening
+      time.sleep(rng.uniform(0.0, 1.0))
+    finally:
+      child.kill()
+      child.wait(timeout=60)
+    steps = []
+    for position in range(8):
+      store = Store(str(path / f"shard_{position:05d}"), fsync=False)
+      store.read_metadata()
+      steps.append(store.step)
+      while len(references) <= store.step:
+        references.append(update(references[-1], _mesh_grads(len(references) - 1)))
+      want = {
+        jax.tree_util.keystr(p): x
+        for p, x in jax.tree_util.tree_flatten_with_path(references[store.step])[0]
+      }
+      for r in store.records:
+        got = store.result(store.read(r.index, 0, r.size)).reshape(r.shape)
+        name = r.path.split("'")[1] if "'" in r.path else None
+        shape, spec = MESH_SHAPES[name] if name else ((), ())
+        expected = np.asarray(want[r.path])[_block(shape, spec, position) if name else ()]
+        assert np.array_equal(got, expected), (position, r.path, store.step)
+    assert max(steps) - min(steps) <= 1, steps
+    split += len(set(steps)) > 1
+    steps_seen.append(steps)
+  print({"trials": len(steps_seen), "steps": steps_seen, "killed_between_commits": split})

@@ -86,9 +86,71 @@ def test_abstract_state_has_the_shardings_of_init(results, mesh, tier):
   assert results[mesh][tier]["abstract_state"]
 
 
-def test_nvme_tier_refuses_a_mesh_clearly(results):
-  assert "does not support params sharded on a mesh" in results["nvme"]
-  assert "offlax.HostTier" in results["nvme"]
+# Per device, fp32: w (64 x 32 on "data") 2048 B, m (32 x 16 on both axes) 256 B,
+# v (128) and r (6 x 6) replicated, 512 B and 144 B; mu and nu of each, and the count.
+SHARD_BYTES = 2 * (2048 + 256 + 512 + 144) + 4
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_nvme_tier_on_the_mesh_is_exact_with_optax(results, mesh):
+  # clip_by_global_norm outside offload, adamw inside: two steps, bit for bit,
+  # updates sharded as their params; then reopened on the same mesh, a third.
+  got = results[mesh]["nvme"]
+  assert got["exact"] == [True, True] and got["step"] == 2
+  assert got["resumed_exact"]
+  assert got["retier_exact"]  # a plain optax state retiered into a sharded store
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_nvme_tier_keeps_one_store_per_device_with_only_its_shard(results, mesh):
+  got = results[mesh]["nvme"]
+  assert got["shards"] == list(range(8))
+  # Each store's arrays equal that device's shard of optax's state after 2 steps.
+  assert got["stored"]
+  shapes = got["shard_shapes"]
+  for moment in ("mu", "nu"):
+    assert shapes[f"[0].{moment}['w']"] == [16, 32]  # a quarter of (64, 32): "data" is 4
+    assert shapes[f"[0].{moment}['m']"] == [8, 8]  # an eighth of (32, 16)
+    assert shapes[f"[0].{moment}['v']"] == [128]  # replicated: whole on every device
+  # Bytes on disk: the committed generation's chunk files hold the shard, no more.
+  assert got["shard_bytes"] == got["disk_bytes"] == {str(i): SHARD_BYTES for i in range(8)}
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_nvme_store_resharded_for_another_mesh_continues_exactly(results, mesh):
+  # offlax.reshard writes the store for a (2, 4) mesh, for other specs on the same
+  # mesh, and for params on no mesh; the next step there equals plain optax's
+  # from the same state, sharded as those params.
+  resharded = results[mesh]["nvme"]["resharded"]
+  assert set(resharded) == {"mesh", "spec", "none"}
+  assert results[mesh]["nvme"]["blocks_match"]  # each position's block, as JAX places it
+  for name, got in resharded.items():
+    assert got["step"] == 3 and got["exact"] and got["sharded_like_params"], (name, got)
+    assert got["shards"] == ([] if name == "none" else list(range(8)))
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_nvme_shards_a_step_apart_resume_from_the_common_step(results, mesh):
+  # One shard's store rolled back a step, as a crash between commits leaves it:
+  # reopening brings the others back to its step, and the next step is exact.
+  agreed = results[mesh]["nvme"]["agreed"]
+  assert agreed["steps"] == [2] * 8 and agreed["exact"]
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_nvme_tier_refuses_another_mesh_or_a_coupled_update(results, mesh):
+  errors = results[mesh]["nvme"]["errors"]
+  assert "written on a mesh {'data': 4, 'model': 2}" in errors["mesh"]
+  assert "these params are on a mesh {'data': 2, 'model': 4}" in errors["mesh"]
+  assert "param ['v'] is sharded as P() in the store, P('data',) now" in errors["spec"]
+  assert "offlax.reshard(path, new_path, inner, params)" in errors["spec"]
+  assert "offlax.reshard(path, new_path, inner, params)" in errors["mesh"]
+  assert "sharded param(s) ['m'], ['w'] needs the other shards" in errors["coupled"]
+  assert "optax.chain(optax.clip_by_global_norm(1.0), offlax.offload(" in errors["coupled"]
+  assert "sharded param(s) ['m'], ['w'] needs the other shards" in errors["lamb"]
+  assert "state leaf [0].v_row['w'] is shaped [256], unlike its param ['w']" in errors["factored"]
+  assert "holds the state of params sharded on a mesh" in errors["no_mesh"]
+  assert "these params are on no mesh" in errors["no_mesh"]
 
 
 # -- the rules, in this process --------------------------------------------------

@@ -170,6 +170,51 @@ def retier(
   return OffloadState(tier.place(jax.tree.map(jnp.asarray, inner_state)), spec)
 
 
+def reshard(
+  src: str | os.PathLike,
+  dest: str | os.PathLike,
+  inner: optax.GradientTransformation,
+  params: Any,
+  **tier_options: Any,
+) -> int:
+  """Writes the sharded NVMe store at `src` to a new one at `dest`, sharded as `params` are.
+
+  For resuming on another mesh (or with other specs) than the one `src` was
+  written on, which `NVMeTier(src, resume=True)` refuses. Every shard's store
+  of `src` is read (through the same chunk files tensorstore opens) into the
+  whole state in host RAM, and `dest` is created from it as `init` would, one
+  store per device of `params`' mesh, each with its block; then
+  `NVMeTier(dest, resume=True)` continues. Run it in one process that sees all
+  of `src`'s shards, or in every process of the new mesh (each writes its own
+  devices' stores, like `init`), with no process training on `src`.
+
+  Args:
+    src: the sharded store; its shards must be at one step (reopening it on
+      its own mesh brings them there).
+    dest: a new directory.
+    inner: the offloaded transformation.
+    params: the params (or `jax.ShapeDtypeStruct`s with shardings) on the new
+      mesh; params on no mesh give an unsharded store.
+    **tier_options: options of the new `NVMeTier` (`cache_bytes`, `fsync`,
+      ...); `chunk_bytes` and `keep` default to `src`'s.
+
+  Returns:
+    The step `src` had committed. `dest` starts its own count at 0 (the
+    optimizer's own step count is in the state, unchanged).
+  """
+  errors.check_transformation(inner, "reshard: inner")
+  params = flax_glue.unbox(params)
+  inner = optax.with_extra_args_support(inner)
+  src, dest = os.fspath(src), os.fspath(dest)
+  progress = tier_options.get("progress", True)
+  spec = _spec_of(params, "params")
+  state, step, options = nvme_tier.read_sharded(src, inner, params, spec, progress=progress)
+  tier = NVMeTier(dest, **{**options, **tier_options})
+  retier(state, inner, params, tier)
+  tier.close()
+  return step
+
+
 def _check_state(want: Any, state: Any) -> None:
   """Raises `TreeMismatchError` naming the first leaf where `state` is not like `want`."""
   want_flat, want_def = jax.tree_util.tree_flatten_with_path(want)
@@ -195,7 +240,10 @@ class _NVMeStoreHandler(ocp.handlers.CheckpointHandler):
     args.tier.snapshot(os.fspath(directory))
 
   def restore(self, directory: epath.Path, args: NVMeStoreRestore) -> int:
-    return nvme_tier.copy_store(os.fspath(directory), os.fspath(args.path), progress=args.progress)
+    src, dest = os.fspath(directory), os.fspath(args.path)
+    if nvme_tier.is_sharded(src):  # each process restores its own shards' stores
+      return nvme_tier.copy_sharded(src, dest, progress=args.progress)
+    return nvme_tier.copy_store(src, dest, progress=args.progress)
 
 
 @ocp.args.register_with_handler(_NVMeStoreHandler, for_save=True)

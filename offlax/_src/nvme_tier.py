@@ -29,6 +29,20 @@ makes one of them current again.
 Leaf directories are named by index (`leaf_00000`), never by the pytree key
 path, so no key can name a file outside the store; the key paths are recorded
 in `offlax.json`.
+
+For params sharded on a mesh, `path` holds one such store per device, each
+with only that device's shard of every state array::
+
+  PATH/offlax-mesh.json   the mesh (axis names and sizes), each param's spec, each shard's process
+  PATH/shard_00000/       the store of mesh position 0 (`mesh.devices.flat[0]`)
+  PATH/shard_00001/       ...
+
+A process creates and opens only the stores of its own devices. The streamed
+update runs per device inside `jax.shard_map`, so each device's callbacks read
+and write its own store (`DiskIO`'s `shard`); each store commits its step
+atomically as above. A crash between two shards' commits leaves them one step
+apart: reopening rolls the ones ahead back to the step every shard has (a
+kept generation), so all restart from the same step.
 """
 
 from __future__ import annotations
@@ -52,11 +66,13 @@ import jax.numpy as jnp
 import numpy as np
 import tensorstore as ts
 from jax.experimental import io_callback
+from jax.sharding import PartitionSpec as P
 
 from offlax._src import coupling as coupling_lib
 from offlax._src import errors
 from offlax._src import layout as layout_lib
 from offlax._src import schedule as schedule_lib
+from offlax._src import sharding as sharding_lib
 from offlax._src import telemetry as telemetry_lib
 from offlax._src.host_tier import HostTier
 
@@ -64,6 +80,7 @@ DEFAULT_CHUNK = 16 * 2**20
 FORMAT_VERSION = 3  # 2: chunk_bytes recorded; step I/O on chunk files. 3: keep generations
 DEFAULT_KEEP = 2  # committed steps kept: the current one and one to roll back to
 _METADATA = "offlax.json"
+_MESH = "offlax-mesh.json"
 _LOCK = ".lock"
 
 
@@ -127,8 +144,8 @@ class Store:
 
   # -- opening ---------------------------------------------------------------
 
-  def lock(self) -> None:
-    """Creates the directory if needed and takes the writer lock."""
+  def lock(self, shared: bool = False) -> None:
+    """Creates the directory if needed and takes the writer lock (a reader's, if `shared`)."""
     if os.path.lexists(self.path) and not os.path.isdir(self.path):
       raise errors.StoreError(f"NVMe store path {self.path} exists and is not a directory.")
     try:
@@ -138,7 +155,7 @@ class Store:
     except OSError as e:
       raise errors.StoreError(f"cannot open NVMe store {self.path}: {e}") from e
     try:
-      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+      fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
     except BlockingIOError:
       os.close(fd)
       raise errors.StoreLockedError(
@@ -635,6 +652,10 @@ class NVMeTier:
   write. Each step ends with an atomic commit; the whole state, cached arrays
   included, is on disk after it.
 
+  With params sharded on a mesh, `path` holds one store per device, each with
+  only that device's shard (module docstring); the options apply to each
+  store (`cache_bytes` per device), and `shards` holds this process's.
+
   Args:
     path: the store directory; created if missing.
     cache_bytes: bytes of state held in RAM between steps.
@@ -703,6 +724,13 @@ class NVMeTier:
     self.keep = keep
     self.telemetry = telemetry_lib.DiskTelemetry(log_every)
     self.store = Store(self.path, fsync=bool(fsync), telemetry=self.telemetry)
+    # Params on a mesh: the tier of each of this process's devices' shards, by
+    # mesh position (`shard_NNNNN`); `store` and `telemetry` are then the first's.
+    self.shards: dict[int, NVMeTier] = {}
+    self._options: dict[str, Any] = dict(
+      cache_bytes=cache_bytes, chunk_bytes=chunk_bytes, fsync=fsync, progress=progress,
+      readahead=readahead, keep=keep, log_every=log_every,
+    )  # fmt: skip
 
   @property
   def chunk_bytes(self) -> int:
@@ -729,6 +757,8 @@ class NVMeTier:
       jax.effects_barrier()  # a dispatched step's callbacks have yet to run
     except jax.errors.JaxRuntimeError:
       pass  # a failed step's error: its own outputs raise it, not closing the store
+    for shard in self.shards.values():
+      shard.store.close()
     self.store.close()
 
   # -- init ------------------------------------------------------------------
@@ -747,10 +777,12 @@ class NVMeTier:
         "jax.eval_shape."
       )
     if spec.mesh is not None:
-      raise errors.InvalidTierError(
-        f"NVMeTier does not support params sharded on a mesh yet (here {spec.mesh.size} "
-        f"devices: {spec.mesh}). On a mesh use offlax.HostTier, whose state is sharded like the "
-        "params in each device's host memory (shard_axis=... also shards it ZeRO-1 style)."
+      return self._init_sharded(inner, params, spec, state)
+    if os.path.exists(os.path.join(self.path, _MESH)):
+      raise errors.StoreMismatchError(
+        f"{self.path} holds the state of params sharded on a mesh ({_MESH}: "
+        f"{_mesh_text(_read_json(os.path.join(self.path, _MESH)))}); these params are on no "
+        "mesh. Put them on that mesh, or choose another path."
       )
     abstract = jax.eval_shape(inner.init, params)
     layout = layout_lib.StateLayout(abstract, spec)
@@ -781,11 +813,19 @@ class NVMeTier:
 
     `NVMeTier(dest, resume=True)` opens the copy. Waits for steps in flight;
     run it between steps (an orbax save of `offlax.NVMeStoreSave(tier)` does).
+    On a mesh each process copies its own shards' stores, then the mesh record.
     """
     jax.effects_barrier()
     if self.store._lock_fd is None or not self.store.exists():
       raise errors.StoreError(f"{self.path}: snapshot needs an open store (init it first).")
-    return copy_store(self.path, os.fspath(dest), progress=self.progress)
+    dest = os.fspath(dest)
+    if not self.shards:
+      return copy_store(self.path, dest, progress=self.progress)
+    os.makedirs(dest, mode=0o700, exist_ok=True)
+    for i, shard in self.shards.items():
+      copy_store(shard.path, os.path.join(dest, _shard_dir(i)), progress=self.progress)
+    _write_json(dest, _MESH, _read_json(os.path.join(self.path, _MESH)), fsync=True)
+    return self.store.step
 
   def read_state(self, state: Any) -> Any:
     """The inner state of `state` (this tier's), every array read into memory.
@@ -793,6 +833,12 @@ class NVMeTier:
     What `retier` takes to move the state to another tier; it needs RAM for
     the whole state.
     """
+
+    if self.shards:
+      raise errors.InvalidTierError(
+        f"read_state: {self.path} is sharded on a mesh; each process holds only its shards' "
+        "stores, so there is no whole state to read here."
+      )
 
     def value(x):
       if not isinstance(x, layout_lib.OnDisk):
@@ -802,6 +848,95 @@ class NVMeTier:
 
     jax.effects_barrier()  # the last step's commit may still be running
     return jax.tree.map(value, state.inner_state, is_leaf=layout_lib.is_slot)
+
+  def _init_sharded(
+    self, inner: Any, params: Any, spec: layout_lib.ParamSpec, state: Any
+  ) -> tuple[Any, Any]:
+    """`init` for params on a mesh: one store per device of this process, each its shard.
+
+    A given `state` may hold numpy arrays (the whole state, as `read_sharded`
+    returns it): each device's block is cut from them on the host.
+    """
+    mesh = spec.mesh
+    abstract = jax.eval_shape(inner.init, params)
+    layout = layout_lib.StateLayout(abstract, spec)
+    shapes = layout.split(abstract)
+    specs = item_specs(spec, layout, shapes, _item_paths(abstract, layout))
+    record = sharding_lib.describe(mesh, spec.specs, spec.paths)
+    record["shapes"] = _shapes_record(spec)
+    name = os.path.join(self.path, _MESH)
+    if os.path.exists(os.path.join(self.path, _METADATA)):
+      raise errors.StoreMismatchError(
+        f"{self.path} holds the store of params on no mesh; these params are sharded on "
+        f"{_mesh_text(record)}. Open it with params on no mesh, or choose another path."
+      )
+    # Every process looks before any writes (processes may share `path`), and
+    # all of them take the same decision, so none waits on one that gave up.
+    found = _all_processes(np.array([os.path.exists(name)]))[:, 0]
+    if found.any() and not self.resume:
+      raise errors.StoreExistsError(
+        f"{self.path} already holds a sharded offlax store; pass NVMeTier(..., resume=True) "
+        "to continue from it, or choose another path."
+      )
+    if self.resume and not found.all():
+      where = "" if found.size == 1 else f" (missing in processes {np.flatnonzero(~found)})"
+      raise errors.StoreError(f"NVMeTier(resume=True): no offlax store in {self.path}{where}.")
+    if self.resume:
+      _check_mesh(self.path, _read_json(name), record)
+    else:
+      try:
+        os.makedirs(self.path, mode=0o700, exist_ok=True)
+        _write_json(self.path, _MESH, record, fsync=self.store.fsync)
+      except OSError as e:
+        raise errors.StoreError(f"cannot create the NVMe store {self.path}: {e}") from e
+    here = jax.process_index()
+    positions = [i for i, d in enumerate(mesh.devices.flat) if d.process_index == here]
+    shards = {
+      i: NVMeTier(os.path.join(self.path, _shard_dir(i)), resume=self.resume, **self._options)
+      for i in positions
+    }
+    if self.resume:
+      _agree(self.path, shards)
+    local = local_spec(spec)
+    values = None if state is None else layout.split(state)
+    per_shard: dict[int, list[Any]] = {}
+    try:
+      for i, shard in shards.items():
+        device = mesh.devices.flat[i]
+        local_params = jax.tree.map(lambda x, d=device: _shard_on(x, d), params)
+        local_state = None
+        if values is not None:  # each device's shard of the given state
+          local_state = layout.merge(
+            [_local_value(x, mesh, s, device) for x, s in zip(values, specs, strict=True)]
+          )
+        inner_state, _ = shard.init(inner, local_params, local, local_state)
+        self.shards[i] = shard
+        per_shard[i] = layout.split(inner_state)
+    except BaseException:
+      for shard in shards.values():
+        shard.store.close()
+      self.shards = {}
+      raise
+    first = shards[positions[0]]
+    self.store, self.telemetry = first.store, first.telemetry
+    self.host = first.host  # a resumed store's chunk_bytes
+    items: list[Any] = []
+    for j, (x, s) in enumerate(zip(shapes, specs, strict=True)):
+      first_item = per_shard[positions[0]][j]
+      if isinstance(first_item, layout_lib.OnDisk):
+        items.append(layout_lib.OnDisk(first_item.index, tuple(x.shape), first_item.dtype))
+        continue
+      # Cached in RAM: one global array of the devices' shards. (`init` makes
+      # scalars such as a step count on the default device: each goes to its own.)
+      kind = first_item.sharding.memory_kind
+      mine = [
+        jax.device_put(per_shard[i][j], jax.sharding.SingleDeviceSharding(d, memory_kind=kind))
+        for i, d in ((i, mesh.devices.flat[i]) for i in positions)
+      ]
+      sharding = jax.sharding.NamedSharding(mesh, s, memory_kind=kind)
+      items.append(jax.make_array_from_single_device_arrays(x.shape, sharding, mine))
+    step = sharding_lib.place(jnp.asarray(self.store.step, jnp.int32), mesh, P())
+    return layout.merge(items), step
 
   def _committed_step(self) -> Any:
     try:
@@ -904,6 +1039,294 @@ class NVMeTier:
     if not r.hot:
       return layout_lib.OnDisk(r.index, r.shape, r.dtype)
     return self.host.to_host(x) if self.host.offloads(x) else x
+
+
+def _shard_dir(i: int) -> str:
+  return f"shard_{i:05d}"
+
+
+def item_specs(
+  spec: layout_lib.ParamSpec, layout: layout_lib.StateLayout, items: Sequence[Any], paths=None
+) -> list[P]:
+  """Each state item's PartitionSpec on the params' mesh: its param's, or P() (replicated).
+
+  Raises `InvalidTierError` for an item that the shards of its param cannot
+  split: shaped unlike its sharded param (factored state), or unevenly.
+  """
+  mesh, out = spec.mesh, []
+  for j, (x, o) in enumerate(zip(items, layout.owners, strict=True)):
+    shape = layout_lib.shape_of(x)
+    if o == coupling_lib.GLOBAL or sharding_lib.shards(spec.specs[o], mesh, len(shape)) == 1:
+      out.append(P())
+      continue
+    where = f"state leaf {paths[j]}" if paths else f"state item {j}"
+    param = f"param {spec.paths[o]} {list(spec.shapes[o] or ())} sharded as {spec.specs[o]}"
+    if shape != spec.shapes[o]:
+      raise errors.InvalidTierError(
+        f"NVMeTier on a mesh keeps each device's shard of a state array in its own store, but "
+        f"{where} is shaped {list(shape)}, unlike its {param} (factored state such as "
+        "optax.adafactor's). Replicate that param, or use offlax.HostTier."
+      )
+    axis = sharding_lib.uneven_axis(shape, spec.specs[o], mesh)
+    if axis is not None:
+      raise errors.InvalidTierError(
+        f"NVMeTier on a mesh: {where} of {param}: axis {axis} ({shape[axis]}) is not divisible "
+        f"by its mesh axes {mesh.shape}; every device's shard must have the same shape."
+      )
+    out.append(P(*sharding_lib.padded(spec.specs[o], len(shape))))
+  return out
+
+
+def slot_spec(spec: layout_lib.ParamSpec, i: int) -> P:
+  """Param slot `i`'s PartitionSpec (P() for a leaf on no mesh)."""
+  return P(*sharding_lib.padded(spec.specs[i], len(spec.shapes[i] or ())))
+
+
+def local_spec(spec: layout_lib.ParamSpec) -> layout_lib.ParamSpec:
+  """The ParamSpec of one device's shard of params sharded as `spec` (on no mesh)."""
+  shapes = tuple(
+    None if s is None else sharding_lib.local_shape(s, slot_spec(spec, i), spec.mesh)
+    for i, s in enumerate(spec.shapes)
+  )
+  nbytes = spec.nbytes // max(1, spec.mesh.size)  # for `offlax.stats` only
+  return layout_lib.ParamSpec(spec.treedef, shapes, nbytes)
+
+
+def _shard_on(x: Any, device: Any) -> Any:
+  """`device`'s shard of `x` (all of `x` if it has no sharding), on that device."""
+  if isinstance(x, jax.Array):
+    for s in x.addressable_shards:
+      if s.device == device:
+        return s.data
+  return jax.device_put(x, device)
+
+
+def _shapes_record(spec: layout_lib.ParamSpec) -> dict[str, Any]:
+  """Each param's global shape, as the mesh record keeps it (JSON)."""
+  return {p: None if s is None else list(s) for p, s in zip(spec.paths, spec.shapes, strict=True)}
+
+
+def _local_value(x: Any, mesh: Any, spec: P, device: Any) -> Any:
+  """`device`'s block of a state value `x` sharded as `spec`: sliced on the host if numpy."""
+  if isinstance(x, jax.Array):
+    return _shard_on(sharding_lib.place(x, mesh, spec), device)
+  x = np.asarray(x)
+  index = jax.sharding.NamedSharding(mesh, spec).devices_indices_map(x.shape)[device]
+  return jax.device_put(x[index], device)
+
+
+def _read_json(name: str) -> dict:
+  try:
+    with open(name) as f:
+      meta = json.load(f)
+  except (OSError, ValueError) as e:
+    raise errors.StoreCorruptedError(f"cannot read {name}: {e}") from e
+  if not isinstance(meta, dict):
+    raise errors.StoreCorruptedError(f"{name} is malformed: not a JSON object.")
+  return meta
+
+
+def _write_json(directory: str, filename: str, meta: dict, *, fsync: bool) -> None:
+  """Replaces `directory/filename` atomically; processes sharing `directory` may race."""
+  name = os.path.join(directory, filename)
+  tmp = f"{name}.{os.getpid()}.tmp"  # one per process: all of them write the same record
+  fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+  with os.fdopen(fd, "w") as f:
+    json.dump(meta, f, indent=1)
+    f.flush()
+    if fsync:
+      os.fsync(f.fileno())
+  os.replace(tmp, name)
+  if fsync:
+    dir_fd = os.open(directory, os.O_RDONLY)
+    try:
+      os.fsync(dir_fd)
+    finally:
+      os.close(dir_fd)
+
+
+def _mesh_text(record: dict) -> str:
+  try:
+    axes = dict(zip(record["axis_names"], record["axis_sizes"], strict=True))
+  except (KeyError, TypeError, ValueError):
+    return f"{record!r:.200}"
+  return f"a mesh {axes}"
+
+
+_RESHARD = (
+  "The NVMe tier resumes on the mesh and specs a store was written with (each device's store "
+  "holds that mesh's shard); offlax.reshard(path, new_path, inner, params) writes a copy "
+  "sharded for these params."
+)
+
+
+def _check_mesh(path: str, saved: dict, now: dict, *, shapes_only: bool = False) -> None:
+  """Raises `StoreMismatchError` unless the store was written on this mesh, these specs."""
+  for key, what in (("axis_names", "mesh axes"), ("axis_sizes", "mesh axis sizes")):
+    if not shapes_only and saved.get(key) != now[key]:
+      raise errors.StoreMismatchError(
+        f"{path} was written on {_mesh_text(saved)}; these params are on {_mesh_text(now)} "
+        f"(different {what}). {_RESHARD}"
+      )
+  for key, what in (("specs", "is sharded as"), ("shapes", "has shape")):
+    if shapes_only and key == "specs":
+      continue
+    old, new = saved.get(key) or {}, now[key]
+    show = sharding_lib.spec_of_entries if key == "specs" else (lambda x: x)
+    for leaf in sorted(set(old) | set(new)):
+      if old.get(leaf) != new.get(leaf):
+        was, now_ = (None if x is None else show(x) for x in (old.get(leaf), new.get(leaf)))
+        raise errors.StoreMismatchError(
+          f"{path}: param {leaf} {what} {was} in the store, {now_} now. "
+          + ("" if key == "shapes" else _RESHARD)
+        )
+
+
+def read_sharded(
+  path: str, inner: Any, params: Any, spec: layout_lib.ParamSpec, *, progress: bool = True
+) -> tuple[Any, int, dict[str, int]]:
+  """The whole inner state held by the sharded store at `path` (numpy arrays), and its step.
+
+  Also returns the stores' `chunk_bytes` and `keep`, as `NVMeTier` options.
+
+  Reads every shard's store (all must be visible from this process and at one
+  step; none open for writing) into arrays of the global shapes, each shard at
+  its block for the mesh and specs `path` records. Needs RAM for the state.
+  With several processes every one calls it, and all raise if one fails.
+  """
+  # Every process has closed its tier on `path` (its lock) before any reads.
+  _all_processes(np.zeros(1))
+  error: errors.OffloadError | None = None
+  try:
+    result = _read_sharded(path, inner, params, spec, progress)
+  except errors.OffloadError as e:
+    error = e
+  failed = _all_processes(np.array([error is not None]))[:, 0]
+  if error is not None:
+    raise error
+  if failed.any():
+    raise errors.StoreError(
+      f"{path}: reading the shards' stores failed in process(es) {np.flatnonzero(failed)}."
+    )
+  return result
+
+
+def _read_sharded(path, inner, params, spec, progress) -> tuple[Any, int, dict[str, int]]:
+  name = os.path.join(path, _MESH)
+  if not os.path.exists(name):
+    raise errors.StoreError(f"{path} holds no sharded offlax store ({_MESH}).")
+  record = _read_json(name)
+  abstract = jax.eval_shape(inner.init, params)
+  layout = layout_lib.StateLayout(abstract, spec)
+  shapes = layout.split(abstract)
+  paths = _item_paths(abstract, layout)
+  now = {"shapes": _shapes_record(spec)}
+  _check_mesh(path, record, now, shapes_only=True)
+  try:
+    sizes = dict(zip(record["axis_names"], record["axis_sizes"], strict=True))
+    old_specs = tuple(sharding_lib.spec_of_entries(record["specs"][p]) for p in spec.paths)
+    mesh = jax.sharding.AbstractMesh(tuple(sizes.values()), tuple(sizes))
+  except (KeyError, TypeError, ValueError) as e:
+    raise errors.StoreCorruptedError(f"{name} is malformed: {e!r}.") from e
+  old = dataclasses.replace(spec, mesh=mesh, specs=old_specs)
+  specs = item_specs(old, layout, shapes, paths)
+  values = [np.empty(x.shape, x.dtype) for x in shapes]
+  steps = set()
+  for position in _progress(range(mesh.size), progress, f"offlax: reading {path}"):
+    store = Store(os.path.join(path, _shard_dir(position)), fsync=False)
+    if not store.exists():
+      raise errors.StoreCorruptedError(f"{store.path}: the shard's store is missing.")
+    store.lock(shared=True)  # no process may be writing it; readers may share it
+    try:
+      store.read_metadata()
+      steps.add(store.step)
+      for r, x, s, want in zip(store.records, shapes, specs, paths, strict=True):
+        if r.path != want or r.dtype != np.dtype(x.dtype).name:
+          raise errors.StoreMismatchError(
+            f"{store.path}: state leaf {r.path} ({r.dtype}); this optimizer has {want} "
+            f"({np.dtype(x.dtype).name})."
+          )
+        block = sharding_lib.block_index(tuple(x.shape), s, sizes, position)
+        data = store.result(store.read(r.index, 0, r.size))
+        values[r.index][block] = data.reshape(values[r.index][block].shape)
+    finally:
+      store.close()
+  if len(steps) > 1:
+    raise errors.StoreCorruptedError(
+      f"{path}: the shards' stores are at steps {sorted(steps)}; open it once with "
+      "NVMeTier(path, resume=True) on its own mesh, which brings them to one step."
+    )
+  options = {"chunk_bytes": store.chunk_bytes, "keep": store.generations - 1}
+  return layout.merge(values), steps.pop(), options
+
+
+def _agree(path: str, shards: dict[int, NVMeTier]) -> None:
+  """Brings every shard's store to the step all of them have committed.
+
+  Each shard commits on its own, so a crash between two commits leaves some
+  one step ahead: they go back to the common step, a kept one (as `rollback`).
+  With several processes the steps are compared across all of them.
+  """
+  steps, missing = {}, []
+  for i, shard in shards.items():
+    store = Store(shard.path, fsync=False)
+    if store.exists():
+      store.read_metadata()
+      steps[i] = store.step
+    else:
+      missing.append(i)
+  big = np.iinfo(np.int64).max
+  summary = np.array([min(steps.values(), default=big), max(steps.values(), default=-1)])
+  gathered = _all_processes(np.append(summary, len(missing)).astype(np.int64))
+  summary = np.array([gathered[:, 0].min(), gathered[:, 1].max(), gathered[:, 2].sum()])
+  low, high, n_missing = (int(v) for v in summary)
+  if n_missing:
+    names = ", ".join(_shard_dir(i) for i in missing) or "another process's"
+    raise errors.StoreCorruptedError(
+      f"{path}: the store of {n_missing} shard(s) is missing ({names}; this process's devices "
+      "are at mesh positions " + ", ".join(str(i) for i in shards) + "): a store is restored "
+      "on the mesh and processes it was written from, after its creation completed."
+    )
+  if low == high:
+    return
+  for i, step in steps.items():
+    if step > low:
+      try:
+        rollback(shards[i].path, low)
+      except errors.StepNotKeptError:
+        raise errors.StoreCorruptedError(
+          f"{path}: {_shard_dir(i)} committed step {step}, another shard only step {low}, which "
+          f"{_shard_dir(i)} no longer keeps (NVMeTier(keep=...)): the shards cannot agree."
+        ) from None
+
+
+def _all_processes(values: np.ndarray) -> np.ndarray:
+  """`values` of every process, one row each (a collective: every process must call it)."""
+  if jax.process_count() == 1:
+    return values[None]
+  from jax.experimental import multihost_utils
+
+  return np.asarray(multihost_utils.process_allgather(values)).reshape(jax.process_count(), -1)
+
+
+def is_sharded(path: str) -> bool:
+  """Whether `path` holds a sharded store (one store per device, see the module docstring)."""
+  return os.path.exists(os.path.join(path, _MESH))
+
+
+def copy_sharded(src: str, dest: str, *, progress: bool = True) -> int:
+  """`copy_store` for a sharded store: this process's shards (as recorded), then the record."""
+  record = _read_json(os.path.join(src, _MESH))
+  here = jax.process_index()
+  mine = [i for i, p in enumerate(record.get("processes", [])) if p == here]
+  step = 0
+  os.makedirs(dest, mode=0o700, exist_ok=True)
+  for i in mine:
+    step = copy_store(
+      os.path.join(src, _shard_dir(i)), os.path.join(dest, _shard_dir(i)), progress=progress
+    )
+  _write_json(dest, _MESH, record, fsync=True)
+  return step
 
 
 def _crc(data: np.ndarray, zeros: int) -> int:
@@ -1071,12 +1494,17 @@ class DiskIO:
   data dependencies order them: the read of slice k takes the ticket of slice
   k-2, and the last callback, which writes the cached items and commits, takes
   every ticket.
+
+  On a mesh the step runs per device inside `jax.shard_map`, `items` are one
+  device's shards and `shard` is the device's mesh position (traced): every
+  callback gets it first, and `_ByShard` hands it to that shard's store.
   """
 
-  def __init__(self, tier: NVMeTier, items, offloaded, step):
+  def __init__(self, tier: NVMeTier, items, offloaded, step, shard=None):
     from offlax._src.transform import _HostIO  # the moves of cached items
 
     self.tier, self.items, self.offloaded, self.step = tier, items, offloaded, step
+    self.shard = () if shard is None else (shard,)
     self.host = _HostIO(tier.host, items, offloaded)
 
   def plan(self, keys):
@@ -1092,7 +1520,13 @@ class DiskIO:
       reads.append(
         [(self.items[ks[n][0]].index, *_flat_range(self.items[ks[n][0]], ks[n][1])) for n in cold]
       )
-    self.reader = _Reader(self.tier.store, reads, self.tier.readahead)
+    if self.shard:
+      readers = {
+        i: _Reader(t.store, reads, self.tier.readahead) for i, t in self.tier.shards.items()
+      }
+      self.reader: Any = _ByShard(readers)
+    else:
+      self.reader = _Reader(self.tier.store, reads, self.tier.readahead)
 
   def to_device(self, j, x):
     return self.host.to_device(j, x)
@@ -1116,7 +1550,8 @@ class DiskIO:
       # be free to run every read first and hold the whole state in memory.
       earlier = [t for i, t in self.tickets if i <= k - 2]
       dep = earlier[-1] if earlier else self.step
-      values = io_callback(functools.partial(self.reader.read, k), avals, self.step, dep)
+      read = functools.partial(self.reader.read, k)
+      values = io_callback(read, avals, *self.shard, self.step, dep)
       for n, x in zip(self.cold[k], values, strict=True):
         out[n] = x
     return out
@@ -1129,7 +1564,8 @@ class DiskIO:
     if self.cold[k]:
       ticket = jax.ShapeDtypeStruct((), jnp.int32)
       cold = [self._same_dtype(self.keys[k][n][0], values[n]) for n in self.cold[k]]
-      self.tickets.append((k, io_callback(functools.partial(self.reader.write, k), ticket, *cold)))
+      write = functools.partial(self.reader.write, k)
+      self.tickets.append((k, io_callback(write, ticket, *self.shard, *cold)))
     return out
 
   def finish(self, items):
@@ -1140,7 +1576,7 @@ class DiskIO:
     # The write tickets make the commit wait for every write callback.
     commit = functools.partial(self.reader.commit, hot, len(self.tickets))
     tickets = [t for _, t in self.tickets]
-    io_callback(commit, None, self.step, *tickets, *[items[j] for j in hot])
+    io_callback(commit, None, *self.shard, self.step, *tickets, *[items[j] for j in hot])
     return items
 
   def next_step(self):
@@ -1344,3 +1780,32 @@ class _Reader:
       self._futures.clear()
       self._consumed.clear()
       self._in_use.clear()
+
+
+class _ByShard:
+  """The callbacks of a step on a mesh: each goes to the `_Reader` of its device's shard.
+
+  The shard (a mesh position) comes first in each callback's arguments.
+  """
+
+  def __init__(self, readers: dict[int, _Reader]):
+    self.readers = readers
+    self.reads = next(iter(readers.values())).reads  # the same plan for every shard
+
+  def _of(self, shard) -> _Reader:
+    reader = self.readers.get(int(shard))
+    if reader is None:  # the mesh puts a device of another process's stores here
+      raise errors.StoreError(
+        f"no store of mesh position {int(shard)} is open in process {jax.process_index()} "
+        f"(it opened {sorted(self.readers)})."
+      )
+    return reader
+
+  def read(self, k: int, shard, step, after) -> list[np.ndarray]:
+    return self._of(shard).read(k, step, after)
+
+  def write(self, k: int, shard, *values) -> np.ndarray:
+    return self._of(shard).write(k, *values)
+
+  def commit(self, hot: list[int], n_tickets: int, shard, step, *args) -> None:
+    self._of(shard).commit(hot, n_tickets, step, *args)

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from offlax._src import errors
@@ -104,6 +105,74 @@ def cut_axis(shape: tuple[int, ...], *specs: PartitionSpec | None) -> int | None
 def shards(spec: PartitionSpec | None, mesh: Mesh, ndim: int) -> int:
   """How many pieces `spec` cuts an array into (its bytes per device: total / this)."""
   return math.prod(mesh.shape[a] for e in padded(spec, ndim) for a in _axes(e))
+
+
+def local_shape(shape: tuple[int, ...], spec: PartitionSpec | None, mesh: Mesh) -> tuple[int, ...]:
+  """The shape of each device's shard of an array of `shape` sharded as `spec`."""
+  return tuple(
+    n // math.prod(mesh.shape[a] for a in _axes(e))
+    for n, e in zip(shape, padded(spec, len(shape)), strict=True)
+  )
+
+
+def uneven_axis(shape: tuple[int, ...], spec: PartitionSpec | None, mesh: Mesh) -> int | None:
+  """The first axis of `shape` that `spec`'s mesh axes do not divide evenly, or None."""
+  for i, (n, e) in enumerate(zip(shape, padded(spec, len(shape)), strict=True)):
+    if n % math.prod(mesh.shape[a] for a in _axes(e)):
+      return i
+  return None
+
+
+def describe(mesh: Mesh, specs: Sequence[PartitionSpec | None], paths: Sequence[str]) -> dict:
+  """What a store records of the mesh its state was sharded on (JSON-ready).
+
+  `processes` lists the process owning each mesh position (row-major over the
+  axes, as `mesh.devices.flat` and `jax.lax.axis_index(mesh.axis_names)`).
+  """
+  return {
+    "axis_names": [str(a) for a in mesh.axis_names],
+    "axis_sizes": [int(n) for n in mesh.devices.shape],
+    "specs": {p: spec_entries(s) for p, s in zip(paths, specs, strict=True)},
+    "processes": [int(d.process_index) for d in mesh.devices.flat],
+  }
+
+
+def spec_entries(spec: PartitionSpec | None) -> list[Any]:
+  """`spec` as JSON (None, an axis name or a list of them per dimension), without trailing Nones.
+
+  P('data', None) and P('data') shard alike, so both give ["data"].
+  """
+  entries = [list(e) if isinstance(e, tuple) else e for e in (spec or ())]
+  while entries and entries[-1] is None:
+    entries.pop()
+  return entries
+
+
+def spec_of_entries(entries: Sequence[Any]) -> PartitionSpec:
+  """The inverse of `spec_entries`."""
+  return PartitionSpec(*(tuple(e) if isinstance(e, list) else e for e in entries))
+
+
+def block_index(
+  shape: tuple[int, ...], spec: PartitionSpec, axis_sizes: dict[str, int], position: int
+) -> tuple[slice, ...]:
+  """Which block of an array of `shape` sharded as `spec` mesh position `position` holds.
+
+  Positions are row-major over the mesh axes (in `axis_sizes`' order); a
+  dimension sharded over several axes is split major to minor in the order
+  the spec names them, as JAX does.
+  """
+  coords = dict(
+    zip(axis_sizes, np.unravel_index(position, tuple(axis_sizes.values())), strict=True)
+  )
+  index = []
+  for n, entry in zip(shape, padded(spec, len(shape)), strict=True):
+    block, count = 0, 1
+    for a in _axes(entry):
+      block, count = block * axis_sizes[a] + int(coords[a]), count * axis_sizes[a]
+    size = n // count
+    index.append(slice(block * size, (block + 1) * size))
+  return tuple(index)
 
 
 def check_axis(mesh: Mesh | None, shard_axis: str | None) -> None:

@@ -12,6 +12,7 @@ import jax
 import numpy as np
 import optax
 from jax.experimental.compute_on import compute_on2
+from jax.sharding import PartitionSpec as P
 
 from offlax._src import coupling as coupling_lib
 from offlax._src import errors, flax_glue, nvme_tier, telemetry
@@ -136,6 +137,12 @@ class _Step:
       _check_placement(self.tier, self.inner_state)
     if isinstance(self.tier, HostTier) and self.tier.compute == "host":
       return self._on_host(layout, items, spec)
+    if isinstance(self.tier, NVMeTier) and spec.mesh is not None:
+      return self._on_shards(layout, items, spec, step)
+    return self._streamed(layout, items, spec, step)
+
+  def _streamed(self, layout, items, spec: ParamSpec, step: Any, shard: Any = None):
+    """The streamed update (`_stream`) of `items`; `shard`: see `DiskIO`."""
     leaves = [i for i, s in enumerate(spec.shapes) if s is not None]
     shapes = [s for s in spec.shapes if s is not None]
     coupling = self._analyze(layout, items, leaves, shapes)
@@ -153,10 +160,71 @@ class _Step:
       tuple(dataclasses.replace(p, leaf=leaves[p.leaf]) for p in pieces) for pieces in built
     ]
     if isinstance(self.tier, NVMeTier):
-      io: Any = DiskIO(self.tier, items, offloaded, step)
+      io: Any = DiskIO(self.tier, items, offloaded, step, shard)
     else:
       io = _HostIO(self.tier, items, offloaded, mesh_plan)
     return self._stream(layout, items, slices, spec, io)
+
+  def _on_shards(self, layout, items, spec: ParamSpec, step: Any):
+    """The NVMe tier on a mesh: the streamed update per device, inside `jax.shard_map`.
+
+    A callback in an SPMD program runs once, not per device; inside
+    `shard_map` each device runs its own, with its shard of every array, and
+    passes its mesh position (`axis_index` over every mesh axis) so that its
+    callbacks use its own store. Each device updates its shard by itself, so
+    the update of a sharded param must not need other shards (checked here).
+    """
+    mesh = spec.mesh
+    leaves = [i for i, s in enumerate(spec.shapes) if s is not None]
+    coupling = self._analyze(layout, items, leaves, [spec.shapes[i] for i in leaves])
+    _check_per_shard(coupling, spec, leaves)
+    slot_specs = [nvme_tier.slot_spec(spec, i) for i in leaves]
+    item_specs = nvme_tier.item_specs(spec, layout, items)
+    hot = [j for j, x in enumerate(items) if not isinstance(x, layout_lib.OnDisk)]
+    local = nvme_tier.local_spec(spec)
+    local_items: list[Any] = [
+      layout_lib.OnDisk(x.index, sharding_lib.local_shape(x.shape, s, mesh), x.dtype)
+      if isinstance(x, layout_lib.OnDisk)
+      else None
+      for x, s in zip(items, item_specs, strict=True)
+    ]
+    extra_leaves, extra_def = jax.tree.flatten(self.extra_args)
+    arrays = [i for i, x in enumerate(extra_leaves) if _is_array(x)]
+
+    def body(u, p, hot_values, e, step):
+      shard = jax.lax.axis_index(mesh.axis_names)
+      its = _fill(local_items, hot, hot_values)
+      updates = spec.treedef.unflatten(_fill(self.u_slots, leaves, u))
+      params = (
+        None if self.p_slots is None else spec.treedef.unflatten(_fill(self.p_slots, leaves, p))
+      )
+      extra_args = jax.tree.unflatten(extra_def, _fill(extra_leaves, arrays, e))
+      per_device = _Step(self.inner, self.tier, updates, layout.merge(its), params, extra_args)
+      new_u, new_state = per_device._streamed(layout, its, local, step, shard)
+      new_items = layout.split(new_state.inner_state)
+      new_u = jax.tree.leaves(new_u, is_leaf=layout_lib.is_masked)
+      return [new_u[i] for i in leaves], [new_items[j] for j in hot], new_state.step
+
+    hot_specs = [item_specs[j] for j in hot]
+    p_in = [] if self.p_slots is None else [self.p_slots[i] for i in leaves]
+    run = jax.shard_map(
+      body,
+      mesh=mesh,
+      in_specs=(slot_specs, slot_specs[: len(p_in)], hot_specs, [P()] * len(arrays), P()),
+      out_specs=(slot_specs, hot_specs, P()),
+      # Replicated outputs are computed alike on every device, from like stores.
+      check_vma=False,
+    )
+    new_u, new_hot, new_step = run(
+      [self.u_slots[i] for i in leaves],
+      p_in,
+      [items[j] for j in hot],
+      [extra_leaves[i] for i in arrays],
+      step,
+    )
+    out_items = _fill(items, hot, new_hot)
+    out_u = spec.treedef.unflatten(_fill(self.u_slots, leaves, new_u))
+    return out_u, OffloadState(layout.merge(out_items), spec, new_step)
 
   def _mesh_plan(self, spec, layout, items, offloaded) -> sharding_lib.MeshPlan | None:
     if spec.mesh is None:
@@ -439,6 +507,33 @@ def _check_placement(tier: HostTier, state: Any) -> None:
         "host memory as device arrays), or restore into offlax.abstract_state(...); "
         "state moved by hand must stay where init put it."
       )
+
+
+def _check_per_shard(coupling: coupling_lib.Coupling, spec: ParamSpec, leaves: list[int]) -> None:
+  """Raises `InvalidTierError` if the update of a sharded param needs other shards.
+
+  The NVMe tier on a mesh updates each device's shard by itself, which is
+  exact for elementwise updates (adam, sgd, ...) and for replicated params.
+  """
+  paths, mesh = spec.paths, spec.mesh
+  sharded_leaf = lambda i: sharding_lib.shards(spec.specs[i], mesh, len(spec.shapes[i] or ())) > 1
+  sharded = [
+    paths[leaves[k]]
+    for group in coupling.groups
+    if not (len(group) == 1 and group[0] in coupling.splittable)
+    for k in group
+    if sharded_leaf(leaves[k])
+  ]
+  if sharded:
+    why = coupling.reason or "it is not elementwise"
+    raise errors.InvalidTierError(
+      f"NVMeTier on a mesh updates each device's shard of the state by itself, but the inner "
+      f"update of sharded param(s) {', '.join(sharded[:3])} needs the other shards ({why}; "
+      "e.g. optax.clip_by_global_norm needs the norm over all of them). Chain such "
+      "transformations outside offload, where they see global arrays: "
+      "optax.chain(optax.clip_by_global_norm(1.0), offlax.offload(optax.adamw(...), tier)); "
+      "or use offlax.HostTier on a mesh."
+    )
 
 
 def _offloaded(x: Any) -> bool:
