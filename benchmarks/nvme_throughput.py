@@ -502,6 +502,7 @@ def child_main(args: argparse.Namespace) -> dict[str, Any]:
         store_dir,
         cache_bytes=args.cache_bytes,
         chunk_bytes=args.chunk_bytes,
+        readahead=args.readahead,
         fsync=bool(args.fsync),
         progress=False,
       )
@@ -605,6 +606,7 @@ def run_child(
     "--warmup", str(args.warmup),
     "--cache-bytes", str(cache),
     "--chunk-bytes", str(chunk),
+    "--readahead", str(args.readahead),
   ]  # fmt: skip
   if args.warm_cache:
     cmd.append("--warm-cache")
@@ -920,6 +922,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     "--chunk-mib", type=float, default=None,
     help="NVMeTier chunk_bytes in MiB (64, capped at 1/8 of the state)",
   )  # fmt: skip
+  parser.add_argument(
+    "--readahead", type=int, default=2, help="NVMeTier readahead: slices read ahead (2)"
+  )
   parser.add_argument("--no-nofsync", action="store_true", help="skip the fsync=False run")
   parser.add_argument(
     "--no-malloc-hugetlb", dest="malloc_hugetlb", action="store_false",

@@ -62,7 +62,7 @@ def measure(tier: str, params_m: float, args: argparse.Namespace, workdir: pathl
   state_bytes = n_params * nvme.STATE_BYTES_PER_PARAM
   cache, chunk = nvme.auto_tier_bytes(state_bytes, None, None)
   child_args = argparse.Namespace(
-    params_m=params_m, steps=args.steps, warmup=args.warmup, warm_cache=False,
+    params_m=params_m, steps=args.steps, warmup=args.warmup, warm_cache=False, readahead=2,
     child_timeout=args.child_timeout,
   )  # fmt: skip
   mode = "tier" if tier == "nvme" else "host"

@@ -248,6 +248,32 @@ def run_nvme(axis_type, base):
     }
     tier.close()
   out["resharded"] = resharded
+  # An update that reads the tree's dtypes (a constant cast to the highest one):
+  # each device runs it in one slice, and it is still elementwise, per shard.
+  mixed = {
+    n: jax.device_put(
+      jnp.linspace(-1, 1, 512, dtype=d).reshape(64, 8), NamedSharding(mesh, P("data"))
+    )
+    for n, d in (("a", jnp.float32), ("b", jnp.bfloat16))
+  }
+
+  def scale_by_highest_dtype(updates, state, params=None):
+    c = jnp.asarray(0.3, optax.tree.dtype(updates, "highest"))
+    return jax.tree.map(lambda g: (g * c).astype(g.dtype), updates), state
+
+  reads_dtypes = optax.chain(
+    optax.GradientTransformation(lambda p: optax.EmptyState(), scale_by_highest_dtype),
+    optax.sgd(0.1, momentum=0.9),
+  )
+  opt = offlax.offload(reads_dtypes, nvme_tier(os.path.join(base, "mixed")))
+  state, ref_state = opt.init(mixed), reads_dtypes.init(mixed)
+  mixed_exact = []
+  for i in range(2):
+    g = jax.tree.map(lambda x, i=i: jnp.sin(x * (i + 2)), mixed)
+    u, state = jax.jit(opt.update)(g, state, mixed)
+    want, ref_state = jax.jit(reads_dtypes.update)(g, ref_state, mixed)
+    mixed_exact.append(same(u, want))
+  out["mixed_dtypes_exact"] = mixed_exact
   # The block of each mesh position, as offlax.reshard computes it, is JAX's.
   sizes = dict(mesh.shape)
   bounds = lambda index: [s.indices(n) for s, n in zip(index, (64, 32), strict=True)]

@@ -102,6 +102,12 @@ def test_nvme_tier_on_the_mesh_is_exact_with_optax(results, mesh):
 
 
 @pytest.mark.parametrize("mesh", MESHES)
+def test_nvme_tier_on_the_mesh_with_an_update_that_reads_the_tree_dtypes(results, mesh):
+  """A constant cast to the tree's highest dtype: one slice per device, not refused, exact."""
+  assert results[mesh]["nvme"]["mixed_dtypes_exact"] == [True, True]
+
+
+@pytest.mark.parametrize("mesh", MESHES)
 def test_nvme_tier_keeps_one_store_per_device_with_only_its_shard(results, mesh):
   got = results[mesh]["nvme"]
   assert got["shards"] == list(range(8))

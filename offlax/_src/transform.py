@@ -310,9 +310,6 @@ class _Step:
     ]
     flat_update, args = restricted(set(leaves))
     jaxpr = jax.make_jaxpr(flat_update)(*args)
-    reason = _dtype_dependence(restricted, leaves, args[0], jaxpr)
-    if reason is not None:
-      return coupling_lib.single_group(len(leaves), reason)
     p_args = args[2]
     owner = lambda o: o if o == coupling_lib.GLOBAL else position[o]
     in_owners = (
@@ -322,7 +319,15 @@ class _Step:
       + [coupling_lib.GLOBAL] * len(arrays)
     )
     out_owners = list(range(len(leaves))) + [owner(o) for o in layout.owners]
-    return coupling_lib.analyze(jaxpr, in_owners, out_owners, shapes)
+    coupling = coupling_lib.analyze(jaxpr, in_owners, out_owners, shapes)
+    reason = (
+      None if len(coupling.groups) < 2 else _dtype_dependence(restricted, leaves, args[0], jaxpr)
+    )
+    if reason is None:
+      return coupling
+    # One slice; each leaf's update is still its own (elementwise leaves stay
+    # `splittable`: the NVMe tier on a mesh updates each shard by itself).
+    return dataclasses.replace(coupling, groups=(tuple(range(len(leaves))),), reason=reason)
 
   def _stream(self, layout, items, slices, spec, io):
     """Runs the inner update slice by slice; see README "The streaming schedule"."""
@@ -517,15 +522,15 @@ def _check_per_shard(coupling: coupling_lib.Coupling, spec: ParamSpec, leaves: l
   """
   paths, mesh = spec.paths, spec.mesh
   sharded_leaf = lambda i: sharding_lib.shards(spec.specs[i], mesh, len(spec.shapes[i] or ())) > 1
+  # Elementwise (`splittable`) leaves need nothing but their own shard, even
+  # where the schedule keeps them in one slice (see `_dtype_dependence`).
   sharded = [
     paths[leaves[k]]
-    for group in coupling.groups
-    if not (len(group) == 1 and group[0] in coupling.splittable)
-    for k in group
-    if sharded_leaf(leaves[k])
+    for k in range(len(leaves))
+    if k not in coupling.splittable and sharded_leaf(leaves[k])
   ]
   if sharded:
-    why = coupling.reason or "it is not elementwise"
+    why = (coupling.reason if not coupling.splittable else None) or "it is not elementwise"
     raise errors.InvalidTierError(
       f"NVMeTier on a mesh updates each device's shard of the state by itself, but the inner "
       f"update of sharded param(s) {', '.join(sharded[:3])} needs the other shards ({why}; "
