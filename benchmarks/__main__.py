@@ -197,9 +197,9 @@ class Benchmark:
 BENCHMARKS = (
   Benchmark("host_overhead", (), ("--size-scale", "0.01", "--steps", "2"), 120,
             rows_host_overhead),
-  Benchmark("host_adam", ("--steps", "5"), ("--sizes-m", "0.1", "--steps", "1"), 180,
+  Benchmark("host_adam", ("--steps", "15"), ("--sizes-m", "0.1", "--steps", "1"), 180,
             rows_host_adam),
-  Benchmark("nvme_throughput", ("--no-nofsync", "--time-budget-s", "220"),
+  Benchmark("nvme_throughput", ("--no-nofsync", "--steps", "5", "--time-budget-s", "220"),
             ("--params-m", "2", "--raw-gib", "0.05", "--steps", "1", "--no-nofsync",
              "--no-plain-malloc", "--raw-passes", "1"),
             240, rows_nvme_throughput, takes_dir=True),

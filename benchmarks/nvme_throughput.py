@@ -898,6 +898,8 @@ def plot(result: dict[str, Any], path: pathlib.Path) -> None:
     f"({result['state_bytes'] / GB:.2f} GB state), {result['steps']} steps, "
     f"{fs.get('fstype', '?')} on {fs.get('device', '?')}; whiskers: min to max"
   )
+  if "hugetlb" in tiers.get("fsync", {}).get("glibc_tunables", ""):
+    title += f"\ntier runs started with GLIBC_TUNABLES={HUGETLB}, except 'default malloc'"
   _common.save_png(fig, path, suptitle=title)
 
 
