@@ -108,11 +108,12 @@ GiB = 2**30
 LEARNING_RATE = 1e-3
 GOAL_RATIO = 0.8
 # On the CPU backend every step fills fresh buffers XLA allocates (slices read
-# back, the updates): with 4 KiB pages that is a page fault per 4 KiB, a fifth
-# of the step at 1 GB of state. Where transparent huge pages are in "madvise"
-# mode, this glibc tunable (read when a process starts) makes malloc advise
-# them. The tier's processes run with it unless --no-malloc-hugetlb; the
-# "default malloc" run measures the tier without it.
+# back, the updates): with 4 KiB pages that is a page fault per 4 KiB, 17-25%
+# of the step. Where transparent huge pages are in "madvise" mode, this glibc
+# tunable (read when a process starts) makes malloc advise them. The tier's
+# processes run with it unless --no-malloc-hugetlb; the "default malloc" run
+# measures the tier without it.
+# offlax's telemetry.HUGETLB_TUNABLE, spelled out: this process imports no JAX.
 HUGETLB = "glibc.malloc.hugetlb=1"
 NUM_MATRICES = 32
 MATRIX_COLS = (1024, 4096, 2048, 8192)

@@ -127,3 +127,14 @@ def params():
 # Scripts the tests run in subprocesses (8 devices, 2 processes): not test modules,
 # and importing one here would start its run.
 collect_ignore = ["sharded_run.py", "multiprocess_worker.py"]
+
+
+def scale_by_highest_dtype(factor):
+  """Scales by `factor` cast to the tree's highest float dtype: reads the whole tree's dtypes."""
+
+  def update(updates, state, params=None):
+    del params
+    c = jnp.asarray(factor, optax.tree.dtype(updates, "highest"))
+    return jax.tree.map(lambda g: (g * c).astype(g.dtype), updates), state
+
+  return optax.GradientTransformation(lambda p: optax.EmptyState(), update)

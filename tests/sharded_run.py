@@ -201,6 +201,22 @@ def run_nvme(axis_type, base):
     errors["no_mesh"] = "accepted"
   except offlax.StoreMismatchError as e:
     errors["no_mesh"] = str(e)
+  try:  # keep=1: a shard a step ahead after a crash could not go back
+    offlax.offload(optax.adamw(1e-2), nvme_tier(os.path.join(base, "keep1"), keep=1)).init(params)
+    errors["keep1"] = "accepted"
+  except offlax.InvalidTierError as e:
+    errors["keep1"] = str(e)
+  # A step that failed on one shard was committed by the others: no snapshot of that.
+  tier = nvme_tier(path, resume=True)
+  tx(tier).init(params)
+  tier.shards[5].store.step -= 1
+  try:
+    tier.snapshot(os.path.join(base, "snapshot"))
+    errors["mixed_snapshot"] = "accepted"
+  except offlax.StoreError as e:
+    errors["mixed_snapshot"] = str(e)
+  tier.shards[5].store.step += 1
+  tier.close()
   out["errors"] = errors
   # A plain optax state moved into a sharded store (`retier`) continues exactly.
   tier = nvme_tier(os.path.join(base, "retier"))

@@ -105,6 +105,7 @@ def test_abstract_state_is_placed_like_init():
   )
   # The offload transformation itself stands for its inner transformation and tier.
   assert offlax.abstract_state(tx, params) == abstract
+  assert offlax.abstract_state(tx, params, offlax.HostTier(fraction=0.5)) == abstract  # equal
   with pytest.raises(offlax.InvalidTierError, match="different tier"):
     offlax.abstract_state(tx, params, offlax.HostTier())
 

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from conftest import scale_by_highest_dtype
 
 from offlax._src import coupling, schedule
 from offlax._src.layout import ParamSpec
@@ -143,21 +144,10 @@ def test_mixed_dtypes_alone_do_not_couple(inner):
   assert len(c.groups) == 3
 
 
-def _scale_by_highest_dtype(factor):
-  """Scales by `factor` cast to the tree's highest float dtype: reads the whole tree's dtypes."""
-
-  def update(updates, state, params=None):
-    del params
-    c = jnp.asarray(factor, optax.tree.dtype(updates, "highest"))
-    return jax.tree.map(lambda g: (g * c).astype(g.dtype), updates), state
-
-  return optax.GradientTransformation(lambda p: optax.EmptyState(), update)
-
-
 @pytest.mark.parametrize(
   "inner, why",
   [
-    (_scale_by_highest_dtype(0.1), "computes differently"),
+    (scale_by_highest_dtype(0.1), "computes differently"),
     (optax.inject_hyperparams(optax.adam)(learning_rate=1e-3), "fails without the others"),
   ],
 )

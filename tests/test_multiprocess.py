@@ -32,7 +32,7 @@ def test_two_processes_train_and_checkpoint(tmp_path):
   outs = []
   try:
     for p in procs:
-      outs.append(p.communicate(timeout=120)[0])
+      outs.append(p.communicate(timeout=300)[0])
   finally:  # never leave a process behind, whatever failed
     for p in procs:
       if p.poll() is None:

@@ -17,7 +17,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import assert_trees_equal, float_labels, long_profile, run_steps
+from conftest import (
+  assert_trees_equal,
+  float_labels,
+  long_profile,
+  run_steps,
+  scale_by_highest_dtype,
+)
 from hypothesis import assume, event, given
 from hypothesis import strategies as st
 
@@ -206,17 +212,6 @@ def _same(got, want, got_state, where):
       raise AssertionError(f"{where}: {name}: {e}") from None
 
 
-def _scale_by_highest_dtype(factor):
-  """Scales by `factor` cast to the tree's highest float dtype: reads the whole tree's dtypes."""
-
-  def update(updates, state, params=None):
-    del params
-    c = jnp.asarray(factor, optax.tree.dtype(updates, "highest"))
-    return jax.tree.map(lambda g: (g * c).astype(g.dtype), updates), state
-
-  return optax.GradientTransformation(lambda p: optax.EmptyState(), update)
-
-
 @pytest.mark.parametrize("compute", ["device", "host"])
 @pytest.mark.parametrize("low", [("float16", "bfloat16"), ("bfloat16",)], ids=["f16_bf16", "bf16"])
 @pytest.mark.parametrize("name", ["inject_hyperparams", "highest_dtype"])
@@ -234,7 +229,7 @@ def test_updates_that_read_the_tree_dtypes(name, low, compute):
   params |= {f"b{i}": jnp.linspace(0, 1, n).astype(d) for i, d in enumerate(low)}
   inner = {
     "inject_hyperparams": optax.inject_hyperparams(optax.adam)(learning_rate=1e-3),
-    "highest_dtype": optax.chain(_scale_by_highest_dtype(0.3), optax.sgd(0.1, momentum=0.9)),
+    "highest_dtype": optax.chain(scale_by_highest_dtype(0.3), optax.sgd(0.1, momentum=0.9)),
   }[name]
   tier = offlax.HostTier(chunk_bytes=600, compute=compute)
   got = run_steps(offlax.offload(inner, tier), params, steps=2)

@@ -157,6 +157,8 @@ def test_nvme_tier_refuses_another_mesh_or_a_coupled_update(results, mesh):
   assert "state leaf [0].v_row['w'] is shaped [256], unlike its param ['w']" in errors["factored"]
   assert "holds the state of params sharded on a mesh" in errors["no_mesh"]
   assert "these params are on no mesh" in errors["no_mesh"]
+  assert "NVMeTier(keep=1) on a mesh" in errors["keep1"] and "keep >= 2" in errors["keep1"]
+  assert "a step failed on some of them" in errors["mixed_snapshot"]
 
 
 # -- the rules, in this process --------------------------------------------------

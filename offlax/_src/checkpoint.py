@@ -52,7 +52,7 @@ def abstract_state(
   errors.check_transformation(inner, "abstract_state: inner")
   wrapped = getattr(inner.init, "offlax_offload", None)
   if wrapped is not None:
-    if tier is not None and tier is not wrapped[1]:
+    if tier is not None and tier != wrapped[1]:
       raise errors.InvalidTierError(
         f"abstract_state got an offload transformation (tier {wrapped[1]!r}) and a different "
         f"tier {tier!r}; pass either offload(inner, tier), or inner and tier."
@@ -184,8 +184,8 @@ def reshard(
   of `src` is read (through the same chunk files tensorstore opens) into the
   whole state in host RAM, and `dest` is created from it as `init` would, one
   store per device of `params`' mesh, each with its block; then
-  `NVMeTier(dest, resume=True)` continues. Run it in one process that sees all
-  of `src`'s shards, or in every process of the new mesh (each writes its own
+  `NVMeTier(dest, resume=True)` continues. Run it in a single-process job that
+  sees all of `src`'s shards, or in every process of the new mesh (each writes its own
   devices' stores, like `init`), with no process training on `src`.
 
   Args:

@@ -525,21 +525,7 @@ def _metadata_problem(records, step, generation, chunk_bytes, generations, kept)
 
 def _write_metadata(directory: str, meta: dict, *, fsync: bool) -> None:
   """Replaces `offlax.json` atomically: write, fsync, rename, fsync the directory."""
-  name = os.path.join(directory, _METADATA)
-  tmp = name + ".tmp"
-  fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-  with os.fdopen(fd, "w") as f:
-    json.dump(meta, f, indent=1)
-    f.flush()
-    if fsync:
-      os.fsync(f.fileno())
-  os.replace(tmp, name)
-  if fsync:
-    dir_fd = os.open(directory, os.O_RDONLY)
-    try:
-      os.fsync(dir_fd)
-    finally:
-      os.close(dir_fd)
+  _write_json(directory, _METADATA, meta, fsync=fsync)
 
 
 def rollback(path: str | os.PathLike, step: int) -> int:
@@ -821,6 +807,15 @@ class NVMeTier:
     dest = os.fspath(dest)
     if not self.shards:
       return copy_store(self.path, dest, progress=self.progress)
+    local = [shard.store.step for shard in self.shards.values()]
+    steps = _all_processes(np.array([min(local), max(local)], np.int64))
+    if steps[:, 0].min() != steps[:, 1].max():
+      # A step that failed on some shards (a write error) was committed by others.
+      raise errors.StoreError(
+        f"{self.path}: the shards' stores are at steps {steps[:, 0].min()} to "
+        f"{steps[:, 1].max()} (a step failed on some of them); close the tier and reopen it "
+        "with NVMeTier(..., resume=True), which brings them to one step, then save."
+      )
     os.makedirs(dest, mode=0o700, exist_ok=True)
     for i, shard in self.shards.items():
       copy_store(shard.path, os.path.join(dest, _shard_dir(i)), progress=self.progress)
@@ -858,6 +853,13 @@ class NVMeTier:
     returns it): each device's block is cut from them on the host.
     """
     mesh = spec.mesh
+    if self.keep is not None and self.keep < 2:
+      # Shards commit independently: after a crash between two commits, the ones
+      # ahead go back a step, which they must still keep.
+      raise errors.InvalidTierError(
+        f"NVMeTier(keep={self.keep}) on a mesh: each device's store commits on its own, so "
+        "reopening after a crash may roll some back one step; that needs keep >= 2."
+      )
     abstract = jax.eval_shape(inner.init, params)
     layout = layout_lib.StateLayout(abstract, spec)
     shapes = layout.split(abstract)
@@ -865,14 +867,15 @@ class NVMeTier:
     record = sharding_lib.describe(mesh, spec.specs, spec.paths)
     record["shapes"] = _shapes_record(spec)
     name = os.path.join(self.path, _MESH)
-    if os.path.exists(os.path.join(self.path, _METADATA)):
+    # Every process looks before any writes (processes may share `path`), and
+    # all of them take the same decision, so none waits on one that gave up.
+    looked = np.array([os.path.exists(name), os.path.exists(os.path.join(self.path, _METADATA))])
+    found, plain = _all_processes(looked).astype(bool).T
+    if plain.any():
       raise errors.StoreMismatchError(
         f"{self.path} holds the store of params on no mesh; these params are sharded on "
         f"{_mesh_text(record)}. Open it with params on no mesh, or choose another path."
       )
-    # Every process looks before any writes (processes may share `path`), and
-    # all of them take the same decision, so none waits on one that gave up.
-    found = _all_processes(np.array([os.path.exists(name)]))[:, 0]
     if found.any() and not self.resume:
       raise errors.StoreExistsError(
         f"{self.path} already holds a sharded offlax store; pass NVMeTier(..., resume=True) "
@@ -1127,9 +1130,13 @@ def _read_json(name: str) -> dict:
 
 
 def _write_json(directory: str, filename: str, meta: dict, *, fsync: bool) -> None:
-  """Replaces `directory/filename` atomically; processes sharing `directory` may race."""
+  """Replaces `directory/filename` atomically: write, fsync, rename, fsync the directory.
+
+  The temporary file is this process's own (processes of one job may share
+  `directory` and write the same record; pids repeat across hosts).
+  """
   name = os.path.join(directory, filename)
-  tmp = f"{name}.{os.getpid()}.tmp"  # one per process: all of them write the same record
+  tmp = f"{name}.{jax.process_index()}.{os.getpid()}.tmp"
   fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
   with os.fdopen(fd, "w") as f:
     json.dump(meta, f, indent=1)
@@ -1196,10 +1203,10 @@ def read_sharded(
   """
   # Every process has closed its tier on `path` (its lock) before any reads.
   _all_processes(np.zeros(1))
-  error: errors.OffloadError | None = None
+  error: Exception | None = None
   try:
     result = _read_sharded(path, inner, params, spec, progress)
-  except errors.OffloadError as e:
+  except Exception as e:  # shared below, so that no process waits on this one
     error = e
   failed = _all_processes(np.array([error is not None]))[:, 0]
   if error is not None:
@@ -1268,16 +1275,28 @@ def _agree(path: str, shards: dict[int, NVMeTier]) -> None:
   With several processes the steps are compared across all of them.
   """
   steps, missing = {}, []
-  for i, shard in shards.items():
-    store = Store(shard.path, fsync=False)
-    if store.exists():
-      store.read_metadata()
-      steps[i] = store.step
-    else:
-      missing.append(i)
+  error: Exception | None = None
+  try:
+    for i, shard in shards.items():
+      store = Store(shard.path, fsync=False)
+      if store.exists():
+        store.read_metadata()
+        steps[i] = store.step
+      else:
+        missing.append(i)
+  except Exception as e:  # shared below, so that no process waits on this one
+    error = e
   big = np.iinfo(np.int64).max
   summary = np.array([min(steps.values(), default=big), max(steps.values(), default=-1)])
-  gathered = _all_processes(np.append(summary, len(missing)).astype(np.int64))
+  local = np.append(summary, [len(missing), error is not None]).astype(np.int64)
+  gathered = _all_processes(local)
+  if error is not None:
+    raise error
+  if gathered[:, 3].any():
+    raise errors.StoreCorruptedError(
+      f"{path}: reading the shards' metadata failed in process(es) "
+      f"{np.flatnonzero(gathered[:, 3])}; see their errors."
+    )
   summary = np.array([gathered[:, 0].min(), gathered[:, 1].max(), gathered[:, 2].sum()])
   low, high, n_missing = (int(v) for v in summary)
   if n_missing:
