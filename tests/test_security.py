@@ -8,6 +8,7 @@ import pickle
 import re
 import stat
 
+import jax
 import jax.numpy as jnp
 import optax
 import pytest
@@ -147,13 +148,14 @@ def test_files_are_owner_only(tmp_path):
 
 
 def test_commit_does_not_follow_a_planted_link(tmp_path):
-  """offlax.json.tmp (like .lock, see test_nvme.py) is opened with O_NOFOLLOW."""
+  """The commit's temporary file (like .lock, see test_nvme.py) is opened with O_NOFOLLOW."""
   victim = tmp_path / "victim"
   victim.write_text("keep me")
   store = tmp_path / "store"
   tier = offlax.NVMeTier(str(store), **SMALL)
   offlax.offload(optax.adam(1e-3), tier).init({"w": jnp.ones(8)})
-  os.symlink(victim, store / "offlax.json.tmp")
+  # Named per process (processes of one job may share a directory).
+  os.symlink(victim, store / f"offlax.json.{jax.process_index()}.{os.getpid()}.tmp")
   with pytest.raises(offlax.StoreError, match="cannot commit step 1"):
     tier.store.commit(1)
   tier.close()
