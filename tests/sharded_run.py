@@ -299,6 +299,14 @@ def run_nvme(axis_type, base):
     for spec in (P("data"), P(None, "model"), P(("model", "data")), P("model", "data"), P())
     for i, d in enumerate(mesh.devices.flat)
   )
+  # Rolled back from the sharded root: every shard's store.
+  read_step = lambda i: Store(os.path.join(path, f"shard_{i:05d}"), fsync=False).read_metadata()
+  before = sorted({read_step(i)["step"] for i in range(8)})
+  offlax.rollback(path, before[0] - 1)
+  out["root_rollback"] = {
+    "before": before,
+    "after": sorted({read_step(i)["step"] for i in range(8)}),
+  }
   return out
 
 

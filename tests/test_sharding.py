@@ -161,6 +161,12 @@ def test_nvme_tier_refuses_another_mesh_or_a_coupled_update(results, mesh):
   assert "a step failed on some of them" in errors["mixed_snapshot"]
 
 
+@pytest.mark.parametrize("mesh", MESHES)
+def test_nvme_rollback_of_a_sharded_root_rolls_back_every_shard(results, mesh):
+  got = results[mesh]["nvme"]["root_rollback"]
+  assert len(got["before"]) == 1 and got["after"] == [got["before"][0] - 1]
+
+
 # -- the rules, in this process --------------------------------------------------
 
 MESH = AbstractMesh((4, 2), ("data", "model"))

@@ -538,6 +538,9 @@ def rollback(path: str | os.PathLike, step: int) -> int:
   there with its size (`offlax.inspect_store(path, verify=True)` also checks
   their checksums).
 
+  For a sharded store (params on a mesh) `path` may be its root: every shard's
+  store under it is rolled back, after checking that all of them keep `step`.
+
   Args:
     path: the store directory.
     step: a kept step (`python -m offlax inspect PATH` lists them).
@@ -550,6 +553,8 @@ def rollback(path: str | os.PathLike, step: int) -> int:
     StoreCorruptedError: a chunk file of `step` is missing or has the wrong size.
     StoreLockedError: another process has the store open.
   """
+  if is_sharded(os.fspath(path)):
+    return _rollback_shards(os.fspath(path), step)
   store = Store(os.fspath(path), fsync=True)
   if not store.exists():
     raise errors.StoreError(f"rollback: no offlax store in {store.path}.")
@@ -573,6 +578,24 @@ def rollback(path: str | os.PathLike, step: int) -> int:
     store.make_current(int(step), gens[step], kept)
   finally:
     store.close()
+  return int(step)
+
+
+def _rollback_shards(path: str, step: int) -> int:
+  """`rollback` of every shard's store under the root `path` of a sharded store."""
+  shards = sorted(d for d in os.listdir(path) if d.startswith("shard_"))
+  for name in shards:  # all keep `step`, or none changes
+    store = Store(os.path.join(path, name), fsync=False)
+    store.read_metadata()
+    if step not in {s for s, _ in store.kept}:
+      raise errors.StepNotKeptError(
+        f"rollback: {store.path} does not keep step {step!r}; it keeps steps "
+        f"{sorted(s for s, _ in store.kept)}. No shard was changed."
+      )
+  # Each shard's rollback is atomic; one that fails midway leaves shards at two
+  # steps, which reopening brings back to one (the lower: `step`).
+  for name in shards:
+    rollback(os.path.join(path, name), step)
   return int(step)
 
 

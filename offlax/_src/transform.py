@@ -141,11 +141,15 @@ class _Step:
       return self._on_shards(layout, items, spec, step)
     return self._streamed(layout, items, spec, step)
 
-  def _streamed(self, layout, items, spec: ParamSpec, step: Any, shard: Any = None):
-    """The streamed update (`_stream`) of `items`; `shard`: see `DiskIO`."""
+  def _streamed(self, layout, items, spec: ParamSpec, step: Any, shard: Any = None, coupling=None):
+    """The streamed update (`_stream`) of `items`; `shard`: see `DiskIO`.
+
+    `coupling`: the whole tree's, when the caller has it (`_on_shards`).
+    """
     leaves = [i for i, s in enumerate(spec.shapes) if s is not None]
     shapes = [s for s in spec.shapes if s is not None]
-    coupling = self._analyze(layout, items, leaves, shapes)
+    if coupling is None:
+      coupling = self._analyze(layout, items, leaves, shapes)
     offloaded = [_offloaded(x) for x in items]
     mesh_plan = self._mesh_plan(spec, layout, items, offloaded)
     if mesh_plan is None:
@@ -200,7 +204,7 @@ class _Step:
       )
       extra_args = jax.tree.unflatten(extra_def, _fill(extra_leaves, arrays, e))
       per_device = _Step(self.inner, self.tier, updates, layout.merge(its), params, extra_args)
-      new_u, new_state = per_device._streamed(layout, its, local, step, shard)
+      new_u, new_state = per_device._streamed(layout, its, local, step, shard, coupling)
       new_items = layout.split(new_state.inner_state)
       new_u = jax.tree.leaves(new_u, is_leaf=layout_lib.is_masked)
       return [new_u[i] for i in leaves], [new_items[j] for j in hot], new_state.step
