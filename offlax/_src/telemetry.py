@@ -283,7 +283,7 @@ def check_hugepages(nvme_bytes: int, platform: str) -> None:
 
   On the CPU backend each step fills fresh buffers that XLA allocates (slices
   read back, the updates), so with 4 KiB pages it faults once per 4 KiB of
-  state: 17-25% of the step in benchmarks/nvme_throughput.py. If
+  state: 8-25% of the step in benchmarks/nvme_throughput.py. If
   transparent huge pages are in "madvise" mode, only a process started with
   the tunable gets them for malloc'd memory; nothing can turn it on later.
   """
@@ -299,7 +299,7 @@ def check_hugepages(nvme_bytes: int, platform: str) -> None:
       f"offlax: the NVMe tier streams {format_bytes(nvme_bytes)} through buffers XLA allocates "
       "afresh each step, and transparent huge pages are in madvise mode here: start Python "
       f"with {HUGETLB_TUNABLE} in GLIBC_TUNABLES (':'-separated, after any tunables already "
-      "set) to get them (steps 17-25% shorter in benchmarks/nvme_throughput.py).",
+      "set) to get them (steps 8-25% shorter in benchmarks/nvme_throughput.py).",
       errors.PerformanceWarning,
       stacklevel=4,
     )
