@@ -68,6 +68,16 @@ for i in range(4):
   u, ref_state = ref_step(grads(i), ref_state, params)
   ref.append(u)
 
+
+def exact_steps(step, state, steps):
+  """`step` at each of `steps`: whether every update equals optax's, and the last state."""
+  ok = []
+  for i in steps:
+    u, state = step(grads(i), state, params)
+    ok.append(same(u, ref[i]))
+  return all(ok), state
+
+
 for name, tier in {
   "stream": offlax.HostTier(chunk_bytes=256),
   "zero1": offlax.HostTier(chunk_bytes=256, shard_axis="data"),
@@ -76,13 +86,10 @@ for name, tier in {
   tx = offlax.offload(inner, tier)
   state = tx.init(params)
   step = jax.jit(tx.update)
-  ok = []
-  for i in range(2):
-    u, state = step(grads(i), state, params)
-    ok.append(same(u, ref[i]))
+  exact, state = exact_steps(step, state, range(2))
   mu = state.inner_state[1][0].mu
   results[name] = {
-    "exact": all(ok),
+    "exact": exact,
     "kinds": sorted({x.sharding.memory_kind for x in jax.tree.leaves(mu)}),
     "specs": {k: str(v.sharding.spec) for k, v in mu.items()},
     "local_bytes": {k: sum(s.data.nbytes for s in v.addressable_shards) for k, v in mu.items()},
@@ -95,11 +102,7 @@ for name, tier in {
     mngr.wait_until_finished()
     target = offlax.abstract_state(inner, params, tier)
     restored = mngr.restore(2, args=ocp.args.StandardRestore(target))
-  ok = []
-  for i in (2, 3):
-    u, restored = step(grads(i), restored, params)
-    ok.append(same(u, ref[i]))
-  results[name]["resumed_exact"] = all(ok)
+  results[name]["resumed_exact"], restored = exact_steps(step, restored, (2, 3))
   results[name]["restored_kinds"] = sorted(
     {x.sharding.memory_kind for x in jax.tree.leaves(restored.inner_state[1][0].mu)}
   )
@@ -112,11 +115,8 @@ tier = offlax.NVMeTier(store, **options)
 tx = optax.chain(optax.clip_by_global_norm(1.0), offlax.offload(optax.adamw(1e-2), tier))
 state = tx.init(params)
 step = jax.jit(tx.update)
-ok = []
-for i in range(2):
-  u, state = step(grads(i), state, params)
-  ok.append(same(u, ref[i]))
-got = {"exact": all(ok), "shards": sorted(tier.shards), "step": tier.store.step}
+exact, state = exact_steps(step, state, range(2))
+got = {"exact": exact, "shards": sorted(tier.shards), "step": tier.store.step}
 # An orbax checkpoint of the store (each process copies its own shards), restored
 # to a new path, reopened there, and 2 more steps.
 with ocp.CheckpointManager(os.path.join(ckpt_dir, "nvme_ckpt")) as mngr:
@@ -129,11 +129,8 @@ tier = offlax.NVMeTier(restored, resume=True, **options)
 tx = optax.chain(optax.clip_by_global_norm(1.0), offlax.offload(optax.adamw(1e-2), tier))
 state = tx.init(params)
 step = jax.jit(tx.update)
-ok = []
-for i in (2, 3):
-  u, state = step(grads(i), state, params)
-  ok.append(same(u, ref[i]))
-got.update(resumed_exact=all(ok), resumed_step=tier.store.step)
+resumed_exact, state = exact_steps(step, state, (2, 3))
+got.update(resumed_exact=resumed_exact, resumed_step=tier.store.step)
 got["dirs"] = sorted(d for d in os.listdir(restored) if d.startswith("shard_"))
 tier.close()
 # Resharded for other specs (offlax.reshard: each process reads every shard through

@@ -180,13 +180,7 @@ class Store:
 
   def read_metadata(self) -> dict:
     name = os.path.join(self.path, _METADATA)
-    try:
-      with open(name) as f:
-        meta = json.load(f)
-    except (OSError, ValueError) as e:
-      raise errors.StoreCorruptedError(f"cannot read {name}: {e}") from e
-    if not isinstance(meta, dict):
-      raise errors.StoreCorruptedError(f"{name} is malformed: not a JSON object.")
+    meta = _read_json(name)
     version = meta.get("format_version")
     if not isinstance(version, int) or version > FORMAT_VERSION:
       raise errors.StoreCorruptedError(
