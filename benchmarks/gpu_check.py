@@ -4,7 +4,8 @@ What the CPU cannot show, checked in one run of a few minutes on a GPU machine:
 
 1. correctness: `offlax.offload(optax.adamw)` streamed in small slices (leaves cut into rows and
    rejoined on the host), in one slice, and with `HostTier(compute="host")` (the update under
-   `compute_on("device_host")`), against plain optax on the same GPU, over 3 steps;
+   `compute_on("device_host")`), and with the NVMe tier (its callbacks move the slices
+   between the GPU and the disk), against plain optax on the same GPU, over 3 steps;
 2. device memory: `compiled.memory_analysis()` of a jitted AdamW step on ~1B parameters
    (compiled from shapes, nothing allocated), all state on the device vs the host tier vs
    host compute:
@@ -33,6 +34,7 @@ import argparse
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 if __package__ in (None, ""):  # run as a file: make `benchmarks` importable
@@ -82,6 +84,15 @@ def _materialise(shapes, seed):
 
 
 def check_correctness(offlax, optax, jax, np):
+  with tempfile.TemporaryDirectory(prefix="offlax-gpu-check-") as tmp:
+    nvme = offlax.NVMeTier(tmp, cache_bytes=4096, chunk_bytes=64 * 1024, progress=False)
+    try:
+      return _correctness(offlax, optax, jax, np, nvme)
+    finally:
+      nvme.close()
+
+
+def _correctness(offlax, optax, jax, np, nvme):
   shapes = _params(2e5, layers=2)
   params = _materialise(shapes, 0)
   inner = optax.adamw(1e-3)
@@ -96,6 +107,7 @@ def check_correctness(offlax, optax, jax, np):
     ("host_compute", host, inner),
     ("host_compute_offlax_adamw", host, offlax.adamw(1e-3)),
     ("host_compute_native_update", host, offlax.adamw(1e-3, native_update=True)),
+    ("nvme", nvme, inner),
   ):
     txs = {"plain": inner, "offlax": offlax.offload(offloaded, tier)}
     out = {}

@@ -429,13 +429,15 @@ class CallbackTimer:
       from offlax._src import nvme_tier
 
       reader = nvme_tier._Reader
-      for attr in ("read", "write", "commit"):
+      for attr in ("_read", "_write_slice", "commit"):
         getattr(reader, attr)
       store.commit  # noqa: B018
     except (ImportError, AttributeError):
       return
-    self._wrap(reader, "read", "read_callback")
-    self._wrap(reader, "write", "write_callback")
+    # What the read and write callbacks run, whether the data then crosses by
+    # the native copy or through the callback itself.
+    self._wrap(reader, "_read", "read_callback")
+    self._wrap(reader, "_write_slice", "write_callback")
     self._wrap(reader, "commit", "commit_callback")
     self._wrap(store, "commit", "commit_flush")
     self.available = True

@@ -16,6 +16,7 @@ import pytest
 from conftest import assert_trees_equal, grads_like, model_params
 
 import offlax
+from offlax._src import ffi
 from offlax._src.layout import StateLayout
 from offlax._src.nvme_tier import Store
 from offlax._src.transform import _spec_of
@@ -58,13 +59,29 @@ OPTIMIZERS = {
 }
 
 
+@pytest.fixture(params=["native", "callback"])
+def transport(request, monkeypatch):
+  """How slices cross between XLA and the tier on the CPU: native copies, or the callbacks."""
+  if request.param == "callback":
+    monkeypatch.setattr(ffi, "_registered", False)
+  else:
+    assert ffi.available(), "offlax's native library did not build (see the log)"
+  return request.param
+
+
 @pytest.mark.parametrize("name", OPTIMIZERS)
-def test_bit_identical_to_inner(tmp_path, name):
+def test_bit_identical_to_inner(tmp_path, name, transport):
   params = _float_params()
   inner = OPTIMIZERS[name]()
   want_params, want_state = _train(inner, params, 3)
   tier = _tier(tmp_path / name)
-  got_params, got_state = _train(offlax.offload(inner, tier), params, 3)
+  tx = offlax.offload(inner, tier)
+  state = tx.init(params)
+  lowered = jax.jit(lambda p, s, g: tx.update(g, s, p)).lower(params, state, params).as_text()
+  # The data crosses by the native copies or by the callbacks, never both.
+  copies = lowered.count("offlax_from_slice"), lowered.count("offlax_to_slice")
+  assert copies[0] == copies[1] and (copies[0] > 0) == (transport == "native")
+  got_params, got_state = _train(tx, params, 3, state)
   assert_trees_equal(got_params, want_params)
   assert int(got_state.step) == 3 and tier.store.step == 3
   stored, step = _stored_state(tmp_path / name, want_state, params)
@@ -359,8 +376,8 @@ def test_direct_io(tmp_path, monkeypatch):
   clear_direct = nvme_tier._clear_direct
   monkeypatch.setattr(nvme_tier, "_clear_direct", lambda fd: direct.append(fd) or clear_direct(fd))
   # Chunks of 8 KiB: "a" two whole ones; "b" a whole one and a short one of one
-  # block (read directly, written through the page cache with its padding); "c"
-  # a short one of 1 KiB (page cache both ways).
+  # block (read directly, written directly with its block of padding); "c" a
+  # short one of 1 KiB (page cache both ways).
   params = {"a": jnp.linspace(-1, 1, 4096), "b": jnp.linspace(0, 2, 3072), "c": jnp.ones(256)}
   want_params, want_state = _train(optax.adam(1e-3), params, 3)
   tier = _tier(tmp_path, chunk_bytes=8192, cache_bytes=0)
@@ -393,3 +410,32 @@ def test_no_io_after_close(tmp_path):
   assert int(state.step) == 1 and tier.store.step == 1
   with pytest.raises(Exception, match="the tier was closed"):
     jax.block_until_ready(step(params, state, grads_like(params, 1)))
+
+
+def test_native_copy_checks_the_slice_buffer():
+  """The native copies refuse arrays that would not fit in the buffer they are told of."""
+  assert ffi.available(), "offlax's native library did not build (see the log)"
+  buffer = np.zeros(4096, np.uint8)
+
+  def where(nbytes):
+    words = [buffer.ctypes.data, nbytes]
+    return np.array([w >> s & 0xFFFFFFFF for w in words for s in (0, 32)], np.uint32)
+
+  x = jnp.arange(512, dtype=jnp.float32)  # 2 KiB
+  to = jax.ffi.ffi_call(
+    "offlax_to_slice", jax.ShapeDtypeStruct((), jnp.int32), has_side_effect=True
+  )
+  back = jax.ffi.ffi_call(
+    "offlax_from_slice",
+    (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct((), jnp.int32)),
+  )
+  offsets = np.array([2048], np.int64)
+  jax.block_until_ready(to(where(4096), jnp.int32(0), x, offsets=offsets))
+  np.testing.assert_array_equal(buffer[2048:].view(np.float32), x)
+  np.testing.assert_array_equal(back(where(4096), offsets=offsets)[0], x)
+  for bad in (where(4095), where(0)):
+    with pytest.raises(Exception, match="does not fit in the slice buffer"):
+      jax.block_until_ready(to(bad, jnp.int32(0), x, offsets=offsets))
+    with pytest.raises(Exception, match="does not fit in the slice buffer"):
+      jax.block_until_ready(back(bad, offsets=offsets))
+  np.testing.assert_array_equal(buffer[:2048], 0)  # nothing written out of place

@@ -16,24 +16,14 @@ host's share of a step whose update leaves the host (`HostTier(compute="host")`)
 On other platforms (a GPU program outside its host computation, which JAX
 lowers for the CPU) and for leaves the kernel does not cover, the same
 arithmetic runs as plain JAX, or optax itself runs. The
-kernel is compiled with the system C++ compiler on first use and cached; if
-that fails, or `OFFLAX_NATIVE=0`, plain JAX runs everywhere, with the same
-results.
+kernel is compiled with the system C++ compiler on first use and cached
+(`ffi.py`); if that fails, or `OFFLAX_NATIVE=0`, plain JAX runs everywhere,
+with the same results.
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import hashlib
-import logging
-import os
-import pathlib
-import platform
-import re
-import subprocess
-import tempfile
-import threading
 from typing import Any, NamedTuple
 
 import jax
@@ -42,11 +32,10 @@ import numpy as np
 import optax
 from optax._src import numerics
 
-_LOG = logging.getLogger("offlax")
+from offlax._src import ffi
+
 _TARGET = "offlax_adam_f32"
 _MOMENTS = "offlax_adam_moments_f32"
-_SOURCE = pathlib.Path(__file__).parent / "native" / "adam.cc"
-_FLAGS = ["-std=c++17", "-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno"]
 
 
 def adam(
@@ -335,76 +324,6 @@ def fused_update(g, m, v, p, vector, *, decay: bool):
   return call(g, m, v, p, vector, decay=decay)
 
 
-_lock = threading.Lock()
-_registered: bool | None = None
-
-
 def native_available() -> bool:
-  """Builds (once per machine) and registers the kernel; False if it cannot."""
-  global _registered
-  with _lock:
-    if _registered is None:
-      _registered = _register()
-    return _registered
-
-
-def _register() -> bool:
-  if os.environ.get("OFFLAX_NATIVE", "1") == "0":
-    return False
-  try:
-    library = ctypes.CDLL(str(_build()))
-    for name, symbol in (
-      (_TARGET, library.OfflaxAdamF32),
-      (_MOMENTS, library.OfflaxAdamMomentsF32),
-    ):
-      jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(symbol), platform="cpu")
-  except (OSError, subprocess.SubprocessError, AttributeError) as e:
-    _LOG.warning("offlax: native Adam kernel unavailable, using plain JAX: %s", e)
-    return False
-  return True
-
-
-def _flags() -> list[str]:
-  """Compiler flags; no FMA where XLA:CPU is told not to use it (as it then does not)."""
-  isa = re.search(r"--xla_cpu_max_isa=(\w+)", os.environ.get("XLA_FLAGS", ""))
-  if isa and isa.group(1).upper() in ("SSE4_2", "AVX", "NEON"):
-    return [*_FLAGS, "-mno-fma"]
-  return list(_FLAGS)
-
-
-def _build() -> pathlib.Path:
-  """Compiles native/adam.cc into the cache directory, unless it is there."""
-  include = jax.ffi.include_dir()
-  flags = _flags()
-  key = hashlib.sha256()
-  for part in (_SOURCE.read_bytes(), " ".join(flags).encode(), include.encode(), _cpu_id()):
-    key.update(part)
-  cache = pathlib.Path(
-    os.environ.get("OFFLAX_CACHE_DIR")
-    or pathlib.Path(os.environ.get("XDG_CACHE_HOME", pathlib.Path.home() / ".cache")) / "offlax"
-  )
-  target = cache / f"adam-{key.hexdigest()[:16]}.so"
-  if target.exists():
-    return target
-  cache.mkdir(parents=True, exist_ok=True)
-  compiler = os.environ.get("CXX", "c++")
-  # Built beside the target and renamed: concurrent builders never load half a file.
-  with tempfile.TemporaryDirectory(dir=cache) as tmp:
-    out = pathlib.Path(tmp) / target.name
-    cmd = [compiler, *flags, "-fPIC", "-shared", f"-I{include}", str(_SOURCE), "-o", str(out)]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    if run.returncode != 0:
-      raise OSError(f"{' '.join(cmd)} failed: {run.stderr.strip()[-2000:]}")
-    os.replace(out, target)
-  return target
-
-
-def _cpu_id() -> bytes:
-  """What -march=native compiles for: the machine and its CPU's flags."""
-  flags = ""
-  try:
-    with open("/proc/cpuinfo") as f:
-      flags = next((line for line in f if line.startswith("flags")), "")
-  except OSError:
-    pass
-  return f"{platform.machine()} {flags}".encode()
+  """Whether the kernel runs: offlax's native library built and registered (`ffi.available`)."""
+  return ffi.available()

@@ -69,7 +69,7 @@ from jax.experimental import io_callback
 from jax.sharding import PartitionSpec as P
 
 from offlax._src import coupling as coupling_lib
-from offlax._src import errors
+from offlax._src import errors, ffi
 from offlax._src import layout as layout_lib
 from offlax._src import schedule as schedule_lib
 from offlax._src import sharding as sharding_lib
@@ -401,7 +401,8 @@ class Store:
         os.makedirs(directory, mode=0o700, exist_ok=True)
         self._made_dirs.add(directory)
       name = os.path.join(directory, str(c))
-      direct = pad == 0 and self._direct(data)
+      # A short last chunk too, when its zero padding is whole blocks.
+      direct = pad % _BLOCK == 0 and self._direct(data)
       flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (_O_DIRECT if direct else 0)
       fd = os.open(name, flags, 0o600)
       self._written.add(name)
@@ -409,7 +410,8 @@ class Store:
         # In place: this generation is not the committed one, so a torn file
         # here is never read back.
         if direct:
-          _pwrite_all(fd, [data], 0)  # to the disk, no page cache copy or writeback
+          # To the disk, no page cache copy or writeback.
+          _pwrite_all(fd, [data, *_zero_parts(pad)], 0)
           _clear_direct(fd)  # the 4-byte checksum is not a whole block
           _pwrite_all(fd, [crc], chunk_nbytes)
         else:
@@ -1379,13 +1381,15 @@ _ZERO_BLOCK = 1 << 20
 
 
 @functools.cache
-def _zero_block() -> bytes:
-  return bytes(_ZERO_BLOCK)
+def _zero_block() -> np.ndarray:
+  block = _aligned_empty(_ZERO_BLOCK)  # aligned: direct I/O writes padding from it
+  block[:] = 0
+  return block
 
 
 def _zeros(n: int) -> memoryview:
   """`n` <= `_ZERO_BLOCK` zero bytes, without allocating."""
-  return memoryview(_zero_block())[:n]
+  return _zero_block().data[:n]
 
 
 def _zero_parts(n: int) -> list[memoryview]:
@@ -1531,6 +1535,12 @@ class DiskIO:
   k-2, and the last callback, which writes the cached items and commits, takes
   every ticket.
 
+  On XLA:CPU (with offlax's native library) the values do not cross the
+  callbacks: the read callback returns where slice k lies (its buffer's
+  address and size), `offlax_from_slice` copies it into XLA's arrays, and
+  `offlax_to_slice` copies the new values back into the same buffer before the
+  write callback (`submit`) hands it to the I/O threads (`native/slices.cc`).
+
   On a mesh the step runs per device inside `jax.shard_map`, `items` are one
   device's shards and `shard` is the device's mesh position (traced): every
   callback gets it first, and `_ByShard` hands it to that shard's store.
@@ -1546,6 +1556,7 @@ class DiskIO:
   def plan(self, keys):
     self.keys = keys
     self.tickets: list[tuple[int, Any]] = []  # (slice, write callback's result)
+    self.copied: dict[int, Any] = {}  # slice -> (where, ticket) of its native read
     self.host.plan(keys)
     self.cold = [
       [n for n, (j, _) in enumerate(ks) if isinstance(self.items[j], layout_lib.OnDisk)]
@@ -1586,11 +1597,30 @@ class DiskIO:
       # be free to run every read first and hold the whole state in memory.
       earlier = [t for i, t in self.tickets if i <= k - 2]
       dep = earlier[-1] if earlier else self.step
-      read = functools.partial(self.reader.read, k)
-      values = io_callback(read, avals, *self.shard, self.step, dep)
+      values, self.copied[k] = self._fetch(k, avals, dep)
       for n, x in zip(self.cold[k], values, strict=True):
         out[n] = x
     return out
+
+  def _fetch(self, k, avals, dep):
+    """Slice k's values, and (where, ticket) for `_put` on XLA:CPU with the native library."""
+    read = functools.partial(self.reader.read, k)
+    via_callback = lambda shard, step, dep: (
+      io_callback(read, avals, *shard, step, dep),
+      (jnp.zeros(4, jnp.uint32), jnp.int32(0)),
+    )
+    if not ffi.available():
+      return via_callback(self.shard, self.step, dep)
+
+    def native(shard, step, dep):
+      locate = functools.partial(self.reader.locate, k)
+      where = io_callback(locate, jax.ShapeDtypeStruct((4,), jnp.uint32), *shard, step, dep)
+      out = (*avals, jax.ShapeDtypeStruct((), jnp.int32))
+      copy = jax.ffi.ffi_call("offlax_from_slice", out, has_side_effect=True)
+      *values, ticket = copy(where, offsets=self.reader.offsets[k])
+      return values, (where, ticket)
+
+    return jax.lax.platform_dependent(self.shard, self.step, dep, cpu=native, default=via_callback)
 
   def store(self, k, values):
     out = [
@@ -1598,11 +1628,27 @@ class DiskIO:
       for n, (j, _) in enumerate(self.keys[k])
     ]
     if self.cold[k]:
-      ticket = jax.ShapeDtypeStruct((), jnp.int32)
       cold = [self._same_dtype(self.keys[k][n][0], values[n]) for n in self.cold[k]]
-      write = functools.partial(self.reader.write, k)
-      self.tickets.append((k, io_callback(write, ticket, *self.shard, *cold)))
+      self.tickets.append((k, self._put(k, cold)))
     return out
+
+  def _put(self, k, cold):
+    """Writes slice k's new values (the other end of `_fetch`); a ticket."""
+    ticket = jax.ShapeDtypeStruct((), jnp.int32)
+    write = functools.partial(self.reader.write, k)
+    via_callback = lambda shard, copied, cold: io_callback(write, ticket, *shard, *cold)
+    if not ffi.available():
+      return via_callback(self.shard, self.copied[k], cold)
+
+    def native(shard, copied, cold):
+      where, after = copied
+      copy = jax.ffi.ffi_call("offlax_to_slice", ticket, has_side_effect=True)
+      copied = copy(where, after, *cold, offsets=self.reader.offsets[k])
+      return io_callback(functools.partial(self.reader.submit, k), ticket, *shard, copied)
+
+    return jax.lax.platform_dependent(
+      self.shard, self.copied[k], cold, cpu=native, default=via_callback
+    )
 
   def finish(self, items):
     items = [self.items[j] if x is None else x for j, x in enumerate(items)]
@@ -1649,12 +1695,12 @@ class _Reader:
   """The Python side of one traced step's callbacks; reused by every call.
 
   Slice k is read into one buffer (from a small pool, so the step does not
-  touch fresh memory: first touches cost more than the copies here). Slice
-  k's write callback, which depends on its update and hence on XLA having
-  copied that buffer, copies the new values into the same buffer and leaves
-  the writes to the I/O threads (at most `readahead` slices of writes in
-  flight), so no XLA thread waits on the disk; the buffer returns to the pool
-  when they are done, and the commit waits for all of them.
+  touch fresh memory: first touches cost more than the copies here). The new
+  values of slice k go into the same buffer, once XLA has copied it out (they
+  depend on it): `write` copies them, or the native copy has before `submit`.
+  Either leaves the writes to the I/O threads (at most `readahead` slices of
+  writes in flight), so no XLA thread waits on the disk; the buffer returns
+  to the pool when they are done, and the commit waits for all of them.
   """
 
   def __init__(self, store: Store, reads, readahead: int):
@@ -1671,6 +1717,16 @@ class _Reader:
     # step and target the generation the next step writes: it waits for them.
     self._epoch = 0
     self._lock = threading.Lock()  # XLA may run callbacks on several threads
+    # Where slice k's items lie in its buffer (bytes); block-aligned, so whole
+    # chunks move with direct I/O.
+    self.offsets, self._nbytes = [], []
+    for slice_reads in reads:
+      offsets, total = [], 0
+      for index, a, b, _ in slice_reads:
+        offsets.append(total)
+        total += -(-(b - a) * np.dtype(store.records[index].dtype).itemsize // _BLOCK) * _BLOCK
+      self.offsets.append(np.array(offsets, np.int64))
+      self._nbytes.append(total)
 
   def _buffer(self, nbytes: int) -> np.ndarray:
     for i, b in enumerate(self._buffers):
@@ -1694,15 +1750,10 @@ class _Reader:
 
   def _views(self, k: int, buffer: np.ndarray | None = None):
     """Slice k's items laid out in one buffer (a pooled one unless given)."""
-    offsets, total = [], 0
-    for index, a, b, _ in self.reads[k]:
-      offsets.append(total)
-      # Block-aligned, so whole chunks move with direct I/O.
-      total += -(-(b - a) * np.dtype(self.store.records[index].dtype).itemsize // _BLOCK) * _BLOCK
     if buffer is None:
-      buffer = self._buffer(total)
+      buffer = self._buffer(self._nbytes[k])
     views = []
-    for (index, a, b, _), offset in zip(self.reads[k], offsets, strict=True):
+    for (index, a, b, _), offset in zip(self.reads[k], self.offsets[k], strict=True):
       dtype = np.dtype(self.store.records[index].dtype)
       views.append(buffer[offset : offset + (b - a) * dtype.itemsize].view(dtype))
     return views, buffer
@@ -1737,6 +1788,19 @@ class _Reader:
     with self._failing_bumps_epoch():
       return self._read(k, step)
 
+  def locate(self, k: int, step, after) -> np.ndarray:
+    """Reads slice k like `read`, but returns where it lies: its buffer's address and size.
+
+    The native copy (`DiskIO._fetch`) takes the values from there. The buffer
+    stays in use until `submit(k)` has written the slice back.
+    """
+    with self._failing_bumps_epoch():
+      self._read(k, step)
+      with self._lock:
+        buffer = self._in_use[k]
+    words = [buffer.ctypes.data, buffer.nbytes]
+    return np.array([w >> s & 0xFFFFFFFF for w in words for s in (0, 32)], np.uint32)
+
   def _read(self, k: int, step) -> list[np.ndarray]:
     self.store.telemetry.begin()
     self._settle()
@@ -1766,13 +1830,19 @@ class _Reader:
     with self._failing_bumps_epoch():
       return self._write_slice(k, values)
 
+  def submit(self, k: int, ticket) -> np.ndarray:
+    """Writes slice k back from its buffer, where the native copy put the new values."""
+    with self._failing_bumps_epoch():
+      return self._write_slice(k, None)
+
   def _write_slice(self, k: int, values) -> np.ndarray:
     self._settle()
     with self._lock:
       buffer = self._in_use.pop(k)
     views, _ = self._views(k, buffer)
-    for view, v in zip(views, values, strict=True):
-      np.copyto(view, np.asarray(v).reshape(-1))  # XLA owns `v` only during this call
+    for view, v in zip(views, values or [None] * len(views), strict=True):
+      if v is not None:  # else the native copy has filled the buffer
+        np.copyto(view, np.asarray(v).reshape(-1))  # XLA owns `v` only during this call
     writes = [(index, a, view) for (index, a, _, _), view in zip(self.reads[k], views, strict=True)]
     future = self.store._submit(self._write, writes, buffer)
     with self._lock:
@@ -1826,7 +1896,8 @@ class _ByShard:
 
   def __init__(self, readers: dict[int, _Reader]):
     self.readers = readers
-    self.reads = next(iter(readers.values())).reads  # the same plan for every shard
+    first = next(iter(readers.values()))
+    self.reads, self.offsets = first.reads, first.offsets  # the same plan for every shard
 
   def _of(self, shard) -> _Reader:
     reader = self.readers.get(int(shard))
@@ -1842,6 +1913,12 @@ class _ByShard:
 
   def write(self, k: int, shard, *values) -> np.ndarray:
     return self._of(shard).write(k, *values)
+
+  def locate(self, k: int, shard, step, after) -> np.ndarray:
+    return self._of(shard).locate(k, step, after)
+
+  def submit(self, k: int, shard, ticket) -> np.ndarray:
+    return self._of(shard).submit(k, ticket)
 
   def commit(self, hot: list[int], n_tickets: int, shard, step, *args) -> None:
     self._of(shard).commit(hot, n_tickets, step, *args)

@@ -1,0 +1,111 @@
+"""offlax's native library: XLA FFI handlers for XLA:CPU, built on first use.
+
+The sources in `native/` (`adam.cc`: the host Adam kernel; `slices.cc`: the
+NVMe tier's copies between XLA's buffers and its slice buffers) are compiled
+into one shared library with the system C++ compiler, cached in
+``$OFFLAX_CACHE_DIR`` (default ``~/.cache/offlax``) under a name keyed by the
+sources, the flags, the jaxlib headers and the CPU, and registered with XLA
+for the CPU platform. If the build fails, or ``OFFLAX_NATIVE=0``, `available()`
+is False and every user falls back to plain JAX, with the same results.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import pathlib
+import platform
+import re
+import subprocess
+import tempfile
+import threading
+
+import jax
+
+_LOG = logging.getLogger("offlax")
+_NATIVE = pathlib.Path(__file__).parent / "native"
+_SOURCES = ("adam.cc", "slices.cc")
+_FLAGS = ["-std=c++17", "-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno"]
+
+# FFI target name -> the handler's symbol in the library.
+TARGETS = {
+  "offlax_adam_f32": "OfflaxAdamF32",
+  "offlax_adam_moments_f32": "OfflaxAdamMomentsF32",
+  "offlax_to_slice": "OfflaxToSlice",
+  "offlax_from_slice": "OfflaxFromSlice",
+}
+
+_lock = threading.Lock()
+_registered: bool | None = None
+
+
+def available() -> bool:
+  """Builds (once per machine) and registers the library; False if it cannot."""
+  global _registered
+  with _lock:
+    if _registered is None:
+      _registered = _register()
+    return _registered
+
+
+def _register() -> bool:
+  if os.environ.get("OFFLAX_NATIVE", "1") == "0":
+    return False
+  try:
+    library = ctypes.CDLL(str(_build()))
+    for name, symbol in TARGETS.items():
+      jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
+  except (OSError, subprocess.SubprocessError, AttributeError) as e:
+    _LOG.warning("offlax: native library unavailable, using plain JAX: %s", e)
+    return False
+  return True
+
+
+def _flags() -> list[str]:
+  """Compiler flags; no FMA where XLA:CPU is told not to use it (as it then does not)."""
+  isa = re.search(r"--xla_cpu_max_isa=(\w+)", os.environ.get("XLA_FLAGS", ""))
+  if isa and isa.group(1).upper() in ("SSE4_2", "AVX", "NEON"):
+    return [*_FLAGS, "-mno-fma"]
+  return list(_FLAGS)
+
+
+def _build() -> pathlib.Path:
+  """Compiles the sources into the cache directory, unless the library is there."""
+  include = jax.ffi.include_dir()
+  flags = _flags()
+  sources = [_NATIVE / name for name in _SOURCES]
+  key = hashlib.sha256()
+  for part in (*(s.read_bytes() for s in sources), " ".join(flags).encode(), include.encode()):
+    key.update(part)
+  key.update(_cpu_id())
+  cache = pathlib.Path(
+    os.environ.get("OFFLAX_CACHE_DIR")
+    or pathlib.Path(os.environ.get("XDG_CACHE_HOME", pathlib.Path.home() / ".cache")) / "offlax"
+  )
+  target = cache / f"offlax-{key.hexdigest()[:16]}.so"
+  if target.exists():
+    return target
+  cache.mkdir(parents=True, exist_ok=True)
+  compiler = os.environ.get("CXX", "c++")
+  # Built beside the target and renamed: concurrent builders never load half a file.
+  with tempfile.TemporaryDirectory(dir=cache) as tmp:
+    out = pathlib.Path(tmp) / target.name
+    cmd = [compiler, *flags, "-fPIC", "-shared", f"-I{include}", *map(str, sources), "-o", str(out)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if run.returncode != 0:
+      raise OSError(f"{' '.join(cmd)} failed: {run.stderr.strip()[-2000:]}")
+    os.replace(out, target)
+  return target
+
+
+def _cpu_id() -> bytes:
+  """What -march=native compiles for: the machine and its CPU's flags."""
+  flags = ""
+  try:
+    with open("/proc/cpuinfo") as f:
+      flags = next((line for line in f if line.startswith("flags")), "")
+  except OSError:
+    pass
+  return f"{platform.machine()} {flags}".encode()
