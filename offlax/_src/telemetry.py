@@ -278,16 +278,23 @@ def check_pinned(host_bytes: int, platform: str) -> None:
     )
 
 
-def check_hugepages(nvme_bytes: int, platform: str) -> None:
+def check_hugepages(nvme_bytes: int, platform: str, *, native: bool) -> None:
   """Hints at glibc's huge-page tunable for a large NVMe state on the CPU backend.
 
-  On the CPU backend each step fills fresh buffers that XLA allocates (slices
-  read back, the updates), so with 4 KiB pages it faults once per 4 KiB of
-  state: 8-25% of the step in benchmarks/nvme_throughput.py. If
-  transparent huge pages are in "madvise" mode, only a process started with
-  the tunable gets them for malloc'd memory; nothing can turn it on later.
+  Without offlax's native copies (`native`), slices cross the tier's
+  callbacks through fresh buffers (copies of every argument, XLA's results),
+  so with 4 KiB pages a step faults once per 4 KiB of state: 8-25% of the step
+  in benchmarks/nvme_throughput.py. If transparent huge pages are in
+  "madvise" mode, only a process started with the tunable gets them for
+  malloc'd memory; nothing can turn it on later. The native copies touch no
+  fresh memory: with them the tunable made no difference there.
   """
-  if platform != "cpu" or nvme_bytes < 2**30 or "hugetlb" in os.environ.get("GLIBC_TUNABLES", ""):
+  if (
+    native
+    or platform != "cpu"
+    or nvme_bytes < 2**30
+    or "hugetlb" in os.environ.get("GLIBC_TUNABLES", "")
+  ):
     return
   try:
     with open(_THP) as f:
@@ -296,8 +303,9 @@ def check_hugepages(nvme_bytes: int, platform: str) -> None:
     return
   if "[madvise]" in mode:
     warnings.warn(
-      f"offlax: the NVMe tier streams {format_bytes(nvme_bytes)} through buffers XLA allocates "
-      "afresh each step, and transparent huge pages are in madvise mode here: start Python "
+      f"offlax: the NVMe tier streams {format_bytes(nvme_bytes)} through its callbacks (offlax's "
+      "native library is off), into buffers allocated afresh each step, and transparent huge "
+      "pages are in madvise mode here: start Python "
       f"with {HUGETLB_TUNABLE} in GLIBC_TUNABLES (':'-separated, after any tunables already "
       "set) to get them (steps 8-25% shorter in benchmarks/nvme_throughput.py).",
       errors.PerformanceWarning,

@@ -15,7 +15,7 @@ from jax.experimental.compute_on import compute_on2
 from jax.sharding import PartitionSpec as P
 
 from offlax._src import coupling as coupling_lib
-from offlax._src import errors, flax_glue, nvme_tier, telemetry
+from offlax._src import errors, ffi, flax_glue, nvme_tier, telemetry
 from offlax._src import layout as layout_lib
 from offlax._src import schedule as schedule_lib
 from offlax._src import sharding as sharding_lib
@@ -496,7 +496,7 @@ def _check_config(state: OffloadState, tier: HostTier | NVMeTier, devices: set[A
   for platform in {d.platform for d in devices}:
     telemetry.check_pinned(s.host_bytes, platform)
     if isinstance(tier, NVMeTier):
-      telemetry.check_hugepages(s.nvme_bytes, platform)
+      telemetry.check_hugepages(s.nvme_bytes, platform, native=ffi.available())
 
 
 def _check_placement(tier: HostTier, state: Any) -> None:
