@@ -955,7 +955,7 @@ def raw_bars(raw: dict[str, Any]) -> list[Bar]:
   for rw in ("read", "write"):
     median, lo, hi = (raw[f"{rw}_bytes_per_s{x}"] / GB for x in ("", "_min", "_max"))
     tool = raw["tool"].split(",")[0]
-    bars.append((f"raw {rw}\n({tool})", median, lo, hi, "tab:gray", ""))
+    bars.append((f"raw {rw}\n({tool}, best)", median, lo, hi, "tab:gray", ""))
   return bars
 
 
@@ -1042,8 +1042,6 @@ def plot(result: dict[str, Any], path: pathlib.Path) -> None:
     f"({result['state_bytes'] / GB:.2f} GB state), {result['steps']} steps, "
     f"{fs.get('fstype', '?')} on {fs.get('device', '?')}; whiskers: min to max"
   )
-  if "hugetlb" in tiers:
-    title += f"\n'{HUGETLB}': that run started with GLIBC_TUNABLES={HUGETLB}"
   _common.save_png(fig, path, suptitle=title)
 
 
