@@ -24,7 +24,7 @@ from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import offlax  # noqa: E402
-from offlax._src import sharding  # noqa: E402
+from offlax._src import ffi, sharding  # noqa: E402
 from offlax._src.nvme_tier import Store  # noqa: E402
 
 TIERS = {
@@ -130,6 +130,20 @@ def run_nvme(axis_type, base):
     exact.append(same(u, ref[i]))
   out = {"exact": exact, "step": int(state[1].step), "shards": sorted(tier.shards)}
   tier.close()
+  # The same with the slices carried by the callbacks (as on a GPU) instead of
+  # offlax's native copies.
+  registered, ffi._registered = ffi._registered, False
+  try:
+    callback_tier = nvme_tier(os.path.join(base, "store_callback"))
+    opt = tx(callback_tier)
+    state, step = opt.init(params), jax.jit(opt.update)
+    out["exact_callback"] = []
+    for i in range(2):
+      u, state = step(grads[i], state, params)
+      out["exact_callback"].append(same(u, ref[i]))
+    callback_tier.close()
+  finally:
+    ffi._registered = registered
   # What each device's store holds: its shard of every state array, nothing more.
   stored, shapes, nbytes, disk = True, {}, {}, {}
   want = states[1][1]  # adamw's state after 2 steps, as offload(adamw) stores it

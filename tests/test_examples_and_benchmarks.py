@@ -95,6 +95,7 @@ def test_gpu_check_code_path_runs_on_cpu(tmp_path):
   assert result["correctness"]["streamed"]["max_abs_diff"] < 1e-6
   assert result["correctness"]["host_compute_offlax_adamw"]["bit_exact"]
   assert result["correctness"]["host_compute_native_update"]["max_abs_diff"] < 1e-6
+  assert result["correctness"]["nvme"]["max_abs_diff"] < 1e-6
   assert result["memory"]["on_device"]["device_bytes_per_param"] > 0
   _summary_rows("gpu_check", result)
 

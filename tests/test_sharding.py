@@ -97,6 +97,7 @@ def test_nvme_tier_on_the_mesh_is_exact_with_optax(results, mesh):
   # updates sharded as their params; then reopened on the same mesh, a third.
   got = results[mesh]["nvme"]
   assert got["exact"] == [True, True] and got["step"] == 2
+  assert got["exact_callback"] == [True, True]  # the slices carried by the callbacks
   assert got["resumed_exact"]
   assert got["retier_exact"]  # a plain optax state retiered into a sharded store
 

@@ -13,8 +13,8 @@
 //   reciprocals, or fold them into one division); this computes
 //   m / (bc1 * (sqrt(v * (1 / bc2) + eps_root) + eps)), close to the form it
 //   uses for trees of several leaves but with one division per element, not
-//   two (division bounds the step when the arrays sit in cache), and agrees
-//   with optax to rounding (tests/test_host_adam.py states the tolerance).
+//   two, and agrees with optax to rounding (tests/test_host_adam.py states the
+//   tolerance).
 // Division and square root are IEEE, and vectorise exactly.
 #include <algorithm>
 #include <atomic>
