@@ -363,7 +363,9 @@ def raw_mixed(read_path: pathlib.Path, write_path: pathlib.Path, streams: int) -
   """
   nbytes = read_path.stat().st_size
   blocks = nbytes // RAW_BLOCK_BYTES // streams
-  bufs = [mmap.mmap(-1, RAW_BLOCK_BYTES) for _ in range(2 * streams)]
+  bufs = [mmap.mmap(-1, RAW_BLOCK_BYTES) for _ in range(2 * streams)]  # page-aligned
+  for buf in bufs[streams:]:
+    buf.write(np.random.default_rng(1).bytes(RAW_BLOCK_BYTES))  # incompressible data
   rfd = os.open(read_path, os.O_RDONLY | os.O_DIRECT)
   wfd = os.open(write_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
 

@@ -138,3 +138,19 @@ def scale_by_highest_dtype(factor):
     return jax.tree.map(lambda g: (g * c).astype(g.dtype), updates), state
 
   return optax.GradientTransformation(lambda p: optax.EmptyState(), update)
+
+
+@pytest.fixture(params=["native", "plain"])
+def native(request, monkeypatch):
+  """Runs a test with offlax's native library (on XLA:CPU), and again without it.
+
+  Without it the Adam kernel's arithmetic runs as plain JAX and the NVMe tier's
+  slices cross its callbacks, as on a GPU. True for the native run.
+  """
+  from offlax._src import ffi
+
+  if request.param == "plain":
+    monkeypatch.setattr(ffi, "_registered", False)
+  else:
+    assert ffi.available(), "offlax's native library did not build (see the log)"
+  return request.param == "native"

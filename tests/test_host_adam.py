@@ -37,16 +37,6 @@ def _train(tx, params, steps=4):
   return params, state
 
 
-@pytest.fixture(params=["native", "jax"])
-def native(request, monkeypatch):
-  """Runs a test with the kernel, and again with the plain-JAX path."""
-  if request.param == "jax":
-    monkeypatch.setattr(ffi, "_registered", False)
-  else:
-    assert host_adam.native_available(), "the kernel did not build (see the log)"
-  return request.param == "native"
-
-
 schedule = optax.warmup_cosine_decay_schedule(0.0, 1e-2, 2, 10)
 CASES = {
   "adam": lambda m: m.adam(1e-3),
@@ -254,7 +244,7 @@ def test_a_failed_build_falls_back_to_jax(tmp_path, monkeypatch, caplog):
 DEFAULT_FLAGS = textwrap.dedent(
   """
     import json, jax, jax.numpy as jnp, numpy as np, optax, offlax
-    from offlax._src import ffi, host_adam
+    from offlax._src import host_adam
     k = jax.random.split(jax.random.key(0), 3)
     trees = {"one leaf": {"w": jax.random.normal(k[0], (4096,))},
              "three leaves": {"w": jax.random.normal(k[0], (64, 32)), "b": jnp.zeros(32),

@@ -59,18 +59,8 @@ OPTIMIZERS = {
 }
 
 
-@pytest.fixture(params=["native", "callback"])
-def transport(request, monkeypatch):
-  """How slices cross between XLA and the tier on the CPU: native copies, or the callbacks."""
-  if request.param == "callback":
-    monkeypatch.setattr(ffi, "_registered", False)
-  else:
-    assert ffi.available(), "offlax's native library did not build (see the log)"
-  return request.param
-
-
 @pytest.mark.parametrize("name", OPTIMIZERS)
-def test_bit_identical_to_inner(tmp_path, name, transport):
+def test_bit_identical_to_inner(tmp_path, name, native):
   params = _float_params()
   inner = OPTIMIZERS[name]()
   want_params, want_state = _train(inner, params, 3)
@@ -80,7 +70,7 @@ def test_bit_identical_to_inner(tmp_path, name, transport):
   lowered = jax.jit(lambda p, s, g: tx.update(g, s, p)).lower(params, state, params).as_text()
   # The data crosses by the native copies or by the callbacks, never both.
   copies = lowered.count("offlax_from_slice"), lowered.count("offlax_to_slice")
-  assert copies[0] == copies[1] and (copies[0] > 0) == (transport == "native")
+  assert copies[0] == copies[1] and (copies[0] > 0) == native
   got_params, got_state = _train(tx, params, 3, state)
   assert_trees_equal(got_params, want_params)
   assert int(got_state.step) == 3 and tier.store.step == 3

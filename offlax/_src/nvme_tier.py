@@ -1830,8 +1830,11 @@ class _Reader:
     with self._failing_bumps_epoch():
       return self._write_slice(k, values)
 
-  def submit(self, k: int, ticket) -> np.ndarray:
-    """Writes slice k back from its buffer, where the native copy put the new values."""
+  def submit(self, k: int, copied) -> np.ndarray:
+    """Writes slice k back from its buffer, where the native copy put the new values.
+
+    `copied` is that copy's ticket: XLA runs this only after it.
+    """
     with self._failing_bumps_epoch():
       return self._write_slice(k, None)
 
@@ -1917,8 +1920,8 @@ class _ByShard:
   def locate(self, k: int, shard, step, after) -> np.ndarray:
     return self._of(shard).locate(k, step, after)
 
-  def submit(self, k: int, shard, ticket) -> np.ndarray:
-    return self._of(shard).submit(k, ticket)
+  def submit(self, k: int, shard, copied) -> np.ndarray:
+    return self._of(shard).submit(k, copied)
 
   def commit(self, hot: list[int], n_tickets: int, shard, step, *args) -> None:
     self._of(shard).commit(hot, n_tickets, step, *args)

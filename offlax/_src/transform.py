@@ -495,7 +495,7 @@ def _check_config(state: OffloadState, tier: HostTier | NVMeTier, devices: set[A
     telemetry.check_chunk(tier.chunk_bytes, recommended, s.h2d_bytes)
   for platform in {d.platform for d in devices}:
     telemetry.check_pinned(s.host_bytes, platform)
-    if isinstance(tier, NVMeTier):
+    if isinstance(tier, NVMeTier) and platform == "cpu":  # (builds the native library)
       telemetry.check_hugepages(s.nvme_bytes, platform, native=ffi.available())
 
 
