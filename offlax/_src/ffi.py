@@ -50,6 +50,18 @@ def available() -> bool:
     return _registered
 
 
+def on_cpu(native, default, *args):
+  """`native(*args)` in code XLA compiles for the CPU, when the library is there; else `default`.
+
+  The platform is chosen when lowering (`jax.lax.platform_dependent`), so a GPU
+  program, or its export for CUDA, runs `default` and never names the
+  library's targets; `native` and `default` return the same types.
+  """
+  if not available():
+    return default(*args)
+  return jax.lax.platform_dependent(*args, cpu=native, default=default)
+
+
 def _register() -> bool:
   if os.environ.get("OFFLAX_NATIVE", "1") == "0":
     return False
@@ -79,7 +91,7 @@ def _build() -> pathlib.Path:
   key = hashlib.sha256()
   for part in (*(s.read_bytes() for s in sources), " ".join(flags).encode(), include.encode()):
     key.update(part)
-  key.update(_cpu_id())
+  key.update(_cpu_id())  # what -march=native compiled for
   cache = pathlib.Path(
     os.environ.get("OFFLAX_CACHE_DIR")
     or pathlib.Path(os.environ.get("XDG_CACHE_HOME", pathlib.Path.home() / ".cache")) / "offlax"

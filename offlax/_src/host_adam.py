@@ -294,14 +294,13 @@ def _step(g, m, v, p, hyper: _Hyper, vector, decay: bool, native_update: bool):
     step_size = jnp.array(hyper.step_size, u.dtype) if hyper.scheduled else hyper.step_size
     return step_size * u, m, v
 
-  if not (g.size and native_available()):
+  if not g.size:
     return whole(g, m, v, p, vector)
   if native_update:
     kernel = functools.partial(fused_update, decay=decay)
     p = vector if p is None else p  # read only with decay; not g, which XLA would copy
-    return jax.lax.platform_dependent(g, m, v, p, vector, cpu=kernel, default=whole)
-  native = functools.partial(jax.lax.platform_dependent, cpu=_native_moments, default=moments)
-  return whole(g, m, v, p, vector, moments=native)
+    return ffi.on_cpu(kernel, whole, g, m, v, p, vector)
+  return whole(g, m, v, p, vector, moments=functools.partial(ffi.on_cpu, _native_moments, moments))
 
 
 def _native_moments(g, m, v, vector):

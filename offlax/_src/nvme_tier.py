@@ -1609,8 +1609,6 @@ class DiskIO:
       io_callback(read, avals, *shard, step, dep),
       (jnp.zeros(4, jnp.uint32), jnp.int32(0)),
     )
-    if not ffi.available():
-      return via_callback(self.shard, self.step, dep)
 
     def native(shard, step, dep):
       locate = functools.partial(self.reader.locate, k)
@@ -1620,7 +1618,7 @@ class DiskIO:
       *values, ticket = copy(where, offsets=self.reader.offsets[k])
       return values, (where, ticket)
 
-    return jax.lax.platform_dependent(self.shard, self.step, dep, cpu=native, default=via_callback)
+    return ffi.on_cpu(native, via_callback, self.shard, self.step, dep)
 
   def store(self, k, values):
     out = [
@@ -1637,8 +1635,6 @@ class DiskIO:
     ticket = jax.ShapeDtypeStruct((), jnp.int32)
     write = functools.partial(self.reader.write, k)
     via_callback = lambda shard, copied, cold: io_callback(write, ticket, *shard, *cold)
-    if not ffi.available():
-      return via_callback(self.shard, self.copied[k], cold)
 
     def native(shard, copied, cold):
       where, after = copied
@@ -1646,9 +1642,7 @@ class DiskIO:
       copied = copy(where, after, *cold, offsets=self.reader.offsets[k])
       return io_callback(functools.partial(self.reader.submit, k), ticket, *shard, copied)
 
-    return jax.lax.platform_dependent(
-      self.shard, self.copied[k], cold, cpu=native, default=via_callback
-    )
+    return ffi.on_cpu(native, via_callback, self.shard, self.copied[k], cold)
 
   def finish(self, items):
     items = [self.items[j] if x is None else x for j, x in enumerate(items)]
@@ -1843,8 +1837,8 @@ class _Reader:
     with self._lock:
       buffer = self._in_use.pop(k)
     views, _ = self._views(k, buffer)
-    for view, v in zip(views, values or [None] * len(views), strict=True):
-      if v is not None:  # else the native copy has filled the buffer
+    if values is not None:  # else the native copy has filled the buffer
+      for view, v in zip(views, values, strict=True):
         np.copyto(view, np.asarray(v).reshape(-1))  # XLA owns `v` only during this call
     writes = [(index, a, view) for (index, a, _, _), view in zip(self.reads[k], views, strict=True)]
     future = self.store._submit(self._write, writes, buffer)
