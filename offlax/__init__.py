@@ -24,6 +24,8 @@ from offlax._src.errors import (
   TransformationTypeError,
   TreeMismatchError,
 )
+from offlax._src.gpu_compile import CompiledMemory, GpuTarget, compile_for_gpu
+from offlax._src.gpu_compile import available as gpu_compile_available
 from offlax._src.host_adam import adam, adamw
 from offlax._src.host_tier import HostTier
 from offlax._src.inspector import LeafReport, StoreReport, inspect_store
@@ -37,6 +39,8 @@ from offlax._src.transform import OffloadState, offload
 __version__ = "0.1.0"
 
 __all__ = [
+  "CompiledMemory",
+  "GpuTarget",
   "HostTier",
   "InvalidTierError",
   "LeafReport",
@@ -66,6 +70,8 @@ __all__ = [
   "abstract_state",
   "adam",
   "adamw",
+  "compile_for_gpu",
+  "gpu_compile_available",
   "inspect_store",
   "master_weights",
   "offload",

@@ -1,4 +1,4 @@
-"""`python -m offlax plan|inspect|rollback ...`: the planner and the store tools."""
+"""`python -m offlax plan|compile|inspect|rollback`: the planner, GPU compiler and store tools."""
 
 from __future__ import annotations
 
@@ -36,6 +36,20 @@ def main(argv: Sequence[str] | None = None) -> int:
   )  # fmt: skip
   p.add_argument("--nvme-path", default=None, help="directory --measure writes to (temp)")
   p = sub.add_parser(
+    "compile",
+    help="compile an AdamW step for a GPU with XLA's GPU compiler (no GPU needed); its memory",
+  )
+  p.add_argument("--params", required=True, help="parameters, e.g. 7e9 or 7B")
+  p.add_argument("--target", default="h100", help="h100, h200, a100-40gb, a100-80gb, rtx4090, l4")
+  p.add_argument("--device-mem", default=None, help="override the target's memory, e.g. 24GB")
+  p.add_argument(
+    "--mode", choices=("plain", "streamed", "host"), default="streamed",
+    help="plain optax, the streamed host tier, or host compute (streamed)",
+  )  # fmt: skip
+  p.add_argument("--master", action="store_true", help="bf16 params + fp32 master weights")
+  p.add_argument("--chunk", default="64MiB", help="slice size (64MiB)")
+  p.add_argument("--layers", type=int, default=16, help="transformer layers (16)")
+  p = sub.add_parser(
     "inspect", help="an NVMe store's (or orbax checkpoint's) steps, arrays and checksums"
   )
   p.add_argument("path", help="an NVMe store directory or an orbax checkpoint directory")
@@ -49,6 +63,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     return _inspect(args.path, args.verify, not args.no_progress)
   if args.command == "rollback":
     return _rollback(args.path, args.to)
+  if args.command == "compile":
+    return _compile(parser, args)
 
   import jax
   import jax.numpy as jnp
@@ -95,6 +111,61 @@ def main(argv: Sequence[str] | None = None) -> int:
   result = offlax.plan(shapes, tx, **sizes, **rates)
   print(result.table())
   return 0 if result.fits else 1
+
+
+def _compile(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+  import jax
+  import optax
+
+  import offlax
+  from offlax._src import gpu_compile, planner
+
+  try:
+    n = _count(args.params)
+    chunk = planner.parse_bytes(args.chunk)
+    memory = None if args.device_mem is None else planner.parse_bytes(args.device_mem)
+  except ValueError as e:
+    parser.error(str(e))
+  if not offlax.gpu_compile_available():
+    print("error: XLA's GPU compiler is not installed: pip install 'offlax[gpu-compile]'",
+          file=sys.stderr)  # fmt: skip
+    return 2
+  dtype = "bfloat16" if args.master else "float32"
+  params = gpu_compile.transformer_params(n, layers=args.layers, dtype=dtype)
+  tx: Any = optax.adamw(1e-3)
+  tx = offlax.master_weights(tx) if args.master else tx
+  if args.mode != "plain":
+    tx = offlax.offload(tx, chunk_bytes=chunk, compute="host" if args.mode == "host" else "device")
+  state = (
+    jax.eval_shape(tx.init, params) if args.mode == "plain" else offlax.abstract_state(tx, params)
+  )
+  step = jax.jit(gpu_compile.update_step(tx), donate_argnums=(0, 1))
+  count = sum(x.size for x in jax.tree.leaves(params))
+  try:
+    m = offlax.compile_for_gpu(
+      step, params, gpu_compile.state_specs(state), jax.ShapeDtypeStruct((), dtype),
+      target=args.target, device_memory_size=memory, n_params=count,
+    )  # fmt: skip
+  except offlax.OffloadError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  print(f"AdamW step ({args.mode}{', bf16 + fp32 master' if args.master else ''}) on "
+        f"{count:,} params in {args.layers} layers")  # fmt: skip
+  print(m.table())
+  return 0 if m.fits else 1
+
+
+def _count(text: str) -> int:
+  """'7B', '350M', '1.3e9' or a plain number of parameters."""
+  scale = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
+  t = text.strip().upper()
+  try:
+    value = float(t[:-1]) * scale[t[-1]] if t and t[-1] in scale else float(t)
+  except ValueError:
+    raise ValueError(f"not a parameter count: {text!r} (e.g. 7B, 350M, 1.3e9)") from None
+  if value < 1:
+    raise ValueError(f"the parameter count must be >= 1, got {text!r}")
+  return int(value)
 
 
 def _inspect(path: str, verify: bool, progress: bool) -> int:

@@ -1546,6 +1546,8 @@ class DiskIO:
   callback gets it first, and `_ByShard` hands it to that shard's store.
   """
 
+  loops = False  # its reads are planned per slice (`plan`), in the schedule's order
+
   def __init__(self, tier: NVMeTier, items, offloaded, step, shard=None):
     from offlax._src.transform import _HostIO  # the moves of cached items
 

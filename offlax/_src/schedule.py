@@ -28,6 +28,12 @@ class Piece:
   flat: bool = False
   axis: int = 0
 
+  @property
+  def rows(self) -> int:
+    """The rows of a cut piece (`stop - start`)."""
+    assert self.start is not None and self.stop is not None, self
+    return self.stop - self.start
+
   def take(self, x: jax.Array) -> jax.Array:
     if self.start is None:
       return x
@@ -64,6 +70,8 @@ def build(
   leaf_bytes: Sequence[int],
   chunk_bytes: int,
   cut_axes: Sequence[int | None] | None = None,
+  even: bool = False,
+  min_pieces: int = 1,
 ) -> tuple[tuple[Piece, ...], ...]:
   """Packs the leaves into slices of at most `chunk_bytes` of offloaded state.
 
@@ -80,6 +88,9 @@ def build(
     chunk_bytes: the slice budget.
     cut_axes: for leaves sharded on a mesh, the axis to cut them along (None:
       no axis can be cut, the leaf moves whole); None for unsharded leaves.
+    even: cut a leaf into pieces of equal rows (the last one shorter by less
+      than one row per piece), not into full pieces and a remainder, each in a
+      slice of its own, so that its pieces run in one loop (`streaming.runs`).
 
   Returns:
     The slices, each a tuple of pieces; at least one slice, possibly empty.
@@ -92,13 +103,19 @@ def build(
     if (
       leaf is None
       or leaf not in coupling.splittable
-      or size <= chunk_bytes
+      or (size <= chunk_bytes and (min_pieces < 2 or size == 0 or math.prod(shapes[leaf]) < 2))
       or (cut_axes is not None and cut_axes[leaf] is None)
     ):
       units.append((tuple(Piece(i) for i in group), size))
       continue
     axis = 0 if cut_axes is None else cut_axes[leaf] or 0
-    flat, rows, step = split_step(shapes[leaf], size, chunk_bytes, axis, flat_ok=not on_mesh)
+    budget = min(chunk_bytes, -(-size // min_pieces))
+    flat, rows, step = split_step(shapes[leaf], size, budget, axis, flat_ok=not on_mesh)
+    if rows < min_pieces and not on_mesh:  # too few rows: cut the flattened leaf
+      flat, rows = True, math.prod(shapes[leaf])
+      step = max(1, budget // max(size // rows, 1))
+    if even:
+      step = -(-rows // -(-rows // step))
     row_bytes = size // rows
     for start in range(0, rows, step):
       stop = min(rows, start + step)
@@ -107,12 +124,17 @@ def build(
   current: list[Piece] = []
   current_bytes = 0
   for pieces, size in units:
-    if current and current_bytes + size > chunk_bytes:
+    alone = even and pieces[0].start is not None  # a piece of a split leaf: a slice of its own
+    if current and (alone or current_bytes + size > chunk_bytes):
       slices.append(tuple(current))
       current, current_bytes = [], 0
     current.extend(pieces)
     current_bytes += size
-  slices.append(tuple(current))
+    if alone:
+      slices.append(tuple(current))
+      current, current_bytes = [], 0
+  if current or not slices:
+    slices.append(tuple(current))
   # Two pieces of one leaf never fit one slice (each is more than half of it,
   # or the only piece there); the stream relies on one piece per leaf.
   assert all(len({p.leaf for p in s}) == len(s) for s in slices), slices

@@ -11,14 +11,14 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 import optax
-from jax.experimental.compute_on import compute_on2
 from jax.sharding import PartitionSpec as P
 
 from offlax._src import coupling as coupling_lib
-from offlax._src import errors, ffi, flax_glue, nvme_tier, telemetry
+from offlax._src import errors, ffi, flax_glue, nvme_tier, streaming, telemetry
 from offlax._src import layout as layout_lib
 from offlax._src import schedule as schedule_lib
 from offlax._src import sharding as sharding_lib
+from offlax._src.compat import compute_on
 from offlax._src.host_tier import DEFAULT_CHUNK_BYTES, HostTier
 from offlax._src.layout import ParamSpec
 from offlax._src.nvme_tier import DiskIO, NVMeTier
@@ -135,7 +135,7 @@ class _Step:
     items = layout.split(self.inner_state)
     if isinstance(self.tier, HostTier):
       _check_placement(self.tier, self.inner_state)
-    if isinstance(self.tier, HostTier) and self.tier.compute == "host":
+    if isinstance(self.tier, HostTier) and self.tier.compute == "host" and spec.mesh is not None:
       return self._on_host(layout, items, spec)
     if isinstance(self.tier, NVMeTier) and spec.mesh is not None:
       return self._on_shards(layout, items, spec, step)
@@ -159,7 +159,11 @@ class _Step:
       per_slot = list(mesh_plan.slot_bytes)
       cut_axes = [mesh_plan.cut_axes[i] for i in leaves]
     leaf_bytes = [per_slot[i] for i in leaves]
-    built = schedule_lib.build(coupling, shapes, leaf_bytes, self.tier.chunk_bytes, cut_axes)
+    on_host = isinstance(self.tier, HostTier) and self.tier.compute == "host"
+    built = schedule_lib.build(
+      coupling, shapes, leaf_bytes, self.tier.chunk_bytes, cut_axes,
+      even=isinstance(self.tier, HostTier), min_pieces=2 if on_host else 1,
+    )  # fmt: skip
     slices = [
       tuple(dataclasses.replace(p, leaf=leaves[p.leaf]) for p in pieces) for pieces in built
     ]
@@ -167,7 +171,13 @@ class _Step:
       io: Any = DiskIO(self.tier, items, offloaded, step, shard)
     else:
       io = _HostIO(self.tier, items, offloaded, mesh_plan)
-    return self._stream(layout, items, slices, spec, io)
+    update = lambda u, state, p: self._update(spec, u, state, p, self.extra_args)
+    stream = streaming.Stream(update, self.u_slots, self.p_slots, layout, items, io, on_host)
+    out_u_slots, out_items = stream.run(slices)
+    out_items = io.finish(out_items)
+    new_state = OffloadState(layout.merge(out_items), spec, io.next_step())
+    out_u_slots = sharding_lib.like_params(spec, out_u_slots)
+    return spec.treedef.unflatten(out_u_slots), new_state
 
   def _on_shards(self, layout, items, spec: ParamSpec, step: Any):
     """The NVMe tier on a mesh: the streamed update per device, inside `jax.shard_map`.
@@ -260,7 +270,7 @@ class _Step:
       )
       return [new_u[i] for i in leaves], layout.split(new_state)
 
-    on_host = compute_on2(
+    on_host = compute_on(
       update, compute_type="device_host", out_memory_spaces=jax.memory.Space.Host
     )
     new_u, new_items = on_host(
@@ -333,70 +343,6 @@ class _Step:
     # `splittable`: the NVMe tier on a mesh updates each shard by itself).
     return dataclasses.replace(coupling, groups=(tuple(range(len(leaves))),), reason=reason)
 
-  def _stream(self, layout, items, slices, spec, io):
-    """Runs the inner update slice by slice; see README "The streaming schedule"."""
-    owners = layout.owners
-    by_leaf: dict[int, list[int]] = {}
-    for j, o in enumerate(owners):
-      by_leaf.setdefault(o, []).append(j)
-    globals_ = [j for j, o in enumerate(owners) if o == coupling_lib.GLOBAL]
-    device_globals = {j: io.to_device(j, items[j]) for j in globals_}
-    keys = [[(j, p) for p in pieces for j in by_leaf.get(p.leaf, [])] for pieces in slices]
-    io.plan(keys)
-
-    new_u: dict[int, list[jax.Array]] = {}
-    new_items: dict[int, list[Any]] = {}
-    results: list[Any] = []
-    for k, pieces in enumerate(slices):
-      # Do not start fetching slice k before slice k-2 is computed: bounds the
-      # state resident on the device to about three slices (XLA may otherwise
-      # hoist every transfer to the start of the program).
-      loaded = io.load(k, results[k - 2] if k >= 2 else None)
-      slice_items: list[Any] = [layout_lib.MASK] * len(items)
-      for j in globals_:
-        slice_items[j] = device_globals[j]
-      for (j, _), x in zip(keys[k], loaded, strict=True):
-        slice_items[j] = x
-      u_slots: list[Any] = [layout_lib.MASKED()] * len(self.u_slots)
-      p_slots: list[Any] | None = (
-        None if self.p_slots is None else [layout_lib.MASKED()] * len(self.u_slots)
-      )
-      for p in pieces:
-        u_slots[p.leaf] = p.take(self.u_slots[p.leaf])
-        if p_slots is not None:
-          p_slots[p.leaf] = p.take(self.p_slots[p.leaf])
-      out_u, out_state = self._update(
-        spec, u_slots, layout.merge(slice_items), p_slots, self.extra_args
-      )
-      out_items = layout.split(out_state)
-      values = [out_items[j] for (j, _) in keys[k]]
-      results.append(([out_u[p.leaf] for p in pieces], values))
-      for p in pieces:
-        new_u.setdefault(p.leaf, []).append(out_u[p.leaf])
-      for (j, _), x in zip(keys[k], io.store(k, values), strict=True):
-        new_items.setdefault(j, []).append(x)
-      if k == 0:
-        for j in globals_:
-          new_items[j] = [io.to_tier(j, out_items[j])]
-
-    pieces_of: dict[int, list[schedule_lib.Piece]] = {}
-    for pieces in slices:
-      for p in pieces:
-        pieces_of.setdefault(p.leaf, []).append(p)
-    out_u_slots = list(self.u_slots)
-    for leaf, parts in new_u.items():
-      out_u_slots[leaf] = schedule_lib.join(pieces_of[leaf], parts, spec.shapes[leaf])
-    out_items = [
-      new_items[j][0]
-      if o == coupling_lib.GLOBAL or new_items[j][0] is None
-      else schedule_lib.join(pieces_of[o], new_items[j], layout_lib.shape_of(items[j]))
-      for j, o in enumerate(owners)
-    ]
-    out_items = io.finish(out_items)
-    new_state = OffloadState(layout.merge(out_items), spec, io.next_step())
-    out_u_slots = sharding_lib.like_params(spec, out_u_slots)
-    return spec.treedef.unflatten(out_u_slots), new_state
-
 
 def _dtype_dependence(restricted, leaves, u_args, jaxpr) -> str | None:
   """Why the update of some leaves would change if other leaves left the call, or None.
@@ -439,6 +385,8 @@ def _dtype_dependence(restricted, leaves, u_args, jaxpr) -> str | None:
 class _HostIO:
   """Moves slices between the host tier and the device inside the jitted step."""
 
+  loops = True  # slices may be taken at traced offsets (see `streaming.Stream.loop`)
+
   def __init__(
     self,
     tier: HostTier,
@@ -448,6 +396,10 @@ class _HostIO:
   ):
     self.tier, self.items, self.offloaded = tier, items, offloaded
     self.mesh_plan = mesh_plan
+
+  def to_host(self, x):
+    """A value (a piece of a device item, a gradient) moved into the host computation."""
+    return self.tier.to_host(x)
 
   def plan(self, keys):
     self.keys = keys

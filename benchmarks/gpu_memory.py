@@ -1,0 +1,162 @@
+"""Device and host memory of an AdamW step as XLA's GPU compiler allocates it, no GPU needed.
+
+Each variant's step (`offlax._src.gpu_compile.update_step`: gradients made inside the step and
+kept whole, params and state donated) is compiled for a GPU target from shapes only
+(`offlax.compile_for_gpu`), for transformer-shaped trees of 0.1B to 13B parameters:
+
+- ``plain``: optax's AdamW with its state on the device;
+- ``streamed``: `offlax.offload(adamw)`, the state in `pinned_host`, streamed through the device;
+- ``host``: `offlax.offload(adamw, compute="host")`, the update on the host CPU;
+- the same three with bf16 params and `offlax.master_weights` (fp32 master in the state).
+
+The bound checked: device bytes <= params + gradients + 4 slices (`chunk_bytes` of state each),
+with no instruction XLA had to convert into host compute; host temporaries <= 4 slices for host
+compute (the state updated in place). Writes `gpu_memory.json` and `gpu_memory.png`.
+
+    python benchmarks/gpu_memory.py                       # 0.1B, 1B, 7B, 13B (a few minutes)
+    python benchmarks/gpu_memory.py --sizes-b 0.1 1       # quicker
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Any
+
+if __package__ in (None, ""):  # run as a file: make `benchmarks` importable
+  sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from benchmarks import _common  # noqa: E402
+
+SLICES = 4  # the bound: params + gradients + this many slices
+MODES = ("plain", "streamed", "host")
+
+
+def variant(mode: str, master: bool, chunk_bytes: int):
+  import optax
+
+  import offlax
+
+  inner = optax.adamw(1e-3)
+  if master:
+    inner = offlax.master_weights(inner)
+  if mode == "plain":
+    return inner
+  return offlax.offload(
+    inner, chunk_bytes=chunk_bytes, compute="host" if mode == "host" else "device"
+  )
+
+
+def measure(n_params: float, mode: str, master: bool, target: str, chunk_bytes: int, layers: int):
+  import jax
+
+  import offlax
+  from offlax._src import gpu_compile
+
+  dtype = "bfloat16" if master else "float32"
+  params = gpu_compile.transformer_params(n_params, layers=layers, dtype=dtype)
+  n = sum(x.size for x in jax.tree.leaves(params))
+  tx = variant(mode, master, chunk_bytes)
+  state = jax.eval_shape(tx.init, params) if mode == "plain" else offlax.abstract_state(tx, params)
+  step = jax.jit(gpu_compile.update_step(tx), donate_argnums=(0, 1))
+  start = time.perf_counter()
+  m = offlax.compile_for_gpu(
+    step, params, gpu_compile.state_specs(state), jax.ShapeDtypeStruct((), dtype),
+    target=target, n_params=n,
+  )  # fmt: skip
+  param_bytes = n * (2 if master else 4)
+  bound = 2 * param_bytes + SLICES * chunk_bytes  # params + gradients + 4 slices
+  return {
+    "params": n,
+    "mode": mode,
+    "master": master,
+    "compile_s": time.perf_counter() - start,
+    "device": m.device,
+    "host": m.host,
+    "device_peak": m.device_peak,
+    "host_peak": m.host_peak,
+    "device_per_param": m.device_peak / n,
+    "host_per_param": m.host_peak / n,
+    "copies_in_flight": m.copies_in_flight,
+    "host_compute": list(m.host_compute),
+    "bound": bound,
+    "within_bound": None if mode == "plain" else m.device_peak <= bound,
+    "host_temp_ok": None if mode != "host" else m.host["temp"] <= SLICES * chunk_bytes,
+  }
+
+
+def plot(result: dict[str, Any], path) -> None:
+  plt = _common.pyplot()
+  fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+  for ax, master in zip(axes, (False, True), strict=True):
+    for mode, style in zip(MODES, ("o-", "s-", "^-"), strict=True):
+      rows = [r for r in result["runs"] if r["mode"] == mode and r["master"] == master]
+      if rows:
+        ax.plot([r["params"] / 1e9 for r in rows], [r["device_per_param"] for r in rows], style,
+                label=mode)  # fmt: skip
+    rows = [r for r in result["runs"] if r["mode"] == "streamed" and r["master"] == master]
+    if rows:
+      ax.plot([r["params"] / 1e9 for r in rows], [r["bound"] / r["params"] for r in rows], "k:",
+              label=f"params + grads + {SLICES} slices")  # fmt: skip
+    ax.set_xscale("log")
+    ax.set_xlabel("parameters (billions)")
+    ax.set_title("bf16 params + fp32 master" if master else "fp32 params")
+    ax.grid(alpha=0.3)
+  axes[0].set_ylabel("device bytes per parameter (compiled peak)")
+  axes[0].legend(fontsize=8)
+  _common.save_png(fig, path, f"AdamW step, XLA:GPU buffer assignment ({result['target']})")
+
+
+def summary_table(result: dict[str, Any]) -> str:
+  lines = [f"{'params':>8} {'master':>6} {'mode':>9} {'device B/p':>10} {'host B/p':>9} "
+           f"{'bound B/p':>9} {'ok':>4} {'converted':>9}"]  # fmt: skip
+  for r in result["runs"]:
+    ok = {None: "-", True: "yes", False: "NO"}[r["within_bound"]]
+    lines.append(
+      f"{r['params'] / 1e9:>7.2f}B {str(r['master']):>6} {r['mode']:>9} "
+      f"{r['device_per_param']:>10.2f} {r['host_per_param']:>9.2f} "
+      f"{r['bound'] / r['params']:>9.2f} {ok:>4} {len(r['host_compute']):>9}"
+    )
+  return "\n".join(lines)
+
+
+def main(argv=None) -> dict[str, Any]:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--sizes-b", type=float, nargs="+", default=[0.1, 1, 7, 13])
+  parser.add_argument("--target", default="h100", help="a GPU target of offlax.compile_for_gpu")
+  parser.add_argument("--chunk-mib", type=int, default=64, help="HostTier.chunk_bytes (64 MiB)")
+  parser.add_argument("--layers", type=int, default=16)
+  _common.add_out_argument(parser, "gpu_memory")
+  args = parser.parse_args(argv)
+  import offlax
+
+  if not offlax.gpu_compile_available():
+    raise SystemExit("XLA's GPU compiler is not installed: pip install -e '.[gpu-compile]'")
+  start = time.perf_counter()
+  runs = []
+  for size in args.sizes_b:
+    for master in (False, True):
+      for mode in MODES:
+        r = measure(size * 1e9, mode, master, args.target, args.chunk_mib * 2**20, args.layers)
+        runs.append(r)
+        print(f"{size:g}B master={master} {mode}: {r['device_per_param']:.2f} B/param on the "
+              f"device, {r['host_per_param']:.2f} on the host ({r['compile_s']:.0f} s)",
+              flush=True)  # fmt: skip
+  result = {
+    **_common.environment(),
+    "target": args.target,
+    "chunk_bytes": args.chunk_mib * 2**20,
+    "slices_in_bound": SLICES,
+    "runs": runs,
+    "wall_s": time.perf_counter() - start,
+  }
+  _common.write_outputs(result, args.out, "gpu_memory", plot, summary_table)
+  return result
+
+
+if __name__ == "__main__":
+  main()

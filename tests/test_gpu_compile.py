@@ -1,0 +1,115 @@
+"""What XLA's GPU compiler allocates for offlax's steps: buffer assignments, no GPU needed.
+
+These are compile-time facts (deterministic for a given jaxlib), asserted at sizes that compile
+in seconds; `benchmarks/gpu_memory.py` measures 0.1B-13B. Needs the `gpu-compile` extra (the
+`jax-cuda12-plugin` wheels), which `.ci/run` installs.
+"""
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import offlax
+from offlax._src import gpu_compile
+
+pytestmark = pytest.mark.skipif(
+  not offlax.gpu_compile_available(), reason="needs offlax[gpu-compile] (jax-cuda12-plugin)"
+)
+
+CHUNK = 2**20  # 1 MiB slices: the leaves below are cut into several pieces
+SLICES = 4
+
+
+def compiled(tx, params, dtype="float32"):
+  state = (
+    jax.eval_shape(tx.init, params)
+    if not hasattr(tx.init, "offlax_offload")
+    else offlax.abstract_state(tx, params)
+  )
+  step = jax.jit(gpu_compile.update_step(tx), donate_argnums=(0, 1))
+  n = sum(x.size for x in jax.tree.leaves(params))
+  return offlax.compile_for_gpu(
+    step, params, gpu_compile.state_specs(state), jax.ShapeDtypeStruct((), dtype), n_params=n
+  )
+
+
+def bound(params, master=False):
+  """Params + gradients + 4 slices; with `master_weights`, + its fp32 updates.
+
+  `master_weights` returns fp32 updates (the exact difference between the new
+  bf16 params and the old: no bf16 update rounds to it in general), and a leaf
+  streamed in pieces has its update written whole before `apply_updates`.
+  """
+  grads = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+  updates = 4 * sum(x.size for x in jax.tree.leaves(params)) if master else 0
+  return 2 * grads + updates + SLICES * CHUNK
+
+
+def test_a_plain_program_reads_as_expected():
+  m = offlax.compile_for_gpu(lambda x: x * 2, jnp.ones((1024,)), target="l4")
+  assert (m.device["argument"], m.device["output"]) == (4096, 4096)
+  assert m.host_peak == 0 and m.host_compute == () and m.fits
+  assert "l4" in m.table()
+
+
+def test_compute_on_host_memory_is_reported():
+  """The detector: a concatenate of host arrays is what XLA converts into host compute."""
+  host = gpu_compile._one_device("pinned_host")
+  spec = jax.ShapeDtypeStruct((1024,), jnp.float32, sharding=host)
+  f = jax.jit(lambda a, b: jnp.concatenate([a, b]), out_shardings=host)
+  m = offlax.compile_for_gpu(f, spec, spec)
+  assert m.host_compute and m.host_compute[0].startswith("concatenate")
+
+
+def test_targets_and_overrides():
+  for name in gpu_compile.TARGETS:
+    m = offlax.compile_for_gpu(lambda x: x + 1, jnp.ones(8), target=name)
+    assert m.target.name.startswith(name)
+  m = offlax.compile_for_gpu(lambda x: x + 1, jnp.ones(8), target="h100", device_memory_size=10**9)
+  assert m.target.device_memory_size == 10**9
+  with pytest.raises(offlax.InvalidTierError, match="unknown target 'h300'"):
+    offlax.compile_for_gpu(lambda x: x, jnp.ones(8), target="h300")
+
+
+@pytest.mark.parametrize("master", [False, True], ids=["fp32", "bf16-master"])
+@pytest.mark.parametrize("compute", ["device", "host"])
+def test_offloaded_step_bounds_device_memory(compute, master):
+  """Split leaves (16 x 1 MiB slices each) run as loops: params + grads + 4 slices at most."""
+  dtype = "bfloat16" if master else "float32"
+  params = gpu_compile.transformer_params(4e6, layers=2, dtype=dtype)
+  inner = optax.adamw(1e-3)
+  inner = offlax.master_weights(inner) if master else inner
+  m = compiled(offlax.offload(inner, chunk_bytes=CHUNK, compute=compute), params, dtype)
+  assert m.host_compute == (), m.host_compute
+  assert m.device_peak <= bound(params, master), m.table()
+  state_bytes = (12 if master else 8) * m.n_params
+  assert m.host["argument"] == state_bytes  # all of the state is on the host ...
+  assert m.host["temp"] <= SLICES * CHUNK, m.table()  # ... and updated in place
+
+
+def test_plain_optax_is_the_reference():
+  params = gpu_compile.transformer_params(4e6, layers=2)
+  m = compiled(optax.adamw(1e-3), params)
+  assert m.per_param(m.device_peak) == pytest.approx(16, abs=0.1)  # params, grads, mu, nu
+
+
+def test_one_big_leaf_as_a_loop():
+  """A 1-D leaf of 64 slices (an embedding flattened): one loop, the same bound."""
+  params = {
+    "embed": jax.ShapeDtypeStruct((2**23,), jnp.float32, sharding=gpu_compile._one_device(None))
+  }
+  m = compiled(offlax.offload(optax.adam(1e-3), chunk_bytes=CHUNK), params)
+  assert m.device_peak <= bound(params) and m.host["temp"] == 0, m.table()
+  assert "while" in m.hlo
+
+
+def test_copies_in_flight_counts_host_transfers():
+  hlo = """ENTRY %main {
+  %a = f32[4]{0:S(5)} parameter(0)
+  %cs = (f32[4]{0}, f32[4]{0:S(5)}, u32[]) copy-start(%a)
+  %cs2 = (f32[4]{0}, f32[4]{0:S(5)}, u32[]) copy-start(%a)
+  %cd = f32[4]{0} copy-done(%cs)
+  %cd2 = f32[4]{0} copy-done(%cs2)
+}"""
+  assert gpu_compile.copies_in_flight(hlo) == 2
