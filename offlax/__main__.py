@@ -35,6 +35,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     help="measure bus, disk (in --nvme-path) and host Adam speed on this machine first",
   )  # fmt: skip
   p.add_argument("--nvme-path", default=None, help="directory --measure writes to (temp)")
+  p.add_argument(
+    "--compile", metavar="TARGET", default=None,
+    help="also compile the chosen mode's step for this GPU (e.g. h100) and print its memory",
+  )  # fmt: skip
   p = sub.add_parser(
     "compile",
     help="compile an AdamW step for a GPU with XLA's GPU compiler (no GPU needed); its memory",
@@ -110,15 +114,21 @@ def main(argv: Sequence[str] | None = None) -> int:
   tx = offlax.master_weights(inner) if args.master else inner
   result = offlax.plan(shapes, tx, **sizes, **rates)
   print(result.table())
+  mode = {"device": "plain", "host": "streamed", "host_compute": "host"}.get(result.mode)
+  if args.compile and mode is not None:
+    m = _compiled(n, mode, args.master, sizes["chunk_bytes"], 16, args.compile, None)
+    if m is None:
+      return 2
+    planned = result.bytes["device"] / n
+    print(
+      f"compiled ({mode}, {args.compile}): device {m.device_peak / n:.2f} B/param "
+      f"(plan {planned:.2f}), host {m.host_peak / n:.2f} B/param"
+    )
   return 0 if result.fits else 1
 
 
 def _compile(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-  import jax
-  import optax
-
-  import offlax
-  from offlax._src import gpu_compile, planner
+  from offlax._src import planner
 
   try:
     n = _count(args.params)
@@ -126,33 +136,48 @@ def _compile(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     memory = None if args.device_mem is None else planner.parse_bytes(args.device_mem)
   except ValueError as e:
     parser.error(str(e))
+  m = _compiled(n, args.mode, args.master, chunk, args.layers, args.target, memory)
+  if m is None:
+    return 2
+  print(f"AdamW step ({args.mode}{', bf16 + fp32 master' if args.master else ''}) on "
+        f"{m.n_params:,} params in {args.layers} layers")  # fmt: skip
+  print(m.table())
+  return 0 if m.fits else 1
+
+
+def _compiled(n, mode, master, chunk, layers, target, memory) -> Any:
+  """An AdamW step on a transformer-shaped tree of `n` params, compiled for `target`; or None."""
+  import jax
+  import optax
+
+  import offlax
+  from offlax._src import gpu_compile
+
   if not offlax.gpu_compile_available():
     print("error: XLA's GPU compiler is not installed: pip install 'offlax[gpu-compile]'",
           file=sys.stderr)  # fmt: skip
-    return 2
-  dtype = "bfloat16" if args.master else "float32"
-  params = gpu_compile.transformer_params(n, layers=args.layers, dtype=dtype)
+    return None
+  dtype = "bfloat16" if master else "float32"
+  params = gpu_compile.transformer_params(n, layers=layers, dtype=dtype)
   tx: Any = optax.adamw(1e-3)
-  tx = offlax.master_weights(tx) if args.master else tx
-  if args.mode != "plain":
-    tx = offlax.offload(tx, chunk_bytes=chunk, compute="host" if args.mode == "host" else "device")
-  state = (
-    jax.eval_shape(tx.init, params) if args.mode == "plain" else offlax.abstract_state(tx, params)
-  )
+  tx = offlax.master_weights(tx) if master else tx
+  if mode != "plain":
+    tx = offlax.offload(tx, chunk_bytes=chunk, compute="host" if mode == "host" else "device")
+  if mode == "plain":
+    state = jax.eval_shape(tx.init, params)
+  else:
+    state = offlax.abstract_state(tx, params)
+  state = gpu_compile.state_specs(state)
   step = jax.jit(gpu_compile.update_step(tx), donate_argnums=(0, 1))
   count = sum(x.size for x in jax.tree.leaves(params))
   try:
-    m = offlax.compile_for_gpu(
-      step, params, gpu_compile.state_specs(state), jax.ShapeDtypeStruct((), dtype),
-      target=args.target, device_memory_size=memory, n_params=count,
+    return offlax.compile_for_gpu(
+      step, params, state, jax.ShapeDtypeStruct((), dtype),
+      target=target, device_memory_size=memory, n_params=count,
     )  # fmt: skip
   except offlax.OffloadError as e:
     print(f"error: {e}", file=sys.stderr)
-    return 2
-  print(f"AdamW step ({args.mode}{', bf16 + fp32 master' if args.master else ''}) on "
-        f"{count:,} params in {args.layers} layers")  # fmt: skip
-  print(m.table())
-  return 0 if m.fits else 1
+    return None
 
 
 def _count(text: str) -> int:

@@ -147,7 +147,7 @@ def plan(
   big = [(k, b) for k, b in leaves if b > 64]  # scalars stay on the device
   small = state - sum(b for _, b in big)
   fixed = 2 * param_bytes + activation_bytes  # params and gradients
-  slices = SLICES_ON_DEVICE * chunk_bytes
+  slices = SLICES_ON_DEVICE * chunk_bytes + _whole_updates(tx, params, state, chunk_bytes)
   assumptions = {
     "params": n_params,
     "param_bytes": param_bytes,
@@ -247,6 +247,28 @@ def plan(
   return make(
     "none", False, everywhere("host"), fixed, state, 0, 2 * param_bytes, 0, math.inf, advice
   )
+
+
+def _whole_updates(tx: Any, params: Any, state_bytes: int, chunk_bytes: int) -> int:
+  """Device bytes of the updates that streaming writes whole when they are not the gradients'.
+
+  A leaf cut into pieces gets its updates written into its gradient's buffer,
+  unless they have another dtype (`master_weights`: fp32 updates of bf16
+  params); then into a new array, the leaf's size in the updates' dtype.
+  """
+  flat = jax.tree.leaves(params)
+  param_bytes = sum(_nbytes(x) for x in flat) or 1
+  try:
+    state = jax.eval_shape(tx.init, params)
+    updates = jax.eval_shape(lambda g, s, p: tx.update(g, s, p)[0], params, state, params)
+  except Exception:  # an update that needs extra arguments: assume no new arrays
+    return 0
+  total = 0
+  for p, u in zip(flat, jax.tree.leaves(updates), strict=False):
+    cut = _nbytes(p) * state_bytes / param_bytes > chunk_bytes
+    if cut and np.dtype(u.dtype) != np.dtype(p.dtype):
+      total += _nbytes(u)
+  return total
 
 
 def parse_bytes(text: str) -> int:

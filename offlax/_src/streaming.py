@@ -163,10 +163,16 @@ class Stream:
         self._put(self.items, ("item", j), j, x, p, p.start)
     else:
       if io.loops:
-        state_in = [self._take(self.items[j], p, p.start) for j, p in keys]
+        # The wait is on the whole arrays, before any piece is taken: XLA:GPU fuses
+        # a slice of a host array with its move to the device into one transfer,
+        # which would start as early as the host array exists.
+        sources = [self.items[j] for j, _ in keys]
         if after is not None:
-          _, state_in = jax.lax.optimization_barrier((after, state_in))
-        state_in = [io.to_device(j, x) for (j, _), x in zip(keys, state_in, strict=True)]
+          _, sources = jax.lax.optimization_barrier((after, sources))
+        state_in = [
+          io.to_device(j, self._take(x, p, p.start))
+          for (j, p), x in zip(keys, sources, strict=True)
+        ]
       else:
         state_in = io.load(k, after)
       new_u, new_state, new_g = self.compute(
@@ -237,9 +243,10 @@ class Stream:
     grads = self._view(self.u[leaf], p0)
     in_place = grads.dtype == u_dtype
     out = grads if in_place else jnp.zeros(grads.shape, u_dtype)
-    init = (out, [self._view(self.items[j], p0) for j in js])
-    if after is not None:
-      _, init = jax.lax.optimization_barrier((after, init))
+    bufs = [self._view(self.items[j], p0) for j in js]
+    if after is not None:  # only the state waits: a barrier on the updates would copy them
+      _, bufs = jax.lax.optimization_barrier((after, bufs))
+    init = (out, bufs)
 
     def body(i, carry):
       (u_buf, bufs), _ = carry
