@@ -188,7 +188,15 @@ class Stream:
         else:
           self._put(self.items, ("item", j), j, x, p, p.start)
     for p, x in zip(pieces, new_u, strict=True):
-      self._put(self.u, ("u", p.leaf), p.leaf, x, p, p.start)
+      if io.loops:
+        self._put(self.u, ("u", p.leaf), p.leaf, x, p, p.start)
+      elif p.start is None:
+        self.u[p.leaf] = x
+      else:
+        # The NVMe tier's slices are not looped: joined by a `concatenate` that
+        # XLA fuses into `apply_updates` (written into the gradients' buffer,
+        # the updates would be a second copy of them in RAM).
+        self.parts.setdefault(("u", p.leaf), []).append(x)
     if self.new_globals is None:
       self.new_globals = new_g
     if not io.loops:  # the NVMe tier's reads run ahead in its own threads: see `run`
