@@ -173,6 +173,14 @@ def test_nvme_rollback_of_a_sharded_root_rolls_back_every_shard(results, mesh):
 MESH = AbstractMesh((4, 2), ("data", "model"))
 
 
+@pytest.mark.parametrize("mesh", MESHES)
+def test_jitted_step_compiles_once_on_the_mesh(results, mesh):
+  """Three calls of a jitted train step, each tier: one XLA compilation, as plain optax."""
+  compiles = {tier: results[mesh][tier]["compiles"] for tier in TIERS}
+  compiles["nvme"] = results[mesh]["nvme"]["compiles"]
+  assert compiles == dict.fromkeys(compiles, 1)
+
+
 def test_zero1_state_spec():
   assert sharding.state_spec((64, 32), P(), MESH, "data") == P("data", None)
   assert sharding.state_spec((6, 32), P(), MESH, "data") == P(None, "data")
