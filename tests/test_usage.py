@@ -191,3 +191,110 @@ def test_jitted_step_compiles_once(tier, placement, tmp_path):
 def test_uncommitted_params_cost_one_more_compile_only():
   """JAX commits what a program that moves memory returns: the params too (README)."""
   assert _compiles(offlax.offload(optax.adam(1e-3)), _params(), calls=4) == 2
+
+
+# -- 5. every optax alias with every tier -----------------------------------------
+
+
+def _loss(params):
+  return sum(jnp.sum(x**2) for x in jax.tree.leaves(params))
+
+
+def _alias(name):
+  make = getattr(optax, name)
+  if name == "polyak_sgd":
+    return make()
+  if name == "lbfgs":
+    return make()
+  if name == "noisy_sgd":
+    return make(1e-2, key=jax.random.key(0))
+  return make(1e-2)
+
+
+def _extra(name, params):
+  if name == "polyak_sgd":
+    return {"value": _loss(params)}
+  if name == "lbfgs":
+    return {"value": _loss(params), "grad": jax.grad(_loss)(params), "value_fn": _loss}
+  return {}
+
+
+ALIASES = (
+  "adabelief adadelta adafactor adagrad adam adamax adamaxw adamw adan amsgrad fromage lamb lars "
+  "lbfgs lion noisy_sgd novograd optimistic_adam optimistic_adam_v2 optimistic_gradient_descent "
+  "polyak_sgd radam rmsprop rprop sgd sign_sgd signum sm3 yogi"
+).split()
+# States of unusual shape: no arrays, a PRNG key, per-dimension lists, factored
+# moments, a line search's extra arguments. The rest run with the slow tests.
+UNUSUAL = ("sign_sgd", "fromage", "polyak_sgd", "noisy_sgd", "sm3", "adafactor", "lbfgs")
+
+
+def test_the_alias_list_is_optaxs():
+  from optax._src import alias
+
+  public = {
+    n
+    for n in dir(alias)
+    if not n.startswith("_") and getattr(getattr(alias, n), "__module__", "") == alias.__name__
+  }
+  assert public - {"Optimizer"} >= set(ALIASES) and set(ALIASES) >= {
+    n for n in public if callable(getattr(optax, n, None)) and n != "Optimizer"
+  }
+
+
+@pytest.mark.parametrize(
+  "name", [n if n in UNUSUAL else pytest.param(n, marks=pytest.mark.slow) for n in ALIASES]
+)
+@pytest.mark.parametrize("tier", ["device", "host", "nvme"])
+def test_every_optax_alias_works_with_every_tier(name, tier, tmp_path):
+  params = _params()
+  made = _nvme(str(tmp_path)) if tier == "nvme" else HOST_TIERS[tier]()
+  plain, tx = _alias(name), offlax.offload(_alias(name), made)
+  plain_state, state = plain.init(params), tx.init(params)
+  for i in range(2):
+    grads = jax.grad(_loss)(params)
+    extra = _extra(name, params)
+    want, plain_state = plain.update(grads, plain_state, params, **extra)
+    value_fn = extra.pop("value_fn", None)
+    got, state = jax.jit(
+      lambda g, s, p, e: tx.update(g, s, p, **e, **({"value_fn": value_fn} if value_fn else {}))
+    )(grads, state, params, extra)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+      np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6, err_msg=f"{name} step {i}")
+    params = optax.apply_updates(params, want)
+  if tier == "nvme":
+    made.close()
+    # The store reopens into the same state (a PRNG key is stored as its key data).
+    again = _nvme(str(tmp_path), resume=True)
+    resumed = offlax.offload(_alias(name), again).init(params)
+    for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(state), strict=True):
+      if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+        a, b = jax.random.key_data(a), jax.random.key_data(b)
+      np.testing.assert_array_equal(a, b)
+    again.close()
+
+
+# -- 13. messages --------------------------------------------------------------------
+
+
+def test_nvme_tier_chunk_bytes_error_names_nvme_tier(tmp_path):
+  with pytest.raises(offlax.InvalidTierError, match=r"^NVMeTier\.chunk_bytes .* got 0"):
+    offlax.NVMeTier(str(tmp_path), chunk_bytes=0)
+
+
+def test_nested_offload_is_refused_clearly(tmp_path):
+  with pytest.raises(offlax.TransformationTypeError, match=r"offload\(offload"):
+    offlax.offload(offlax.offload(optax.adam(1e-3)))
+  nested = offlax.offload(optax.chain(optax.clip(1.0), offlax.offload(optax.adam(1e-3))))
+  with pytest.raises(offlax.TransformationTypeError, match="Offload once"):
+    nested.init(_params())
+
+
+def test_stats_finds_the_offload_state_inside_a_chain():
+  tier = offlax.HostTier()
+  tx = optax.chain(optax.clip(1.0), offlax.offload(optax.adam(1e-3), tier))
+  state = tx.init(_params())
+  assert offlax.stats(state, tier) == offlax.stats(state[1], tier)
+  assert offlax.stats(state, tier).host_bytes == 2 * 15 * 4
+  with pytest.raises(offlax.TreeMismatchError, match="holding none"):
+    offlax.stats(optax.adam(1e-3).init(_params()), tier)

@@ -94,6 +94,9 @@ class LeafRecord:
   dtype: str
   chunk: int  # elements per storage chunk
   hot: bool  # also held in RAM between steps
+  # For a typed PRNG key array: its implementation (e.g. "threefry2x32"); the
+  # store holds its key data (`jax.random.key_data`), as `shape` and `dtype` say.
+  key: str | None = None
 
   @property
   def size(self) -> int:
@@ -188,7 +191,9 @@ class Store:
       )
     try:
       records = [
-        LeafRecord(r["index"], r["path"], tuple(r["shape"]), r["dtype"], r["chunk"], r["hot"])
+        LeafRecord(
+          r["index"], r["path"], tuple(r["shape"]), r["dtype"], r["chunk"], r["hot"], r.get("key")
+        )
         for r in meta["leaves"]
       ]
       step, generation, chunk_bytes = meta["step"], meta["generation"], meta["chunk_bytes"]
@@ -221,6 +226,8 @@ class Store:
         # Owner-only, like the chunk files: tensorstore creates with the umask.
         _chmod(self._array_path(r.index, gen), 0o700, r)
         _chmod(os.path.join(self._array_path(r.index, gen), "zarr.json"), 0o600, r)
+      # (made here too: a state without arrays, e.g. optax.sign_sgd's, has no item to make it)
+      os.makedirs(os.path.join(self.path, f"gen{gen}"), mode=0o700, exist_ok=True)
       _chmod(os.path.join(self.path, f"gen{gen}"), 0o700)
 
   # -- arrays ----------------------------------------------------------------
@@ -514,6 +521,7 @@ def _metadata_problem(records, step, generation, chunk_bytes, generations, kept)
       or not (jnp.issubdtype(dtype, jnp.number) or dtype == np.bool_)
       or not nat(r.chunk)  # 0 for a 0-size item
       or type(r.hot) is not bool
+      or not (r.key is None or (isinstance(r.key, str) and r.hot))
     ):
       return f"leaf record {position} is {dataclasses.asdict(r)}"
   return None
@@ -718,6 +726,14 @@ class NVMeTier:
         raise errors.InvalidTierError(f"NVMeTier.{name} must be a bool, got {flag!r}.")
     if not isinstance(path, (str, os.PathLike)) or not str(path):
       raise errors.InvalidTierError(f"NVMeTier.path must be a directory path, got {path!r}.")
+    if chunk_bytes is not None and (
+      isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, (int, np.integer))
+      or chunk_bytes <= 0
+    ):  # (checked here so that the message names NVMeTier, not its HostTier)
+      raise errors.InvalidTierError(
+        f"NVMeTier.chunk_bytes must be an int > 0 bytes (or None for the default "
+        f"{DEFAULT_CHUNK}), got {chunk_bytes!r}."
+      )
     self.host = HostTier(chunk_bytes=DEFAULT_CHUNK if chunk_bytes is None else chunk_bytes)
     _bound_malloc()
     self.path = os.fspath(path)
@@ -975,13 +991,15 @@ class NVMeTier:
     hot, budget = set(), self.cache_bytes
     for j in order:
       x, o = shapes[j], layout.owners[j]
-      if x.ndim == 0 or o == coupling_lib.GLOBAL:
-        hot.add(j)  # scalars and global items always stay in RAM
+      if x.ndim == 0 or o == coupling_lib.GLOBAL or _is_key(x):
+        hot.add(j)  # scalars, global items and PRNG keys always stay in RAM
       elif layout_lib.nbytes(x) <= budget:
         hot.add(j)
         budget -= layout_lib.nbytes(x)
     records = []
     for j, x in enumerate(shapes):
+      key = _key_impl(x)
+      x = _stored(x)
       o = layout.owners[j]
       size = int(np.prod(x.shape, dtype=np.int64))
       chunk = size
@@ -990,7 +1008,7 @@ class NVMeTier:
         flat, rows, step = schedule_lib.split_step(tuple(x.shape), leaf_bytes[o], self.chunk_bytes)
         chunk = step * (size // rows)
       records.append(
-        LeafRecord(j, paths[j], tuple(x.shape), np.dtype(x.dtype).name, chunk, j in hot)
+        LeafRecord(j, paths[j], tuple(x.shape), np.dtype(x.dtype).name, chunk, j in hot, key)
       )
     return records
 
@@ -1004,18 +1022,25 @@ class NVMeTier:
     init = jax.jit(inner.init)
     items: list[Any] = [None] * len(shapes)
 
+    whole = values
+
     def writes():  # computes each group as the writes of the one before proceed
+      nonlocal whole
       for n, group in enumerate(_progress(groups, self.progress, f"offlax: writing {self.path}")):
-        if values is None:
+        group_values = whole
+        if group_values is None and len(groups) > 1:
           masked = [s if i in group else layout_lib.MASKED() for i, s in enumerate(slots)]
-          group_values = layout.split(init(spec.treedef.unflatten(masked)))
-        else:
-          group_values = values
+          try:
+            group_values = layout.split(init(spec.treedef.unflatten(masked)))
+          except (ValueError, TypeError):  # an init that takes no masked leaves (optax.sm3)
+            group_values = None
+        if group_values is None:  # the whole state at once
+          whole = group_values = layout.split(init(params))
         for j, (x, r) in enumerate(zip(group_values, records, strict=True)):
           owner = layout.owners[j]
           if n == 0 if owner == coupling_lib.GLOBAL else owner in group:
             items[j] = self._entry(r, x)
-            yield r.index, 0, np.asarray(x)
+            yield r.index, 0, np.asarray(_key_data(x))
 
     self.store.write_all(writes())
     self.store.commit(0)
@@ -1041,6 +1066,7 @@ class NVMeTier:
         f"{self.path} holds {len(records)} state arrays; this optimizer has {len(shapes)}."
       )
     for r, x, path in zip(records, shapes, paths, strict=True):
+      x = _stored(x)
       want = (path, tuple(x.shape), np.dtype(x.dtype).name)
       if (r.path, r.shape, r.dtype) != want:
         raise errors.StoreMismatchError(
@@ -1051,7 +1077,10 @@ class NVMeTier:
     for r in _progress(records, self.progress, f"offlax: resuming {self.path}"):
       if r.hot:
         value = self.store.result(self.store.read(r.index, 0, r.size)).reshape(r.shape)
-        items.append(self._entry(r, jnp.asarray(value)))
+        value = jnp.asarray(value)
+        if r.key is not None:
+          value = jax.random.wrap_key_data(value, impl=r.key)
+        items.append(self._entry(r, value))
       else:
         items.append(layout_lib.OnDisk(r.index, r.shape, r.dtype))
     return items
@@ -1061,6 +1090,29 @@ class NVMeTier:
     if not r.hot:
       return layout_lib.OnDisk(r.index, r.shape, r.dtype)
     return self.host.to_host(x) if self.host.offloads(x) else x
+
+
+def _is_key(x: Any) -> bool:
+  return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _key_impl(x: Any) -> str | None:
+  """The implementation of a typed PRNG key array (or its shape), else None."""
+  if not _is_key(x):
+    return None
+  if not isinstance(x, jax.Array):  # a ShapeDtypeStruct: a key of its dtype tells
+    x = jnp.zeros((), x.dtype)
+  return str(jax.random.key_impl(x))
+
+
+def _key_data(x: Any) -> Any:
+  """`x`, or a typed PRNG key array's key data: what the store holds of it."""
+  return jax.random.key_data(x) if _is_key(x) else x
+
+
+def _stored(x: Any) -> Any:
+  """The shape and dtype the store holds for a state item of `x`'s (key data for keys)."""
+  return jax.eval_shape(jax.random.key_data, x) if _is_key(x) else x
 
 
 def _shard_dir(i: int) -> str:
@@ -1652,7 +1704,8 @@ class DiskIO:
     # The write tickets make the commit wait for every write callback.
     commit = functools.partial(self.reader.commit, hot, len(self.tickets))
     tickets = [t for _, t in self.tickets]
-    io_callback(commit, None, *self.shard, self.step, *tickets, *[items[j] for j in hot])
+    values = [_key_data(items[j]) for j in hot]  # (a callback takes no PRNG key)
+    io_callback(commit, None, *self.shard, self.step, *tickets, *values)
     return items
 
   def next_step(self):
@@ -1665,9 +1718,11 @@ class DiskIO:
     its chunks, torn, and committed.
     """
     r = self.tier.store.records[j]
-    if np.dtype(x.dtype) != np.dtype(r.dtype):
+    if r.key is not None and _key_impl(x) == r.key:
+      return x
+    if _is_key(x) or np.dtype(x.dtype) != np.dtype(r.dtype):
       raise errors.StoreMismatchError(
-        f"the inner update returns state leaf {r.path} as {np.dtype(x.dtype).name}, but "
+        f"the inner update returns state leaf {r.path} as {x.dtype}, but "
         f"{self.tier.path} stores it as {r.dtype}, as init made it: the NVMe tier cannot change "
         "a state array's dtype. (optax.inject_hyperparams, for one, promotes low-precision "
         "moments to float32 with its float32 hyperparameters; give the moments a fixed dtype.)"

@@ -76,6 +76,11 @@ def offload(
     (4, 3)
   """
   errors.check_transformation(inner, "offload: inner")
+  if getattr(inner.init, "offlax_offload", None) is not None:
+    raise errors.TransformationTypeError(
+      "offload(offload(...)): the inner transformation is already offloaded; its state "
+      "already lives in its tier. Offload once: offlax.offload(optax.adam(...), tier)."
+    )
   if tier is None:
     tier = HostTier(**tier_options)
   elif tier_options:
@@ -92,6 +97,12 @@ def offload(
   def init_fn(params):
     params = flax_glue.unbox(params)
     spec = _spec_of(params, "params")
+    if _RECORDING.offloading:
+      raise errors.TransformationTypeError(
+        "an offload transformation inside another's inner transformation (e.g. "
+        "offload(chain(..., offload(...)))): a state can live in one tier. Offload once, "
+        "at the outermost level: offload(chain(...), tier), or chain(..., offload(...))."
+      )
     if _RECORDING.calls is not None:  # `abstract_state` looking for offload inside a chain
       shapes = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(layout_lib.shape_of(x), layout_lib.dtype_of(x)), params
@@ -103,14 +114,18 @@ def offload(
       # to store: the inner state as is, with a step, has the state's structure.
       return OffloadState(inner.init(params), spec, jax.numpy.zeros((), jax.numpy.int32))
     devices = _devices_of(params)
-    if isinstance(tier, NVMeTier):
-      tier.host.check_devices(devices)
-      inner_state, step = tier.init(inner, params, spec)
-      state = OffloadState(inner_state, spec, step)
-    else:
-      tier.check_devices(devices)
-      sharding_lib.check_axis(spec.mesh, tier.shard_axis)
-      state = OffloadState(tier.place(inner.init(params), spec), spec)
+    _RECORDING.offloading = True
+    try:
+      if isinstance(tier, NVMeTier):
+        tier.host.check_devices(devices)
+        inner_state, step = tier.init(inner, params, spec)
+        state = OffloadState(inner_state, spec, step)
+      else:
+        tier.check_devices(devices)
+        sharding_lib.check_axis(spec.mesh, tier.shard_axis)
+        state = OffloadState(tier.place(inner.init(params), spec), spec)
+    finally:
+      _RECORDING.offloading = False
     if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(params)):
       if spec.mesh is None and len(devices) == 1:
         device = next(iter(devices))
@@ -139,9 +154,10 @@ def offload(
 
 
 class _Recording(threading.local):
-  """While `abstract_state` traces a chain's init: id(spec) -> (offload init, params)."""
+  """While `abstract_state` traces a chain's init: id(spec) -> (inner, tier, param shapes)."""
 
   calls: dict[int, Any] | None = None
+  offloading = False  # inside an offload's init: a nested offload is refused
 
 
 _RECORDING = _Recording()
