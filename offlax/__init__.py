@@ -23,6 +23,7 @@ from offlax._src.errors import (
   StoreMismatchError,
   TransformationTypeError,
   TreeMismatchError,
+  UnsavableStateError,
 )
 from offlax._src.host_adam import adam, adamw
 from offlax._src.host_tier import HostTier
@@ -63,6 +64,7 @@ __all__ = [
   "StoreReport",
   "TransformationTypeError",
   "TreeMismatchError",
+  "UnsavableStateError",
   "abstract_state",
   "adam",
   "adamw",

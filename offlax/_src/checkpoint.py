@@ -14,6 +14,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from offlax._src import errors, flax_glue, nvme_tier
+from offlax._src import layout as layout_lib
 from offlax._src import sharding as sharding_lib
 from offlax._src import transform as transform_lib
 from offlax._src.host_tier import HostTier
@@ -299,6 +300,43 @@ def _check_state(want: Any, state: Any) -> None:
         f"{jax.tree_util.keystr(path)} is {np.dtype(g.dtype).name}{list(np.shape(g))}, "
         f"expected {np.dtype(w.dtype).name}{list(w.shape)}."
       )
+
+
+class _OnDiskRefusal(ocp.type_handlers.TypeHandler):
+  """Makes orbax refuse to save an NVMe-tier state's `OnDisk` placeholders.
+
+  `OnDisk` is a pytree node without leaves; orbax would save it as an empty
+  value and restore None, losing the moments without a word. Orbax asks the
+  handler of each value's type for its type string first: this one raises.
+  """
+
+  armed = False  # the registry asks for the type string once, when registering
+
+  def typestr(self) -> str:
+    if not self.armed:
+      return "offlax.OnDisk"
+    raise errors.UnsavableStateError(
+      "ocp.args.StandardSave (or another orbax pytree save) got an NVMe-tier state: its "
+      "arrays on disk are offlax.OnDisk placeholders, which orbax would save as None and "
+      "restore as None. Save the store with offlax.NVMeStoreSave(tier) instead, e.g. "
+      "mngr.save(step, args=ocp.args.Composite(model=ocp.args.StandardSave(params), "
+      "opt=offlax.NVMeStoreSave(tier))), or move the state to a HostTier first "
+      "(offlax.retier(tier.read_state(state), inner, params, offlax.HostTier()))."
+    )
+
+  def metadata(self, infos):  # never reached: `typestr` raises first
+    raise NotImplementedError
+
+  def serialize(self, values, infos, args=None):
+    raise NotImplementedError
+
+  def deserialize(self, infos, args=None):
+    raise NotImplementedError
+
+
+_refusal = _OnDiskRefusal()
+ocp.type_handlers.register_type_handler(layout_lib.OnDisk, _refusal, override=True)
+_refusal.armed = True
 
 
 class _NVMeStoreHandler(ocp.handlers.CheckpointHandler):

@@ -45,6 +45,10 @@ class StoreMismatchError(TreeMismatchError):
   """An NVMe store holds the state of another optimizer or parameter tree."""
 
 
+class UnsavableStateError(OffloadError, TypeError):
+  """A checkpointer was given NVMe-tier state, whose arrays live in the store, not the tree."""
+
+
 class StaleStateError(OffloadError, RuntimeError):
   """An NVMe-tier state older than the store's last commit was updated."""
 
