@@ -298,3 +298,152 @@ def test_stats_finds_the_offload_state_inside_a_chain():
   assert offlax.stats(state, tier).host_bytes == 2 * 15 * 4
   with pytest.raises(offlax.TreeMismatchError, match="holding none"):
     offlax.stats(optax.adam(1e-3).init(_params()), tier)
+
+
+# -- 6. orbax saves of NVMe-tier state --------------------------------------------
+
+
+def test_standard_save_of_nvme_state_is_refused_naming_nvme_store_save(tmp_path):
+  tier = _nvme(str(tmp_path / "store"))
+  state = offlax.offload(optax.adam(1e-3), tier).init(_params())
+  checkpointer = ocp.StandardCheckpointer()
+  with pytest.raises(offlax.UnsavableStateError, match=r"offlax\.NVMeStoreSave\(tier\)"):
+    checkpointer.save(tmp_path / "ckpt", state)
+    checkpointer.wait_until_finished()
+  checkpointer.close()
+  tier.close()
+
+
+# -- 7. interrupts and resuming at the params' step ------------------------------
+
+
+def _nvme_run(path, steps, **kw):
+  """An NVMe-tier Adam run of `steps` steps; returns (tier, tx, jitted step, params, state)."""
+  tier = _nvme(path, **kw)
+  tx = offlax.offload(optax.adam(1e-2), tier)
+  params = _params()
+  state = tx.init(params)
+  train = jax.jit(_train(tx))
+  for i in range(steps):
+    params, state = train(params, state, _grads(params, i))
+  return tier, tx, train, params, state
+
+
+def test_ctrl_c_in_a_callback_surfaces_as_keyboard_interrupt_after_the_commit(
+  tmp_path, monkeypatch
+):
+  import signal
+  import time
+
+  from offlax._src import nvme_tier
+
+  tier, tx, train, params, state = _nvme_run(str(tmp_path), 1)
+  read, calls = nvme_tier.Store.read, []
+
+  def interrupted_read(self, *args, **kwargs):
+    calls.append(1)
+    if len(calls) == 1:  # Ctrl-C while the step reads its first slice
+      signal.raise_signal(signal.SIGINT)
+    return read(self, *args, **kwargs)
+
+  monkeypatch.setattr(nvme_tier.Store, "read", interrupted_read)
+  returned = None
+  with pytest.raises(KeyboardInterrupt):
+    returned = train(params, state, _grads(params, 1))
+    jax.block_until_ready(returned)
+    time.sleep(2)  # the interrupt comes a moment after the step
+  assert calls and tier.store.step == 2
+  # The step finished and returned its result: the store and it agree.
+  assert returned is not None and int(returned[1].step) == 2
+  tier.close()
+
+
+def test_stale_state_error_says_how_to_recover_and_resume_goes_back_to_the_params_step(
+  tmp_path,
+):
+  path = str(tmp_path)
+  tier, tx, train, params, state = _nvme_run(path, 2)
+  lost_params, lost_state = params, state
+  params, state = train(params, state, _grads(params, 2))  # committed: step 3 ...
+  # (raised in a callback of the step: JAX reports it as a JaxRuntimeError naming it)
+  with pytest.raises(Exception, match=r"StaleStateError.*resume=True, step=.*keeps steps \[2, 3\]"):
+    jax.block_until_ready(train(lost_params, lost_state, _grads(params, 2)))  # ... but lost
+  tier.close()
+  # Resuming at the params' step (2) rolls the store back to it, and continues exactly.
+  tier = _nvme(path, resume=True, step=2)
+  tx = offlax.offload(optax.adam(1e-2), tier)
+  again = tx.init(lost_params)
+  assert int(again.step) == 2
+  redo, _ = jax.jit(_train(tx))(lost_params, again, _grads(lost_params, 2))
+  np.testing.assert_array_equal(redo["w"], params["w"])
+  tier.close()
+  # A step the store no longer keeps is refused, naming the way out.
+  with pytest.raises(offlax.StoreMismatchError, match=r"params are at step 0.*NVMeStoreRestore"):
+    offlax.offload(optax.adam(1e-2), _nvme(path, resume=True, step=0)).init(lost_params)
+
+
+# -- 9. reopening a store in the same process ------------------------------------
+
+
+def test_reopening_an_open_store_in_this_process_names_it_and_its_holder(tmp_path):
+  import gc
+  import os
+
+  path = str(tmp_path)
+  tier, tx, train, params, state = _nvme_run(path, 1)
+  del tier, tx, state
+  gc.collect()  # a jitted step still holds the tier (a notebook cell run again)
+  with pytest.raises(offlax.StoreLockedError, match=rf"in this process \(PID {os.getpid()}\)") as e:
+    offlax.offload(optax.adam(1e-2), _nvme(path, resume=True)).init(params)
+  assert e.value.pid == os.getpid() and isinstance(e.value.holder, offlax.NVMeTier)
+  e.value.holder.close()
+  tier = _nvme(path, resume=True)
+  assert int(offlax.offload(optax.adam(1e-2), tier).init(params).step) == 1
+  tier.close()
+  del train
+
+
+def test_store_locked_by_another_process_names_its_pid(tmp_path):
+  import subprocess
+  import sys
+
+  path = str(tmp_path)
+  holder = subprocess.Popen(
+    [sys.executable, "-c", f"import offlax, sys, time\n"
+     f"from offlax._src.nvme_tier import Store\n"
+     f"s = Store({path!r}, fsync=False); s.lock(); print('locked', flush=True); time.sleep(60)"],
+    stdout=subprocess.PIPE, text=True,
+  )  # fmt: skip
+  try:
+    assert holder.stdout.readline().strip() == "locked"
+    with pytest.raises(offlax.StoreLockedError, match=rf"another process \(PID {holder.pid}\)"):
+      offlax.offload(optax.adam(1e-2), _nvme(path)).init(_params())
+  finally:
+    holder.kill()
+    holder.wait()
+
+
+# -- 10. a resumed store honours cache_bytes -------------------------------------
+
+
+def test_resume_honours_a_new_cache_bytes(tmp_path):
+  path = str(tmp_path)
+  tier, tx, train, params, state = _nvme_run(path, 1)
+  tier.close()
+  on_disk = lambda s: [
+    x for x in jax.tree.leaves(s, is_leaf=lambda x: isinstance(x, offlax.OnDisk))
+    if isinstance(x, offlax.OnDisk)
+  ]  # fmt: skip
+  assert len(on_disk(state)) == 4  # cache_bytes=0: the moments on disk
+  tier = offlax.NVMeTier(path, resume=True, cache_bytes=10**6, progress=False, fsync=False)
+  tx = offlax.offload(optax.adam(1e-2), tier)
+  resumed = tx.init(params)
+  assert on_disk(resumed) == []  # all of it in RAM now
+  assert [r.hot for r in tier.store.records] == [True] * len(tier.store.records)
+  params2, _ = jax.jit(_train(tx))(params, resumed, _grads(params, 1))
+  plain = optax.adam(1e-2)
+  want, plain_state = _params(), plain.init(_params())
+  for i in range(2):
+    want, plain_state = jax.jit(_train(plain))(want, plain_state, _grads(want, i))
+  np.testing.assert_allclose(params2["w"], want["w"], rtol=1e-6)
+  tier.close()
