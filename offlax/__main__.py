@@ -12,7 +12,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser = argparse.ArgumentParser(prog="python -m offlax", description="offlax tools")
   sub = parser.add_subparsers(dest="command", required=True)
   p = sub.add_parser("plan", help="where the optimizer state should live, and what it costs")
-  p.add_argument("--params", type=float, required=True, help="number of parameters, e.g. 13e9")
+  p.add_argument("--params", required=True, help="number of parameters, e.g. 7B, 350M, 13e9")
   p.add_argument("--device-mem", required=True, help="accelerator memory, e.g. 24GB")
   p.add_argument("--host-mem", required=True, help="host RAM for the state, e.g. 128GB")
   p.add_argument("--nvme", default="0", help="free disk for an NVMe store, e.g. 2TB (0)")
@@ -59,12 +59,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
   try:
     sizes = {
-      "device_bytes": planner.parse_bytes(args.device_mem),
-      "host_bytes": planner.parse_bytes(args.host_mem),
-      "nvme_bytes": planner.parse_bytes(args.nvme),
-      "activation_bytes": planner.parse_bytes(args.activations),
-      "chunk_bytes": planner.parse_bytes(args.chunk),
+      name: planner.parse_bytes(text, unit_required=True)
+      for name, text in (
+        ("device_bytes", args.device_mem),
+        ("host_bytes", args.host_mem),
+        ("nvme_bytes", args.nvme),
+        ("activation_bytes", args.activations),
+        ("chunk_bytes", args.chunk),
+      )
     }
+    n = planner.parse_count(args.params)
     dtype = jnp.dtype(args.param_dtype)
   except (ValueError, TypeError) as e:
     parser.error(str(e))
@@ -81,7 +85,6 @@ def main(argv: Sequence[str] | None = None) -> int:
   ):
     if flag is not None:
       rates[key] = flag * scale
-  n = int(args.params)
   leaf = 1 << 26  # leaves of up to 64M params, like a large model's matrices
   shapes = {f"w{i:05d}": jax.ShapeDtypeStruct((min(leaf, n - i * leaf),), dtype)
             for i in range(-(-n // leaf))}  # fmt: skip
