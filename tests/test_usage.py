@@ -447,3 +447,35 @@ def test_resume_honours_a_new_cache_bytes(tmp_path):
     want, plain_state = jax.jit(_train(plain))(want, plain_state, _grads(want, i))
   np.testing.assert_allclose(params2["w"], want["w"], rtol=1e-6)
   tier.close()
+
+
+# -- 12. inspect on a directory above stores --------------------------------------
+
+
+def test_inspect_a_directory_above_stores_skips_venvs_and_hidden_directories(tmp_path):
+  import os
+  import shutil
+  import subprocess
+  import sys
+
+  tier = _nvme(str(tmp_path / "run" / "store"))
+  offlax.offload(optax.adam(1e-3), tier).init(_params())
+  tier.close()
+  with ocp.CheckpointManager(tmp_path / "run" / "ckpt") as mngr:
+    mngr.save(1, args=ocp.args.StandardSave({"p": jnp.ones(3)}))
+    mngr.wait_until_finished()
+  # Checkpoint-like fixtures of installed packages, in a hidden venv and a visible one.
+  for venv in (".venv", "env"):
+    site = tmp_path / venv / "lib" / "site-packages"
+    site.mkdir(parents=True)
+    (tmp_path / venv / "pyvenv.cfg").write_text("home = /usr\n")
+    shutil.copytree(tmp_path / "run" / "ckpt" / "1", site / "orbax_fixture")
+  out = subprocess.run(
+    [sys.executable, "-m", "offlax", "inspect", str(tmp_path), "--no-progress"],
+    capture_output=True, text=True, timeout=300,
+    env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(__file__))},
+  )  # fmt: skip
+  assert out.returncode == 0, out.stdout + out.stderr
+  reported = [line for line in out.stdout.splitlines() if " store /" in line]
+  assert len(reported) == 2 and not any("site-packages" in line for line in reported)
+  assert "Event loop is closed" not in out.stderr
