@@ -255,10 +255,10 @@ def test_every_optax_alias_works_with_every_tier(name, tier, tmp_path):
     grads = jax.grad(_loss)(params)
     extra = _extra(name, params)
     want, plain_state = plain.update(grads, plain_state, params, **extra)
-    value_fn = extra.pop("value_fn", None)
-    got, state = jax.jit(
-      lambda g, s, p, e: tx.update(g, s, p, **e, **({"value_fn": value_fn} if value_fn else {}))
-    )(grads, state, params, extra)
+    static = {"value_fn": extra.pop("value_fn")} if "value_fn" in extra else {}
+    got, state = jax.jit(lambda g, s, p, e, k=static: tx.update(g, s, p, **e, **k))(
+      grads, state, params, extra
+    )
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
       np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6, err_msg=f"{name} step {i}")
     params = optax.apply_updates(params, want)

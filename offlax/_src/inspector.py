@@ -237,7 +237,6 @@ def _locked(path: str) -> bool:
 
 
 def _inspect_orbax(path: str, verify: bool) -> StoreReport:
-  import jax
   import orbax.checkpoint as ocp
 
   report = StoreReport(path, "orbax", verified=verify)

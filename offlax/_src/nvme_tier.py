@@ -781,7 +781,8 @@ class NVMeTier:
     if not isinstance(path, (str, os.PathLike)) or not str(path):
       raise errors.InvalidTierError(f"NVMeTier.path must be a directory path, got {path!r}.")
     if chunk_bytes is not None and (
-      isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, (int, np.integer))
+      isinstance(chunk_bytes, bool)
+      or not isinstance(chunk_bytes, (int, np.integer))
       or chunk_bytes <= 0
     ):  # (checked here so that the message names NVMeTier, not its HostTier)
       raise errors.InvalidTierError(
@@ -1163,8 +1164,8 @@ class NVMeTier:
     items = []
     for r in _progress(records, self.progress, f"offlax: resuming {self.path}"):
       if r.hot:
-        value = self.store.result(self.store.read(r.index, 0, r.size)).reshape(r.shape)
-        value = jnp.asarray(value)
+        data = self.store.result(self.store.read(r.index, 0, r.size)).reshape(r.shape)
+        value = jnp.asarray(data)
         if r.key is not None:
           value = jax.random.wrap_key_data(value, impl=r.key)
         items.append(self._entry(r, value))

@@ -211,7 +211,7 @@ class MeshPlan:
 ONE_DEVICE_AXIS = "offlax"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def one_device_mesh(device: Any) -> Mesh:
   """The mesh of one device that single-device state is placed on (one per device)."""
   return Mesh(np.array([device]), (ONE_DEVICE_AXIS,))
@@ -271,8 +271,9 @@ def one_device_target(params: Any, device: Any) -> Mesh | None:
     if isinstance(x, jax.core.Tracer):
       continue
     sharding = getattr(x, "sharding", None)
-    if isinstance(sharding, NamedSharding) and sharding.mesh.size == 1:
-      return sharding.mesh
+    mesh = getattr(sharding, "mesh", None)
+    if isinstance(sharding, NamedSharding) and isinstance(mesh, Mesh) and mesh.size == 1:
+      return mesh
     if isinstance(sharding, jax.sharding.SingleDeviceSharding) and getattr(x, "committed", False):
       single = True
   return None if single else one_device_mesh(device)
