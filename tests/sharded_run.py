@@ -374,8 +374,12 @@ def make_params(mesh, n_grads):
 
 
 results = {}
+# argv[2], if given: the mesh kinds to run ("explicit,auto"); the default run asks for one.
+kinds = sys.argv[2].split(",") if len(sys.argv) > 2 else ["explicit", "auto"]
 for t in (AxisType.Explicit, AxisType.Auto):
   name = str(t).split(".")[-1].lower()
+  if name not in kinds:
+    continue
   results[name] = run(t)
   results[name]["nvme"] = run_nvme(t, os.path.join(sys.argv[1], name))
 print("RESULT " + json.dumps(results), flush=True)

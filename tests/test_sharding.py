@@ -22,11 +22,25 @@ MESHES = ("explicit", "auto")
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-  """One run of `sharded_run.py` with 8 devices; the other tests keep one device."""
+def results(request, tmp_path_factory):
+  """One run of `sharded_run.py` with 8 devices; the other tests keep one device.
+
+  It runs the mesh kinds the selected tests ask for (the default run: Auto axes).
+  """
+  here = request.node.nodeid.split("::")[0]
+  kinds = [
+    m
+    for m in MESHES
+    if any(
+      f"{m}]" in i.nodeid or f"-{m}-" in i.nodeid or f"[{m}-" in i.nodeid
+      for i in request.session.items
+      if i.nodeid.startswith(here)
+    )
+  ]
   env = {**os.environ, "PYTHONPATH": os.path.dirname(HERE)}
+  script = os.path.join(HERE, "sharded_run.py")
   out = subprocess.run(
-    [sys.executable, os.path.join(HERE, "sharded_run.py"), str(tmp_path_factory.mktemp("nvme"))],
+    [sys.executable, script, str(tmp_path_factory.mktemp("nvme")), ",".join(kinds or MESHES)],
     capture_output=True, text=True, timeout=600, env=env,
   )  # fmt: skip
   lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
