@@ -403,6 +403,19 @@ def test_reopening_an_open_store_in_this_process_names_it_and_its_holder(tmp_pat
   del train
 
 
+def test_a_tier_deleted_without_close_releases_its_store(tmp_path):
+  import gc
+
+  path = str(tmp_path)
+  tier = _nvme(path)
+  state = offlax.offload(optax.adam(1e-2), tier).init(_params())
+  del tier, state
+  gc.collect()
+  tier = _nvme(path, resume=True)
+  assert int(offlax.offload(optax.adam(1e-2), tier).init(_params()).step) == 0
+  tier.close()
+
+
 def test_store_locked_by_another_process_names_its_pid(tmp_path):
   import subprocess
   import sys

@@ -182,8 +182,8 @@ class Store:
       pid = _lock_pid(fd)
       os.close(fd)
       holder = _OPEN.get(self.path)
-      if pid == os.getpid() or holder is not None:
-        owner = holder if holder is None else getattr(holder, "owner", None) or holder
+      if holder is not None:
+        owner = getattr(holder, "owner", None) or holder
         raise errors.StoreLockedError(
           f"NVMe store {self.path} is already open for writing in this process (PID "
           f"{os.getpid()}), by {owner!r}, not closed (a notebook cell run again?). Close it "
@@ -193,6 +193,8 @@ class Store:
           holder=owner,
         ) from None
       who = "another process" if pid is None else f"another process (PID {pid})"
+      if pid == os.getpid():  # (a store object of ours that the registry lost)
+        who = f"this process (PID {pid}), through a store that was not closed"
       raise errors.StoreLockedError(
         f"NVMe store {self.path} is open for writing by {who} (lock {_LOCK}); stop it, or "
         "open another path.",
@@ -218,6 +220,16 @@ class Store:
         del _OPEN[self.path]
       os.close(self._lock_fd)
       self._lock_fd = None
+
+  def __del__(self) -> None:
+    # A store nothing refers to any more (a tier deleted without close, e.g. in a
+    # notebook) cannot write again: release its lock, so the path opens again.
+    fd = getattr(self, "_lock_fd", None)
+    if fd is not None:
+      try:
+        os.close(fd)
+      except OSError:
+        pass
 
   def exists(self) -> bool:
     return os.path.exists(os.path.join(self.path, _METADATA))
