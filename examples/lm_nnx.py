@@ -16,9 +16,11 @@ grammar with counting and agreement. The optimizer is
 - `--tier none`: plain optax, for comparison.
 
 Every `--ckpt-every` steps orbax saves the model and optimizer under
-`--dir/ckpt` (asynchronously); `--resume` continues from the latest one (the
-NVMe tier resumes its own store, committed at the same step). The loss curve
-goes to `--dir/loss.png`.
+`--dir/ckpt` (asynchronously; the NVMe tier's store with `offlax.NVMeStoreSave`);
+`--resume` continues from the latest one, after a kill at any moment: the
+store, which commits every step and may be ahead of the checkpoint, is
+replaced by the checkpoint's copy, and `NVMeTier(step=...)` checks that it is
+at the params' step. The loss curve goes to `--dir/loss.png`.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
+import shutil
 import tempfile
 
 import jax
@@ -86,16 +89,35 @@ class LM(nnx.Module):
     return self.head(self.norm(x))
 
 
-def make_tier(name: str, directory: pathlib.Path, resume: bool):
+def make_tier(name: str, directory: pathlib.Path, step: int | None):
+  """The tier; for the NVMe tier `step` is the checkpoint's step to resume at (None: new)."""
   if name == "host":
     return offlax.HostTier(chunk_bytes=256 * 1024)
   if name == "host_compute":
     return offlax.HostTier(compute="host")
   if name == "nvme":
     return offlax.NVMeTier(
-      str(directory / "store"), cache_bytes=64 * 1024, chunk_bytes=256 * 1024, resume=resume
+      str(directory / "store"),
+      cache_bytes=64 * 1024,
+      chunk_bytes=256 * 1024,
+      resume=step is not None,
+      step=step,
     )
   return None
+
+
+def restore_store(mngr: ocp.CheckpointManager, step: int, directory: pathlib.Path) -> None:
+  """Replaces the NVMe store by the copy checkpointed at `step`.
+
+  The store commits every step, so after a kill it may be ahead of the last
+  checkpoint; the checkpoint's copy is at the checkpoint's step. Restored
+  beside it first: a kill during this leaves the checkpoint to restore again.
+  """
+  store, restoring = directory / "store", directory / "store.restoring"
+  shutil.rmtree(restoring, ignore_errors=True)
+  mngr.restore(step, args=ocp.args.Composite(opt=offlax.NVMeStoreRestore(str(restoring), False)))
+  shutil.rmtree(store, ignore_errors=True)
+  os.rename(restoring, store)
 
 
 def main(argv: list[str] | None = None) -> float:
@@ -119,7 +141,17 @@ def main(argv: list[str] | None = None) -> float:
   chars = sorted(set(text))
   data = np.array([chars.index(c) for c in text], np.int32)
   model = LM(len(chars), args.dim, 4, args.layers, args.seq, nnx.Rngs(0))
-  tier = make_tier(args.tier, directory, args.resume)
+  # The NVMe tier's moments are in its store (committed every step), which orbax
+  # saves with offlax.NVMeStoreSave; the other tiers' state is a pytree of arrays.
+  nvme = args.tier == "nvme"
+  options = ocp.CheckpointManagerOptions(max_to_keep=2, enable_async_checkpointing=True)
+  mngr = ocp.CheckpointManager((directory / "ckpt").absolute(), options=options)
+  start = mngr.latest_step() if args.resume else None
+  if nvme and start is not None:
+    restore_store(mngr, start, directory)
+  elif nvme and args.resume:  # killed before the first checkpoint: start again
+    shutil.rmtree(directory / "store", ignore_errors=True)
+  tier = make_tier(args.tier, directory, start)
   # In host compute the update is written out to cross back to the device, so the
   # native kernel writes it too, in the same pass as the moments.
   inner = offlax.adamw(
@@ -140,21 +172,28 @@ def main(argv: list[str] | None = None) -> float:
     optimizer.update(model, grads)
     return loss
 
-  # The NVMe tier's moments are in its store (committed every step); orbax keeps
-  # the rest: the model, the step, and any state leaves held in RAM.
-  options = ocp.CheckpointManagerOptions(max_to_keep=2, enable_async_checkpointing=True)
-  mngr = ocp.CheckpointManager((directory / "ckpt").absolute(), options=options)
-  start = 0
-  if args.resume and mngr.latest_step() is not None:
-    start = mngr.latest_step()
+  def checkpoint_args(save: bool):
+    if nvme:  # the model, and the store (the whole optimizer state) beside it
+      model_state = {"model": nnx.state(model), "step": optimizer.step[...]}
+      if save:
+        return ocp.args.Composite(
+          model=ocp.args.StandardSave(model_state), opt=offlax.NVMeStoreSave(tier)
+        )
+      target = jax.tree.map(ocp.utils.to_shape_dtype_struct, model_state)
+      return ocp.args.Composite(model=ocp.args.StandardRestore(target))
+    if save:
+      return ocp.args.StandardSave(nnx.state((model, optimizer)))
     target = jax.tree.map(ocp.utils.to_shape_dtype_struct, nnx.state((model, optimizer)))
-    restored = mngr.restore(start, args=ocp.args.StandardRestore(target))
-    nnx.update((model, optimizer), offlax.placed(restored))  # see offlax.placed
-    if isinstance(tier, offlax.NVMeTier) and tier.store.step != int(optimizer.step[...]):
-      raise SystemExit(
-        f"{tier.path} committed step {tier.store.step} but the checkpoint is at step "
-        f"{int(optimizer.step[...])}: checkpoint every step with --tier nvme (--ckpt-every 1)."
-      )
+    return ocp.args.StandardRestore(target)
+
+  if start is not None:
+    restored = mngr.restore(start, args=checkpoint_args(save=False))
+    if nvme:  # the optimizer state came from the store, at step `start`
+      nnx.update(model, restored.model["model"])
+      optimizer.step[...] = restored.model["step"]
+    else:
+      nnx.update((model, optimizer), restored)
+  start = start or 0
   print(f"{args.tier}: {sum(x.size for x in jax.tree.leaves(nnx.state(model))):,} params, "
         f"{len(chars)} characters, starting at step {start}")  # fmt: skip
 
@@ -168,7 +207,7 @@ def main(argv: list[str] | None = None) -> float:
     losses.append(loss)
     bar.set_postfix(loss=f"{loss:.3f}")
     if (step + 1) % args.ckpt_every == 0 or step + 1 == start + args.steps:
-      mngr.save(step + 1, args=ocp.args.StandardSave(nnx.state((model, optimizer))))
+      mngr.save(step + 1, args=checkpoint_args(save=True))
   mngr.wait_until_finished()
   mngr.close()
   if isinstance(tier, offlax.NVMeTier):

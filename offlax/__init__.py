@@ -23,6 +23,7 @@ from offlax._src.errors import (
   StoreMismatchError,
   TransformationTypeError,
   TreeMismatchError,
+  UnsavableStateError,
 )
 from offlax._src.gpu_compile import CompiledMemory, GpuTarget, compile_for_gpu
 from offlax._src.gpu_compile import available as gpu_compile_available
@@ -67,6 +68,7 @@ __all__ = [
   "StoreReport",
   "TransformationTypeError",
   "TreeMismatchError",
+  "UnsavableStateError",
   "abstract_state",
   "adam",
   "adamw",

@@ -12,7 +12,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser = argparse.ArgumentParser(prog="python -m offlax", description="offlax tools")
   sub = parser.add_subparsers(dest="command", required=True)
   p = sub.add_parser("plan", help="where the optimizer state should live, and what it costs")
-  p.add_argument("--params", type=float, required=True, help="number of parameters, e.g. 13e9")
+  p.add_argument("--params", required=True, help="number of parameters, e.g. 7B, 350M, 13e9")
   p.add_argument("--device-mem", required=True, help="accelerator memory, e.g. 24GB")
   p.add_argument("--host-mem", required=True, help="host RAM for the state, e.g. 128GB")
   p.add_argument("--nvme", default="0", help="free disk for an NVMe store, e.g. 2TB (0)")
@@ -67,6 +67,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     return _inspect(args.path, args.verify, not args.no_progress)
   if args.command == "rollback":
     return _rollback(args.path, args.to)
+  if args.command == "compile" or getattr(args, "compile", None):
+    import os
+
+    import jax
+
+    # Compile only: the CUDA plugin must not start a backend (there may be no GPU).
+    if "JAX_PLATFORMS" not in os.environ:
+      jax.config.update("jax_platforms", "cpu")
   if args.command == "compile":
     return _compile(parser, args)
 
@@ -79,12 +87,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
   try:
     sizes = {
-      "device_bytes": planner.parse_bytes(args.device_mem),
-      "host_bytes": planner.parse_bytes(args.host_mem),
-      "nvme_bytes": planner.parse_bytes(args.nvme),
-      "activation_bytes": planner.parse_bytes(args.activations),
-      "chunk_bytes": planner.parse_bytes(args.chunk),
+      name: planner.parse_bytes(text, unit_required=True)
+      for name, text in (
+        ("device_bytes", args.device_mem),
+        ("host_bytes", args.host_mem),
+        ("nvme_bytes", args.nvme),
+        ("activation_bytes", args.activations),
+        ("chunk_bytes", args.chunk),
+      )
     }
+    n = planner.parse_count(args.params)
     dtype = jnp.dtype(args.param_dtype)
   except (ValueError, TypeError) as e:
     parser.error(str(e))
@@ -101,7 +113,6 @@ def main(argv: Sequence[str] | None = None) -> int:
   ):
     if flag is not None:
       rates[key] = flag * scale
-  n = int(args.params)
   leaf = 1 << 26  # leaves of up to 64M params, like a large model's matrices
   shapes = {f"w{i:05d}": jax.ShapeDtypeStruct((min(leaf, n - i * leaf),), dtype)
             for i in range(-(-n // leaf))}  # fmt: skip
@@ -115,8 +126,12 @@ def main(argv: Sequence[str] | None = None) -> int:
   result = offlax.plan(shapes, tx, **sizes, **rates)
   print(result.table())
   mode = {"device": "plain", "host": "streamed", "host_compute": "host"}.get(result.mode)
+  if args.compile and mode is None:
+    print(f"--compile: nothing to compile for mode {result.mode!r}", file=sys.stderr)
   if args.compile and mode is not None:
-    m = _compiled(n, mode, args.master, sizes["chunk_bytes"], 16, args.compile, None)
+    m = _compiled(
+      n, mode, args.master, sizes["chunk_bytes"], 16, args.compile, None, result.fraction
+    )
     if m is None:
       return 2
     planned = result.bytes["device"] / n
@@ -131,9 +146,9 @@ def _compile(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
   from offlax._src import planner
 
   try:
-    n = _count(args.params)
+    n = planner.parse_count(args.params)
     chunk = planner.parse_bytes(args.chunk)
-    memory = None if args.device_mem is None else planner.parse_bytes(args.device_mem)
+    memory = None if args.device_mem is None else planner.parse_bytes(args.device_mem, True)
   except ValueError as e:
     parser.error(str(e))
   m = _compiled(n, args.mode, args.master, chunk, args.layers, args.target, memory)
@@ -145,7 +160,7 @@ def _compile(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
   return 0 if m.fits else 1
 
 
-def _compiled(n, mode, master, chunk, layers, target, memory) -> Any:
+def _compiled(n, mode, master, chunk, layers, target, memory, fraction=1.0) -> Any:
   """An AdamW step on a transformer-shaped tree of `n` params, compiled for `target`; or None."""
   import jax
   import optax
@@ -162,7 +177,8 @@ def _compiled(n, mode, master, chunk, layers, target, memory) -> Any:
   tx: Any = optax.adamw(1e-3)
   tx = offlax.master_weights(tx) if master else tx
   if mode != "plain":
-    tx = offlax.offload(tx, chunk_bytes=chunk, compute="host" if mode == "host" else "device")
+    compute = "host" if mode == "host" else "device"
+    tx = offlax.offload(tx, chunk_bytes=chunk, compute=compute, fraction=fraction)
   if mode == "plain":
     state = jax.eval_shape(tx.init, params)
   else:
@@ -178,19 +194,6 @@ def _compiled(n, mode, master, chunk, layers, target, memory) -> Any:
   except offlax.OffloadError as e:
     print(f"error: {e}", file=sys.stderr)
     return None
-
-
-def _count(text: str) -> int:
-  """'7B', '350M', '1.3e9' or a plain number of parameters."""
-  scale = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
-  t = text.strip().upper()
-  try:
-    value = float(t[:-1]) * scale[t[-1]] if t and t[-1] in scale else float(t)
-  except ValueError:
-    raise ValueError(f"not a parameter count: {text!r} (e.g. 7B, 350M, 1.3e9)") from None
-  if value < 1:
-    raise ValueError(f"the parameter count must be >= 1, got {text!r}")
-  return int(value)
 
 
 def _inspect(path: str, verify: bool, progress: bool) -> int:

@@ -40,7 +40,7 @@ from hypothesis import HealthCheck, settings  # noqa: E402
 # leaves, and the crash tests' 50+ trials (see `long_profile`).
 _SLOW_OK = [HealthCheck.too_slow, HealthCheck.data_too_large]
 settings.register_profile(
-  "default", max_examples=10, deadline=None, derandomize=True, suppress_health_check=_SLOW_OK
+  "default", max_examples=3, deadline=None, derandomize=True, suppress_health_check=_SLOW_OK
 )
 settings.register_profile(
   "long", max_examples=60, deadline=None, derandomize=False, suppress_health_check=_SLOW_OK
@@ -154,3 +154,79 @@ def native(request, monkeypatch):
   else:
     assert ffi.available(), "offlax's native library did not build (see the log)"
   return request.param == "native"
+
+
+# The default run (`pytest -m "not slow"`, the README's command) keeps each feature
+# covered by its cheapest cases and stays within a few minutes on 2 cores; the cases
+# below also run with `-m slow` (`.ci/run` runs both). Full test names (file::name),
+# with, for parametrized tests, the parameter ids kept in the default run.
+_SLOW = {
+  # The examples run by default (lm_nnx through its NVMe kill-and-resume test); the
+  # benchmarks' smoke runs and the longer example runs are slow.
+  "test_examples_and_benchmarks.py::test_host_overhead_benchmark_runs",
+  "test_examples_and_benchmarks.py::test_nvme_throughput_benchmark_runs",
+  "test_examples_and_benchmarks.py::test_gpu_check_code_path_runs_on_cpu",
+  "test_examples_and_benchmarks.py::test_scaling_benchmark_runs",
+  "test_examples_and_benchmarks.py::test_checkpoint_benchmark_runs",
+  "test_examples_and_benchmarks.py::test_entry_point_quick",
+  "test_examples_and_benchmarks.py::test_lm_example_trains_checkpoints_and_resumes",
+  "test_examples_and_benchmarks.py::test_multi_device_example_with_the_nvme_tier",
+  "test_host_adam.py::test_bit_identical_under_default_xla_flags",  # test_default_flags.py
+  "test_checkpoint.py::test_async_round_trip_resumes_bit_exactly",
+  "test_nvme_crash.py::test_sigkill_during_orbax_checkpoints",
+  "test_nvme_crash.py::test_sigkill_on_a_mesh_keeps_every_shard_committed",
+  "test_observability.py::test_rollback_then_resume_equals_the_reference",
+}
+_KEEP = {
+  "test_equivalence.py::test_bit_identical_to_inner": {"clip_schedule_chain"},
+  "test_host_adam.py::test_bit_identical_to_optax": {"native-adam", "plain-adamw", "native-inject"},
+  "test_host_adam.py::test_under_offload": {"native-device", "plain-host"},
+  "test_host_adam.py::test_native_update_matches_optax_to_rounding": {
+    "native-adamw-device",
+    "native-adamw_mask-host",
+    "plain-adam_schedule-host",
+  },
+  "test_nvme.py::test_bit_identical_to_inner": {"native-adamw", "plain-clip_chain"},
+  # Compositions in the streamed mode; host compute for two (test_export.py lowers all).
+  "test_composition.py::*": {"device"},
+  "test_composition.py::test_chain_clip_then_offload": {"device", "host"},
+  "test_composition.py::test_multi_steps_inside_offload": {"device", "host"},
+  "test_composition.py::test_donating_params_and_state": {"device-float32", "host-bfloat16"},
+  "test_master_and_partial.py::*": {"device"},
+  "test_master_and_partial.py::test_partial_offload_by_selector": {"device", "host"},
+  "test_master_and_partial.py::test_apply_if_finite_skips_nan_steps": {
+    "inside-device",
+    "outside-host",
+  },
+  "test_flax.py::test_linen_train_state": {"host"},
+  "test_sharding.py::*": {"auto"},  # any parametrized test: its Auto-axes mesh case
+  "test_usage.py::test_every_optax_alias_works_with_every_tier": {
+    *(f"nvme-{n}" for n in ("sign_sgd", "polyak_sgd", "noisy_sgd", "sm3")),
+    "device-sm3",
+    "host-noisy_sgd",
+  },
+}
+
+
+def pytest_collection_modifyitems(config, items):
+  for item in items:
+    name = item.nodeid.split("/")[-1]
+    function, _, params = name.partition("[")
+    kept = _KEEP.get(function, _KEEP.get(function.split("::")[0] + "::*"))
+    slow = function in _SLOW or (
+      params and kept is not None and not _kept(params.rstrip("]"), kept, function)
+    )
+    if slow:
+      item.add_marker(pytest.mark.slow)
+
+
+# For a file's wildcard entry: the parameter ids it chooses among (a test
+# parametrized otherwise is kept).
+_WILDCARD_IDS = {"device", "host", "explicit", "auto"}
+
+
+def _kept(params: str, kept: set, function: str) -> bool:
+  if function not in _KEEP:  # a wildcard entry: its ids among the test's
+    ids = set(params.split("-"))
+    return not ids & _WILDCARD_IDS or bool(ids & kept)
+  return params in kept

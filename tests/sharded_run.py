@@ -89,8 +89,36 @@ def run(axis_type):
       "leaves": leaves,
       "abstract_state": same_target,
       "export": exported,
+      "compiles": count_compiles(tx, params, grads[0]),
     }
   return out
+
+
+COMPILES = [0]
+
+
+def _count(event, duration, **kw):
+  if event == "/jax/core/compile/backend_compile_duration":
+    COMPILES[0] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count)
+
+
+def count_compiles(tx, params, grad):
+  """XLA compilations over three calls of a jitted train step (one, as for plain optax)."""
+  state = tx.init(params)
+
+  @jax.jit
+  def train(params, state, grad):
+    updates, state = tx.update(grad, state, params)
+    return optax.apply_updates(params, updates), state
+
+  before = COMPILES[0]
+  for _ in range(3):
+    params, state = train(params, state, grad)
+  jax.block_until_ready(params)
+  return COMPILES[0] - before
 
 
 def nvme_tier(path, **kw):
@@ -120,6 +148,9 @@ def run_nvme(axis_type, base):
   tx = lambda tier: optax.chain(
     optax.clip_by_global_norm(1.0), offlax.offload(optax.adamw(1e-2), tier)
   )
+  compile_tier = nvme_tier(os.path.join(base, "compiles"))
+  out_compiles = count_compiles(tx(compile_tier), params, grads[0])
+  compile_tier.close()
   tier = nvme_tier(path)
   opt = tx(tier)
   state = opt.init(params)
@@ -129,6 +160,7 @@ def run_nvme(axis_type, base):
     u, state = step(grads[i], state, params)
     exact.append(same(u, ref[i]))
   out = {"exact": exact, "step": int(state[1].step), "shards": sorted(tier.shards)}
+  out["compiles"] = out_compiles
   tier.close()
   # The same with the slices carried by the callbacks (as on a GPU) instead of
   # offlax's native copies.
@@ -342,8 +374,12 @@ def make_params(mesh, n_grads):
 
 
 results = {}
+# argv[2], if given: the mesh kinds to run ("explicit,auto"); the default run asks for one.
+kinds = sys.argv[2].split(",") if len(sys.argv) > 2 else ["explicit", "auto"]
 for t in (AxisType.Explicit, AxisType.Auto):
   name = str(t).split(".")[-1].lower()
+  if name not in kinds:
+    continue
   results[name] = run(t)
   results[name]["nvme"] = run_nvme(t, os.path.join(sys.argv[1], name))
 print("RESULT " + json.dumps(results), flush=True)

@@ -202,6 +202,36 @@ def test_lm_example_trains_checkpoints_and_resumes(tmp_path, capsys):
       assert "optimizer arrays in RAM: ['pinned_host']" in out  # restored into the tier
 
 
+def test_lm_example_resumes_after_a_kill_with_the_nvme_tier(tmp_path):
+  """Killed between checkpoints (the store ahead of the last one), `--resume` continues."""
+  import os
+  import re
+  import signal
+  import time
+
+  small = ["--dim", "32", "--seq", "32", "--batch", "8", "--no-progress", "--dir", str(tmp_path)]
+  example = [sys.executable, str(ROOT / "examples/lm_nnx.py"), "--tier", "nvme", *small]
+  env = {**os.environ, "PYTHONPATH": str(ROOT)}
+  run = subprocess.Popen([*example, "--steps", "400"], env=env, stderr=subprocess.DEVNULL)
+  try:
+    deadline = time.monotonic() + 240
+    while not (tmp_path / "ckpt" / "50").is_dir() and time.monotonic() < deadline:
+      assert run.poll() is None, "the example ended before its first checkpoint"
+      time.sleep(0.05)
+    time.sleep(0.3)  # a few more steps: the store is past the checkpoint
+  finally:
+    run.send_signal(signal.SIGKILL)
+    run.wait()
+  store = json.loads((tmp_path / "store" / "offlax.json").read_text())["step"]
+  assert store > 50
+  out = subprocess.run(
+    [*example, "--steps", "2", "--resume"], env=env, capture_output=True, text=True, timeout=300
+  )
+  assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+  started = int(re.search(r"starting at step (\d+)", out.stdout).group(1))
+  assert started % 50 == 0 and 50 <= started <= store  # the last checkpoint's step
+
+
 def test_linen_example(capsys):
   accuracy = _load("examples/linen_train_state.py").main(["--steps", "40"])
   assert accuracy > 0.9

@@ -8,7 +8,7 @@ import pytest
 
 import offlax
 from offlax.__main__ import main as cli
-from offlax._src.planner import parse_bytes
+from offlax._src.planner import parse_bytes, parse_count
 
 MiB = 2**20
 
@@ -42,7 +42,7 @@ def test_modes_in_order():
   assert small_disk.mode == "none" and any("3 copies" in a for a in small_disk.advice)
   none = _plan(8 * MiB, 8 * MiB)
   assert (none.mode, none.fits) == ("none", False)
-  assert any("shard them over 2+ devices" in a for a in none.advice)
+  assert any("shard them over 3+ devices" in a for a in none.advice)  # 5% kept free
   assert "DOES NOT FIT" in none.table()
 
 
@@ -103,3 +103,43 @@ def test_cli_measure(capsys, tmp_path):
   measured = dict(kv.rsplit(" ", 1) for kv in out.splitlines()[0][len("measured: ") :].split(", "))
   assert all(float(v) > 0 for v in measured.values()), measured
   assert np.isfinite(float(measured["host_adam_params_per_s"]))
+
+
+def test_the_device_keeps_headroom():
+  # 16 MiB of params and gradients plus 16 MiB + 4 B of state: exactly that is not enough.
+  assert _plan(32 * MiB + 4, 64 * MiB).mode != "device"
+  assert _plan(34 * MiB, 64 * MiB).mode == "device"
+
+
+def test_disk_bytes_per_step_match_the_nvme_tier(tmp_path):
+  """Reads and writes of the arrays on disk, and the commit's writes of the cached ones."""
+  shapes = _shapes()
+  p = offlax.plan(shapes, optax.adam(1e-3), device_bytes=21 * MiB, host_bytes=14 * MiB,
+                  nvme_bytes=1 << 30, chunk_bytes=MiB)  # fmt: skip
+  assert p.mode == "nvme" and list(p.placement.values()).count("host") == 2
+  cache = int(p.advice[0].split("cache_bytes=")[1].rstrip(")"))
+  tier = offlax.NVMeTier(str(tmp_path), cache_bytes=cache, chunk_bytes=MiB, progress=False,
+                         fsync=False)  # fmt: skip
+  tx = offlax.offload(optax.adam(1e-3), tier)
+  params = {k: jnp.ones(s.shape) for k, s in shapes.items()}
+  state, step = tx.init(params), jax.jit(lambda g, s: tx.update(g, s))
+  for _ in range(2):
+    _, state = step(params, state)
+  s = offlax.stats(state, tier, sync=True)
+  measured = s.disk_read_bytes + s.disk_write_bytes
+  tier.close()
+  assert abs(p.disk_bytes_per_step - measured) <= 1e-4 * measured  # (checksums aside)
+
+
+def test_cli_sizes_need_units_params_take_suffixes_and_no_fit_prints_no_costs(capsys):
+  with pytest.raises(SystemExit):
+    cli(["plan", "--params", "1e9", "--device-mem", "24", "--host-mem", "1GB"])
+  assert "'24' has no unit: write e.g. 24GB" in capsys.readouterr().err
+  assert parse_bytes("24") == 24 and parse_bytes("0", unit_required=True) == 0
+  assert cli(["plan", "--params", "7B", "--device-mem", "24GB", "--host-mem", "128GB"]) == 1
+  out = capsys.readouterr().out
+  assert "7,000,000,000 params" in out and "DOES NOT FIT" in out
+  assert "per step" not in out and "inf" not in out and "uses" not in out
+  assert parse_count("350M") == 350 * 10**6 and parse_count("13e9") == 13 * 10**9
+  with pytest.raises(ValueError, match="not a number of parameters"):
+    parse_count("lots")

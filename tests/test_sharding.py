@@ -22,11 +22,25 @@ MESHES = ("explicit", "auto")
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-  """One run of `sharded_run.py` with 8 devices; the other tests keep one device."""
+def results(request, tmp_path_factory):
+  """One run of `sharded_run.py` with 8 devices; the other tests keep one device.
+
+  It runs the mesh kinds the selected tests ask for (the default run: Auto axes).
+  """
+  here = request.node.nodeid.split("::")[0]
+  kinds = [
+    m
+    for m in MESHES
+    if any(
+      f"{m}]" in i.nodeid or f"-{m}-" in i.nodeid or f"[{m}-" in i.nodeid
+      for i in request.session.items
+      if i.nodeid.startswith(here)
+    )
+  ]
   env = {**os.environ, "PYTHONPATH": os.path.dirname(HERE)}
+  script = os.path.join(HERE, "sharded_run.py")
   out = subprocess.run(
-    [sys.executable, os.path.join(HERE, "sharded_run.py"), str(tmp_path_factory.mktemp("nvme"))],
+    [sys.executable, script, str(tmp_path_factory.mktemp("nvme")), ",".join(kinds or MESHES)],
     capture_output=True, text=True, timeout=600, env=env,
   )  # fmt: skip
   lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
@@ -171,6 +185,14 @@ def test_nvme_rollback_of_a_sharded_root_rolls_back_every_shard(results, mesh):
 # -- the rules, in this process --------------------------------------------------
 
 MESH = AbstractMesh((4, 2), ("data", "model"))
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_jitted_step_compiles_once_on_the_mesh(results, mesh):
+  """Three calls of a jitted train step, each tier: one XLA compilation, as plain optax."""
+  compiles = {tier: results[mesh][tier]["compiles"] for tier in TIERS}
+  compiles["nvme"] = results[mesh]["nvme"]["compiles"]
+  assert compiles == dict.fromkeys(compiles, 1)
 
 
 def test_zero1_state_spec():

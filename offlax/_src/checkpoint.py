@@ -14,6 +14,9 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from offlax._src import errors, flax_glue, nvme_tier
+from offlax._src import layout as layout_lib
+from offlax._src import sharding as sharding_lib
+from offlax._src import transform as transform_lib
 from offlax._src.host_tier import HostTier
 from offlax._src.nvme_tier import NVMeTier
 from offlax._src.transform import OffloadState, _devices_of, _spec_of
@@ -51,6 +54,10 @@ def abstract_state(
   """
   errors.check_transformation(inner, "abstract_state: inner")
   wrapped = getattr(inner.init, "offlax_offload", None)
+  if wrapped is None:
+    chained = _abstract_chain(inner, params, tier)
+    if chained is not None:
+      return chained
   if wrapped is not None:
     if tier is not None and tier != wrapped[1]:
       raise errors.InvalidTierError(
@@ -84,10 +91,57 @@ def abstract_state(
     ]
     return OffloadState(layout.merge(targets), spec)
   # A NamedSharding: JAX 0.10 types a SingleDeviceSharding's host memory kind as
-  # device memory (see `placed`), a NamedSharding's as host memory.
-  mesh = jax.sharding.Mesh(np.array([device]), ("offlax",))
+  # device memory (see `placed`), a NamedSharding's as host memory. On the
+  # params' own mesh of one device if they have one (one program has one mesh).
+  mesh = sharding_lib.one_device_target(params, device) or sharding_lib.one_device_mesh(device)
   place = lambda x, host: sds(x, mesh, jax.sharding.PartitionSpec(), host)
   return OffloadState(jax.tree.map(place, shapes, placement), spec)
+
+
+def _abstract_chain(
+  tx: optax.GradientTransformation, params: Any, tier: HostTier | None
+) -> Any | None:
+  """`abstract_state` of a transformation holding `offload`s (a chain): None if it holds none.
+
+  Traces `tx.init` (nothing is allocated) while each `offload` inside records
+  its transformation and the params it is given; each `OffloadState` of the
+  traced state is then replaced by that `offload`'s `abstract_state`. The
+  other leaves (a chained transformation's own state) are replicated on the
+  params' mesh, in device memory.
+  """
+  params = flax_glue.unbox(params)
+  calls: dict[int, Any] = {}
+  transform_lib._RECORDING.calls = calls
+  try:
+    shapes = jax.eval_shape(optax.with_extra_args_support(tx).init, params)
+  finally:
+    transform_lib._RECORDING.calls = None
+  if not calls:
+    return None
+  spec = _spec_of(params, "params")
+  device = min(_devices_of(params), key=lambda d: d.id)
+  mesh = spec.mesh or (
+    sharding_lib.one_device_target(params, device) or sharding_lib.one_device_mesh(device)
+  )
+  outer = jax.tree.structure(params, is_leaf=lambda x: isinstance(x, optax.MaskedNode))
+
+  def replace(node):
+    if not isinstance(node, OffloadState):
+      sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+      return jax.ShapeDtypeStruct(node.shape, node.dtype, sharding=sharding)
+    inner, off_tier, traced = calls[id(node.spec)]
+    if tier is not None and tier != off_tier:
+      raise errors.InvalidTierError(
+        f"abstract_state got a transformation whose offload has tier {off_tier!r} and a "
+        f"different tier {tier!r}; omit tier."
+      )
+    # The params the offload got: the caller's (with their shardings) unless the
+    # chain gave it others (e.g. optax.masked's).
+    same = jax.tree.structure(traced, is_leaf=lambda x: isinstance(x, optax.MaskedNode)) == outer
+    given = params if same else traced
+    return abstract_state(inner, given, off_tier)
+
+  return jax.tree.map(replace, shapes, is_leaf=lambda x: isinstance(x, OffloadState))
 
 
 def placed(tree: Any) -> Any:
@@ -99,10 +153,13 @@ def placed(tree: Any) -> Any:
   whatever the sharding says, and `jax.jit` goes by the type: `offload` would
   treat such state as device state (it refuses it, naming the leaf). Pass
   restored state through this function (a no-op for arrays typed right), or
-  restore into `abstract_state`, whose shardings JAX types right.
+  restore into `abstract_state`, whose shardings JAX types right. The same
+  holds for `jax.ShapeDtypeStruct` specs with such a sharding (AOT lowering
+  from the state of a step whose params were committed to one device): they
+  become specs with a `NamedSharding` of the same device and memory kind.
 
   Args:
-    tree: a pytree; non-array leaves pass through.
+    tree: a pytree of arrays and/or `jax.ShapeDtypeStruct`s; other leaves pass through.
 
   Returns:
     The tree, its host arrays re-placed with their memory space in their type.
@@ -115,6 +172,18 @@ def placed(tree: Any) -> Any:
   """
 
   def fix(x):
+    sharding = getattr(x, "sharding", None)
+    if (
+      isinstance(x, jax.ShapeDtypeStruct)
+      and isinstance(sharding, jax.sharding.SingleDeviceSharding)
+      and sharding.memory_kind == "pinned_host"
+    ):
+      # A spec: the same device and memory, as a NamedSharding, which JAX types right.
+      device = next(iter(sharding.device_set))
+      named = sharding_lib.one_device_sharding(
+        sharding_lib.one_device_mesh(device), device, "pinned_host"
+      )
+      return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=named)
     if (
       isinstance(x, jax.Array)
       and not isinstance(x, jax.core.Tracer)
@@ -231,6 +300,43 @@ def _check_state(want: Any, state: Any) -> None:
         f"{jax.tree_util.keystr(path)} is {np.dtype(g.dtype).name}{list(np.shape(g))}, "
         f"expected {np.dtype(w.dtype).name}{list(w.shape)}."
       )
+
+
+class _OnDiskRefusal(ocp.type_handlers.TypeHandler):
+  """Makes orbax refuse to save an NVMe-tier state's `OnDisk` placeholders.
+
+  `OnDisk` is a pytree node without leaves; orbax would save it as an empty
+  value and restore None, losing the moments without a word. Orbax asks the
+  handler of each value's type for its type string first: this one raises.
+  """
+
+  armed = False  # the registry asks for the type string once, when registering
+
+  def typestr(self) -> str:
+    if not self.armed:
+      return "offlax.OnDisk"
+    raise errors.UnsavableStateError(
+      "ocp.args.StandardSave (or another orbax pytree save) got an NVMe-tier state: its "
+      "arrays on disk are offlax.OnDisk placeholders, which orbax would save as None and "
+      "restore as None. Save the store with offlax.NVMeStoreSave(tier) instead, e.g. "
+      "mngr.save(step, args=ocp.args.Composite(model=ocp.args.StandardSave(params), "
+      "opt=offlax.NVMeStoreSave(tier))), or move the state to a HostTier first "
+      "(offlax.retier(tier.read_state(state), inner, params, offlax.HostTier()))."
+    )
+
+  def metadata(self, infos):  # never reached: `typestr` raises first
+    raise NotImplementedError
+
+  def serialize(self, values, infos, args=None):
+    raise NotImplementedError
+
+  def deserialize(self, infos, args=None):
+    raise NotImplementedError
+
+
+_refusal = _OnDiskRefusal()
+ocp.type_handlers.register_type_handler(layout_lib.OnDisk, _refusal, override=True)
+_refusal.armed = True
 
 
 class _NVMeStoreHandler(ocp.handlers.CheckpointHandler):

@@ -30,7 +30,18 @@ class StoreError(OffloadError, OSError):
 
 
 class StoreLockedError(StoreError):
-  """Another process holds an NVMe store open for writing."""
+  """A process (this one, or another) holds an NVMe store open for writing.
+
+  Attributes:
+    pid: the process holding the store open, when known (else None).
+    holder: when it is this process, the `NVMeTier` (or store) holding it:
+      ``error.holder.close()`` releases it.
+  """
+
+  def __init__(self, message: str, pid: int | None = None, holder: object = None):
+    super().__init__(message)
+    self.pid = pid
+    self.holder = holder
 
 
 class StoreExistsError(OffloadError, FileExistsError):
@@ -43,6 +54,10 @@ class StoreCorruptedError(OffloadError, ValueError):
 
 class StoreMismatchError(TreeMismatchError):
   """An NVMe store holds the state of another optimizer or parameter tree."""
+
+
+class UnsavableStateError(OffloadError, TypeError):
+  """A checkpointer was given NVMe-tier state, whose arrays live in the store, not the tree."""
 
 
 class StaleStateError(OffloadError, RuntimeError):

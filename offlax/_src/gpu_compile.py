@@ -359,7 +359,8 @@ def _topology(target: GpuTarget) -> Any:
     except Exception as e:
       raise ImportError(
         "XLA's GPU compiler is not available: install offlax[gpu-compile] "
-        f"(jax-cuda12-plugin and jax-cuda12-pjrt at jax {jax.__version__}, --no-deps) "
+        f"(jax-cuda12-plugin and jax-cuda12-pjrt at jax {jax.__version__}, --no-deps), and "
+        "on a machine without a GPU run with JAX_PLATFORMS=cpu "
         f"({type(e).__name__}: {str(e)[:200]})"
       ) from e
   return _TOPOLOGIES[target]

@@ -107,7 +107,9 @@ def inspect_store(
   rereads them all and checks their crc32c checksums. For an orbax checkpoint
   directory (a manager's directory, one step, or one item) it inspects each
   NVMe store saved in it (`NVMeStoreSave`) and lists the arrays of each
-  pytree item; `verify` reads those arrays back.
+  pytree item; `verify` reads those arrays back. Walking a directory, it
+  leaves out hidden ones (``.venv``, ``.git``), virtual environments and
+  ``site-packages``.
 
   Args:
     path: an NVMe store directory or an orbax checkpoint directory.
@@ -138,7 +140,10 @@ def inspect_store(
     return [_inspect_nvme(root, verify, progress)]
   reports = []
   for directory, dirs, files in os.walk(root):
-    dirs.sort()
+    # Hidden directories (.venv, .git), virtual environments and installed
+    # packages hold no runs of the user's (orbax's test fixtures would read as
+    # checkpoints); a path named explicitly is still inspected.
+    dirs[:] = sorted(d for d in dirs if not _skipped(os.path.join(directory, d)))
     if _TMP_MARK in os.path.basename(directory):
       dirs.clear()  # an unfinished save: orbax ignores it, and so do we
       continue
@@ -154,6 +159,19 @@ def inspect_store(
       "checkpoint item (no _METADATA)."
     )
   return reports
+
+
+_SKIPPED = {"site-packages", "dist-packages", "node_modules", "__pycache__"}
+
+
+def _skipped(directory: str) -> bool:
+  """Whether the walk of a directory above stores leaves `directory` out (see `inspect_store`)."""
+  name = os.path.basename(directory)
+  return (
+    name.startswith(".")
+    or name in _SKIPPED
+    or os.path.exists(os.path.join(directory, "pyvenv.cfg"))  # a virtual environment
+  )
 
 
 def _inspect_nvme(path: str, verify: bool, progress: bool) -> StoreReport:
@@ -219,11 +237,19 @@ def _locked(path: str) -> bool:
 
 
 def _inspect_orbax(path: str, verify: bool) -> StoreReport:
-  import jax
   import orbax.checkpoint as ocp
 
   report = StoreReport(path, "orbax", verified=verify)
-  checkpointer = ocp.PyTreeCheckpointer()
+  # Closed when done: an open checkpointer's event loop, closed at exit, printed
+  # "RuntimeError: Event loop is closed".
+  with ocp.PyTreeCheckpointer() as checkpointer:
+    return _inspect_orbax_with(checkpointer, path, verify, report)
+
+
+def _inspect_orbax_with(checkpointer, path: str, verify: bool, report: StoreReport) -> StoreReport:
+  import jax
+  import orbax.checkpoint as ocp
+
   try:
     tree = checkpointer.metadata(path).item_metadata.tree
   except Exception as e:  # orbax raises many kinds; each is a problem to report

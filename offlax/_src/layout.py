@@ -40,14 +40,37 @@ def is_slot(x: Any) -> bool:
 
 
 @jax.tree_util.register_static
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class ParamSpec:
   """The parameter tree a state was built for: a pytree node with no leaves.
 
   Kept in `OffloadState` so `update` can name the leaf that differs when it is
   handed updates of another tree. Being static, it is part of the state's
   treedef and costs nothing at run time.
+
+  Any two `ParamSpec`s compare equal (and hash alike), so the state's pytree
+  structure is that of the inner state: optax's tree utilities that re-init
+  the transformation on a placeholder (`optax.tree.map_params`) and map it
+  together with the state work as on plain optax state. Nothing is lost in a
+  jit cache key: the params' tree, shapes and shardings that a spec records
+  are also in the types of the updates and the state.
   """
+
+  def __eq__(self, other: object) -> bool:
+    return isinstance(other, ParamSpec)
+
+  def __hash__(self) -> int:
+    return hash(ParamSpec)
+
+  def same(self, other: ParamSpec) -> bool:
+    """Field-by-field equality (`==` is always true, see above), `nbytes` aside."""
+    fields = ("treedef", "shapes", "mesh", "specs")
+    return all(getattr(self, f) == getattr(other, f) for f in fields)
+
+  @property
+  def placeholder(self) -> bool:
+    """Whether this is the spec of a tree without arrays (optax's params placeholder)."""
+    return not self.shapes
 
   treedef: jax.tree_util.PyTreeDef
   shapes: tuple[tuple[int, ...] | None, ...]  # None: an optax.MaskedNode slot

@@ -47,16 +47,20 @@ kept generation), so all restart from the same step.
 
 from __future__ import annotations
 
+import _thread
 import concurrent.futures
 import contextlib
 import dataclasses
 import fcntl
 import functools
 import json
+import logging
 import os
 import shutil
+import signal
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -84,6 +88,20 @@ _MESH = "offlax-mesh.json"
 _LOCK = ".lock"
 
 
+# The stores this process holds open for writing, by path: a second open names the
+# first (a notebook cell that ran again), rather than blame another process.
+_OPEN: weakref.WeakValueDictionary[str, Store] = weakref.WeakValueDictionary()
+
+
+def _lock_pid(fd: int) -> int | None:
+  """The PID the lock file's holder wrote into it, or None."""
+  try:
+    text = os.pread(fd, 32, 0).decode().strip()
+    return int(text) if text.isdigit() else None
+  except (OSError, ValueError):
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class LeafRecord:
   """What `offlax.json` records of one state item."""
@@ -94,6 +112,9 @@ class LeafRecord:
   dtype: str
   chunk: int  # elements per storage chunk
   hot: bool  # also held in RAM between steps
+  # For a typed PRNG key array: its implementation (e.g. "threefry2x32"); the
+  # store holds its key data (`jax.random.key_data`), as `shape` and `dtype` say.
+  key: str | None = None
 
   @property
   def size(self) -> int:
@@ -141,6 +162,7 @@ class Store:
     self._closed = False
     self._made_dirs: set[str] = set()
     self._written: set[str] = set()  # chunk files written since the last commit
+    self.owner: Any = None  # the NVMeTier of this store, for StoreLockedError
 
   # -- opening ---------------------------------------------------------------
 
@@ -157,10 +179,32 @@ class Store:
     try:
       fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
     except BlockingIOError:
+      pid = _lock_pid(fd)
       os.close(fd)
+      holder = _OPEN.get(self.path)
+      if holder is not None:
+        owner = getattr(holder, "owner", None) or holder
+        raise errors.StoreLockedError(
+          f"NVMe store {self.path} is already open for writing in this process (PID "
+          f"{os.getpid()}), by {owner!r}, not closed (a notebook cell run again?). Close it "
+          "first: tier.close(), or, if you no longer hold it, error.holder.close() on this "
+          "error; then open the store again.",
+          pid=os.getpid(),
+          holder=owner,
+        ) from None
+      who = "another process" if pid is None else f"another process (PID {pid})"
+      if pid == os.getpid():  # (a store object of ours that the registry lost)
+        who = f"this process (PID {pid}), through a store that was not closed"
       raise errors.StoreLockedError(
-        f"NVMe store {self.path} is open for writing by another process (lock {_LOCK})."
+        f"NVMe store {self.path} is open for writing by {who} (lock {_LOCK}); stop it, or "
+        "open another path.",
+        pid=pid,
       ) from None
+    if not shared:
+      # The holder's PID, for the message another process gets (advisory only).
+      os.ftruncate(fd, 0)
+      os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+      _OPEN[self.path] = self
     self._lock_fd = fd
     self._closed = False
 
@@ -172,8 +216,20 @@ class Store:
       self._executor.shutdown(wait=True)
       self._executor = None
     if self._lock_fd is not None:
+      if _OPEN.get(self.path) is self:
+        del _OPEN[self.path]
       os.close(self._lock_fd)
       self._lock_fd = None
+
+  def __del__(self) -> None:
+    # A store nothing refers to any more (a tier deleted without close, e.g. in a
+    # notebook) cannot write again: release its lock, so the path opens again.
+    fd = getattr(self, "_lock_fd", None)
+    if fd is not None:
+      try:
+        os.close(fd)
+      except OSError:
+        pass
 
   def exists(self) -> bool:
     return os.path.exists(os.path.join(self.path, _METADATA))
@@ -188,7 +244,9 @@ class Store:
       )
     try:
       records = [
-        LeafRecord(r["index"], r["path"], tuple(r["shape"]), r["dtype"], r["chunk"], r["hot"])
+        LeafRecord(
+          r["index"], r["path"], tuple(r["shape"]), r["dtype"], r["chunk"], r["hot"], r.get("key")
+        )
         for r in meta["leaves"]
       ]
       step, generation, chunk_bytes = meta["step"], meta["generation"], meta["chunk_bytes"]
@@ -221,6 +279,8 @@ class Store:
         # Owner-only, like the chunk files: tensorstore creates with the umask.
         _chmod(self._array_path(r.index, gen), 0o700, r)
         _chmod(os.path.join(self._array_path(r.index, gen), "zarr.json"), 0o600, r)
+      # (made here too: a state without arrays, e.g. optax.sign_sgd's, has no item to make it)
+      os.makedirs(os.path.join(self.path, f"gen{gen}"), mode=0o700, exist_ok=True)
       _chmod(os.path.join(self.path, f"gen{gen}"), 0o700)
 
   # -- arrays ----------------------------------------------------------------
@@ -514,6 +574,7 @@ def _metadata_problem(records, step, generation, chunk_bytes, generations, kept)
       or not (jnp.issubdtype(dtype, jnp.number) or dtype == np.bool_)
       or not nat(r.chunk)  # 0 for a 0-size item
       or type(r.hot) is not bool
+      or not (r.key is None or (isinstance(r.key, str) and r.hot))
     ):
       return f"leaf record {position} is {dataclasses.asdict(r)}"
   return None
@@ -557,24 +618,29 @@ def rollback(path: str | os.PathLike, step: int) -> int:
   store.lock()
   try:
     store.read_metadata()
-    gens = {s: g for s, g in store.kept}
-    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step not in gens:
-      raise errors.StepNotKeptError(
-        f"rollback: {store.path} does not keep step {step!r}; it keeps steps "
-        f"{sorted(gens)} (NVMeTier(keep=...) sets how many)."
-      )
-    for r in store.records:
-      problem = store.check_files(r, gens[step])
-      if problem is not None:
-        raise errors.StoreCorruptedError(
-          f"rollback: step {step} is damaged: {problem} The store is unchanged."
-        )
-    after = (gens[step] + 1) % store.generations  # the next step writes it
-    kept = [(s, g) for s, g in store.kept if s <= step and g != after]
-    store.make_current(int(step), gens[step], kept)
+    _rollback_locked(store, step, "rollback")
   finally:
     store.close()
   return int(step)
+
+
+def _rollback_locked(store: Store, step: int, where: str) -> None:
+  """`rollback` of a store this process has locked and read."""
+  gens = {s: g for s, g in store.kept}
+  if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step not in gens:
+    raise errors.StepNotKeptError(
+      f"{where}: {store.path} does not keep step {step!r}; it keeps steps "
+      f"{sorted(gens)} (NVMeTier(keep=...) sets how many)."
+    )
+  for r in store.records:
+    problem = store.check_files(r, gens[step])
+    if problem is not None:
+      raise errors.StoreCorruptedError(
+        f"{where}: step {step} is damaged: {problem} The store is unchanged."
+      )
+  after = (gens[step] + 1) % store.generations  # the next step writes it
+  kept = [(s, g) for s, g in store.kept if s <= step and g != after]
+  store.make_current(int(step), gens[step], kept)
 
 
 def _rollback_shards(path: str, step: int) -> int:
@@ -681,6 +747,12 @@ class NVMeTier:
       the state. Fixed when the store is created, like `chunk_bytes`.
     log_every: log a one-line `offlax.stats` summary through the `offlax`
       logger (INFO) every this many steps; None: never.
+    step: with `resume`, the step the caller's params are at (e.g. the step of
+      the model checkpoint being restored). The store must be at that step: one
+      it keeps is made current again (as `offlax.rollback`: the steps after it
+      are dropped); otherwise `init` raises `StoreMismatchError` rather than
+      train params and optimizer state of different steps. None: the store's
+      committed step, whatever it is.
 
   Example:
     >>> import tempfile, jax.numpy as jnp, optax, offlax
@@ -704,12 +776,14 @@ class NVMeTier:
     readahead: int = 2,
     keep: int | None = None,
     log_every: int | None = None,
+    step: int | None = None,
   ):
     for name, value, low in (
       ("cache_bytes", cache_bytes, 0),
       ("readahead", readahead, 1),
       ("keep", DEFAULT_KEEP if keep is None else keep, 1),
       ("log_every", 1 if log_every is None else log_every, 1),
+      ("step", 0 if step is None else step, 0),
     ):
       if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
         raise errors.InvalidTierError(f"NVMeTier.{name} must be an int >= {low}, got {value!r}.")
@@ -718,6 +792,15 @@ class NVMeTier:
         raise errors.InvalidTierError(f"NVMeTier.{name} must be a bool, got {flag!r}.")
     if not isinstance(path, (str, os.PathLike)) or not str(path):
       raise errors.InvalidTierError(f"NVMeTier.path must be a directory path, got {path!r}.")
+    if chunk_bytes is not None and (
+      isinstance(chunk_bytes, bool)
+      or not isinstance(chunk_bytes, (int, np.integer))
+      or chunk_bytes <= 0
+    ):  # (checked here so that the message names NVMeTier, not its HostTier)
+      raise errors.InvalidTierError(
+        f"NVMeTier.chunk_bytes must be an int > 0 bytes (or None for the default "
+        f"{DEFAULT_CHUNK}), got {chunk_bytes!r}."
+      )
     self.host = HostTier(chunk_bytes=DEFAULT_CHUNK if chunk_bytes is None else chunk_bytes)
     _bound_malloc()
     self.path = os.fspath(path)
@@ -728,13 +811,15 @@ class NVMeTier:
     self.readahead = int(readahead)
     self.keep = keep
     self.telemetry = telemetry_lib.DiskTelemetry(log_every)
+    self.step = None if step is None else int(step)
     self.store = Store(self.path, fsync=bool(fsync), telemetry=self.telemetry)
+    self.store.owner = self
     # Params on a mesh: the tier of each of this process's devices' shards, by
     # mesh position (`shard_NNNNN`); `store` and `telemetry` are then the first's.
     self.shards: dict[int, NVMeTier] = {}
     self._options: dict[str, Any] = dict(
       cache_bytes=cache_bytes, chunk_bytes=chunk_bytes, fsync=fsync, progress=progress,
-      readahead=readahead, keep=keep, log_every=log_every,
+      readahead=readahead, keep=keep, log_every=log_every, step=step,
     )  # fmt: skip
 
   @property
@@ -801,7 +886,7 @@ class NVMeTier:
             f"{self.path} already holds an offlax store (step {self._committed_step()}); pass "
             "NVMeTier(..., resume=True) to continue from it, or choose another path."
           )
-        items = self._resume(shapes, paths)
+        items = self._resume(shapes, paths, layout)
       else:
         if self.resume:
           raise errors.StoreError(f"NVMeTier(resume=True): no offlax store in {self.path}.")
@@ -967,21 +1052,46 @@ class NVMeTier:
     except (OSError, ValueError, KeyError):  # only for the message
       return "unknown"
 
-  def _records(self, shapes, paths, layout) -> list[LeafRecord]:
-    leaf_bytes = layout_lib.leaf_bytes(
-      shapes, layout.owners, len(layout.spec.shapes), self.offloads
-    )
+  def _go_to_step(self, step: int) -> None:
+    """Makes `step` (the caller's params' step) current, or raises: see `NVMeTier(step=...)`."""
+    kept = sorted(s for s, _ in self.store.kept)
+    if step not in kept:
+      raise errors.StoreMismatchError(
+        f"{self.path} has committed step {self.store.step} and keeps steps {kept}, but the "
+        f"params are at step {step} (NVMeTier(step={step})): training on would mix params and "
+        "optimizer state of different steps. Restore the store of that step from the "
+        "checkpoint holding the params (offlax.NVMeStoreRestore; save it with "
+        "offlax.NVMeStoreSave(tier) beside the params), or resume the params from step "
+        f"{self.store.step}."
+      )
+    _rollback_locked(self.store, step, "NVMeTier(resume=True, step=...)")
+    logging.getLogger("offlax").warning(
+      "%s: rolled back to step %d, the params' step (the store had committed step %d).",
+      self.path, step, kept[-1],
+    )  # fmt: skip
+
+  def _hot(self, shapes, layout) -> set[int]:
+    """The items held in RAM between steps: the smallest, up to `cache_bytes`."""
     order = sorted(range(len(shapes)), key=lambda j: layout_lib.nbytes(shapes[j]))
     hot, budget = set(), self.cache_bytes
     for j in order:
       x, o = shapes[j], layout.owners[j]
-      if x.ndim == 0 or o == coupling_lib.GLOBAL:
-        hot.add(j)  # scalars and global items always stay in RAM
+      if x.ndim == 0 or o == coupling_lib.GLOBAL or _is_key(x):
+        hot.add(j)  # scalars, global items and PRNG keys always stay in RAM
       elif layout_lib.nbytes(x) <= budget:
         hot.add(j)
         budget -= layout_lib.nbytes(x)
+    return hot
+
+  def _records(self, shapes, paths, layout) -> list[LeafRecord]:
+    leaf_bytes = layout_lib.leaf_bytes(
+      shapes, layout.owners, len(layout.spec.shapes), self.offloads
+    )
+    hot = self._hot(shapes, layout)
     records = []
     for j, x in enumerate(shapes):
+      key = _key_impl(x)
+      x = _stored(x)
       o = layout.owners[j]
       size = int(np.prod(x.shape, dtype=np.int64))
       chunk = size
@@ -990,7 +1100,7 @@ class NVMeTier:
         flat, rows, step = schedule_lib.split_step(tuple(x.shape), leaf_bytes[o], self.chunk_bytes)
         chunk = step * (size // rows)
       records.append(
-        LeafRecord(j, paths[j], tuple(x.shape), np.dtype(x.dtype).name, chunk, j in hot)
+        LeafRecord(j, paths[j], tuple(x.shape), np.dtype(x.dtype).name, chunk, j in hot, key)
       )
     return records
 
@@ -1004,25 +1114,34 @@ class NVMeTier:
     init = jax.jit(inner.init)
     items: list[Any] = [None] * len(shapes)
 
+    whole = values
+
     def writes():  # computes each group as the writes of the one before proceed
+      nonlocal whole
       for n, group in enumerate(_progress(groups, self.progress, f"offlax: writing {self.path}")):
-        if values is None:
+        group_values = whole
+        if group_values is None and len(groups) > 1:
           masked = [s if i in group else layout_lib.MASKED() for i, s in enumerate(slots)]
-          group_values = layout.split(init(spec.treedef.unflatten(masked)))
-        else:
-          group_values = values
+          try:
+            group_values = layout.split(init(spec.treedef.unflatten(masked)))
+          except (ValueError, TypeError):  # an init that takes no masked leaves (optax.sm3)
+            group_values = None
+        if group_values is None:  # the whole state at once
+          whole = group_values = layout.split(init(params))
         for j, (x, r) in enumerate(zip(group_values, records, strict=True)):
           owner = layout.owners[j]
           if n == 0 if owner == coupling_lib.GLOBAL else owner in group:
             items[j] = self._entry(r, x)
-            yield r.index, 0, np.asarray(x)
+            yield r.index, 0, np.asarray(_key_data(x))
 
     self.store.write_all(writes())
     self.store.commit(0)
     return items
 
-  def _resume(self, shapes, paths) -> list[Any]:
+  def _resume(self, shapes, paths, layout) -> list[Any]:
     self.store.read_metadata()
+    if self.step is not None and self.step != self.store.step:
+      self._go_to_step(self.step)
     if self.store.chunk_bytes != self.chunk_bytes:
       if self._chunk_bytes_given:
         raise errors.StoreMismatchError(
@@ -1041,17 +1160,27 @@ class NVMeTier:
         f"{self.path} holds {len(records)} state arrays; this optimizer has {len(shapes)}."
       )
     for r, x, path in zip(records, shapes, paths, strict=True):
+      x = _stored(x)
       want = (path, tuple(x.shape), np.dtype(x.dtype).name)
       if (r.path, r.shape, r.dtype) != want:
         raise errors.StoreMismatchError(
           f"{self.path}: state leaf {r.path} is stored as {r.dtype}{list(r.shape)}; this "
           f"optimizer has {want[0]} as {want[2]}{list(want[1])}."
         )
+    # The cache is this run's choice (`cache_bytes`), not the store's: which items
+    # stay in RAM is chosen again. Every item is on disk after each commit, and
+    # its chunking does not depend on it.
+    hot = self._hot(shapes, layout)
+    records = [dataclasses.replace(r, hot=r.index in hot) for r in records]
+    self.store.records = records
     items = []
     for r in _progress(records, self.progress, f"offlax: resuming {self.path}"):
       if r.hot:
-        value = self.store.result(self.store.read(r.index, 0, r.size)).reshape(r.shape)
-        items.append(self._entry(r, jnp.asarray(value)))
+        data = self.store.result(self.store.read(r.index, 0, r.size)).reshape(r.shape)
+        value = jnp.asarray(data)
+        if r.key is not None:
+          value = jax.random.wrap_key_data(value, impl=r.key)
+        items.append(self._entry(r, value))
       else:
         items.append(layout_lib.OnDisk(r.index, r.shape, r.dtype))
     return items
@@ -1061,6 +1190,29 @@ class NVMeTier:
     if not r.hot:
       return layout_lib.OnDisk(r.index, r.shape, r.dtype)
     return self.host.to_host(x) if self.host.offloads(x) else x
+
+
+def _is_key(x: Any) -> bool:
+  return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _key_impl(x: Any) -> str | None:
+  """The implementation of a typed PRNG key array (or its shape), else None."""
+  if not _is_key(x):
+    return None
+  if not isinstance(x, jax.Array):  # a ShapeDtypeStruct: a key of its dtype tells
+    x = jnp.zeros((), x.dtype)
+  return str(jax.random.key_impl(x))
+
+
+def _key_data(x: Any) -> Any:
+  """`x`, or a typed PRNG key array's key data: what the store holds of it."""
+  return jax.random.key_data(x) if _is_key(x) else x
+
+
+def _stored(x: Any) -> Any:
+  """The shape and dtype the store holds for a state item of `x`'s (key data for keys)."""
+  return jax.eval_shape(jax.random.key_data, x) if _is_key(x) else x
 
 
 def _shard_dir(i: int) -> str:
@@ -1654,7 +1806,8 @@ class DiskIO:
     # The write tickets make the commit wait for every write callback.
     commit = functools.partial(self.reader.commit, hot, len(self.tickets))
     tickets = [t for _, t in self.tickets]
-    io_callback(commit, None, *self.shard, self.step, *tickets, *[items[j] for j in hot])
+    values = [_key_data(items[j]) for j in hot]  # (a callback takes no PRNG key)
+    io_callback(commit, None, *self.shard, self.step, *tickets, *values)
     return items
 
   def next_step(self):
@@ -1667,9 +1820,11 @@ class DiskIO:
     its chunks, torn, and committed.
     """
     r = self.tier.store.records[j]
-    if np.dtype(x.dtype) != np.dtype(r.dtype):
+    if r.key is not None and _key_impl(x) == r.key:
+      return x
+    if _is_key(x) or np.dtype(x.dtype) != np.dtype(r.dtype):
       raise errors.StoreMismatchError(
-        f"the inner update returns state leaf {r.path} as {np.dtype(x.dtype).name}, but "
+        f"the inner update returns state leaf {r.path} as {x.dtype}, but "
         f"{self.tier.path} stores it as {r.dtype}, as init made it: the NVMe tier cannot change "
         "a state array's dtype. (optax.inject_hyperparams, for one, promotes low-precision "
         "moments to float32 with its float32 hyperparameters; give the moments a fixed dtype.)"
@@ -1758,10 +1913,14 @@ class _Reader:
     if int(step) != self.store.step:
       self._futures.clear()
       self._consumed.clear()
+      kept = sorted(s for s, _ in self.store.kept)
       raise errors.StaleStateError(
         f"this state is from step {int(step)}, but {self.store.path} has committed step "
         f"{self.store.step}: an NVMe-tier state can be updated once; use the state the "
-        "last update returned."
+        "last update returned. If that update's result was lost (an interrupt or an error "
+        "after its commit), go back to the step of your params: tier.close(), then "
+        f"NVMeTier(path, resume=True, step=<your params' step>) (it keeps steps {kept}) "
+        "and init again; or continue from the committed step with the params of that step."
       )
 
   def _settle(self) -> None:
@@ -1771,14 +1930,22 @@ class _Reader:
     concurrent.futures.wait(old)  # their errors were the failed step's
 
   @contextlib.contextmanager
-  def _failing_bumps_epoch(self):
-    """Around each callback: a failure ends its step's epoch."""
+  def _failing_bumps_epoch(self, ends_step: bool = False):
+    """Around each callback: a failure ends its step's epoch; Ctrl-C waits for the commit.
+
+    `ends_step`: the commit's callback; after it (or a failure) an interrupt that
+    came during the step is raised.
+    """
     try:
-      yield
+      with _interrupts_deferred():
+        yield
     except BaseException:
       with self._lock:
         self._epoch += 1
+      _deliver_deferred_interrupt()
       raise
+    if ends_step:
+      _deliver_deferred_interrupt()
 
   def read(self, k: int, step, after) -> list[np.ndarray]:
     with self._failing_bumps_epoch():
@@ -1862,7 +2029,7 @@ class _Reader:
         del self._buffers[: -2 * self.readahead - 2]  # more only for an odd schedule
 
   def commit(self, hot: list[int], n_tickets: int, step, *args) -> None:
-    with self._failing_bumps_epoch():
+    with self._failing_bumps_epoch(ends_step=True):
       self._commit(hot, n_tickets, step, *args)
 
   def _commit(self, hot: list[int], n_tickets: int, step, *args) -> None:
@@ -1885,6 +2052,54 @@ class _Reader:
       self._futures.clear()
       self._consumed.clear()
       self._in_use.clear()
+
+
+_DEFERRED_INTERRUPT = threading.Event()
+
+
+@contextlib.contextmanager
+def _interrupts_deferred():
+  """Holds back Ctrl-C while a callback of the step runs (in the main thread).
+
+  On XLA:CPU the callbacks may run in the thread that called the step, where
+  Python raises KeyboardInterrupt: inside a callback it would fail the step
+  (as a JaxRuntimeError, which `except KeyboardInterrupt` misses), possibly
+  after its commit, losing its result. Held back, it is raised once the step
+  has committed (or failed), in the caller's code: see
+  `_deliver_deferred_interrupt`. Only Python's own SIGINT handler is replaced.
+  """
+  if (
+    threading.current_thread() is not threading.main_thread()
+    or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+  ):
+    yield
+    return
+  previous = signal.signal(signal.SIGINT, lambda signum, frame: _DEFERRED_INTERRUPT.set())
+  try:
+    yield
+  finally:
+    signal.signal(signal.SIGINT, previous)
+
+
+def _deliver_deferred_interrupt() -> None:
+  """Raises a held-back Ctrl-C in the main thread once it has left the callbacks.
+
+  A callback that raised it would fail the step: another thread interrupts the
+  main thread a moment later, when the step has returned its results (a
+  callback of the next step would hold it back again, until that one commits).
+  """
+  if not _DEFERRED_INTERRUPT.is_set():
+    return
+  _DEFERRED_INTERRUPT.clear()
+
+  def interrupt():
+    time.sleep(_INTERRUPT_DELAY_S)
+    _thread.interrupt_main()
+
+  threading.Thread(target=interrupt, name="offlax-interrupt", daemon=True).start()
+
+
+_INTERRUPT_DELAY_S = 0.05
 
 
 class _ByShard:

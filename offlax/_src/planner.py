@@ -24,6 +24,9 @@ BUS_BYTES_PER_S = 25 * GB
 DISK_BYTES_PER_S = 3 * GB
 HOST_ADAM_PARAMS_PER_S = 1.2e9
 SLICES_ON_DEVICE = 3  # the streamed schedule holds about three slices at once
+# Device memory the plan leaves free: XLA's temporaries and fragmentation, the
+# runtime and the collectives' buffers need some beyond the figures counted here.
+DEVICE_RESERVE = 0.05
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,15 +72,23 @@ class Plan:
       f"offlax plan: {a['params']:,} params ({format_bytes(a['param_bytes'])}), "
       f"optimizer state {format_bytes(a['state_bytes'])}, "
       f"gradients {format_bytes(a['grad_bytes'])}",
-      f"{'tier':<8}{'uses':>12}{'has':>12}",
     ]
+    if not self.fits:  # no usage or cost of a placement that cannot run
+      lines.append(
+        f"mode: none (DOES NOT FIT): device {format_bytes(a['device_bytes'])}, host "
+        f"{format_bytes(a['host_bytes'])}, nvme {format_bytes(a['nvme_bytes'])}"
+      )
+      lines += [f"- {x}" for x in self.advice]
+      return "\n".join(lines)
+    lines.append(f"{'tier':<8}{'uses':>12}{'has':>12}")
     for tier, has in (("device", a["device_bytes"]), ("host", a["host_bytes"])):
       lines.append(f"{tier:<8}{format_bytes(self.bytes[tier]):>12}{format_bytes(has):>12}")
     lines.append(
       f"{'nvme':<8}{format_bytes(self.bytes['nvme']):>12}{format_bytes(a['nvme_bytes']):>12}"
     )
-    verdict = "fits" if self.fits else "DOES NOT FIT"
+    verdict = "fits"
     lines += [
+      f"(the device keeps {a['device_reserve']:.0%} free for XLA's temporaries and the runtime)",
       f"mode: {self.mode} ({verdict}); chunk_bytes {self.chunk_bytes / 2**20:g} MiB"
       + (f", fraction {self.fraction:.2f}" if self.mode == "host" else ""),
       f"per step: {format_bytes(self.bus_bytes_per_step)} over the bus, "
@@ -108,7 +119,8 @@ def plan(
   the share of the state that does not fit), host compute, then the NVMe tier,
   and returns the first that fits (or, if none does, the closest, with advice).
   The device holds the params, their gradients (same dtype), `activation_bytes`
-  and, when streaming, about three slices of `chunk_bytes`.
+  and, when streaming, about three slices of `chunk_bytes`; the plan keeps
+  `DEVICE_RESERVE` (5%) of `device_bytes` free besides.
 
   Args:
     params: the params, or their `jax.ShapeDtypeStruct`s.
@@ -147,6 +159,7 @@ def plan(
   big = [(k, b) for k, b in leaves if b > 64]  # scalars stay on the device
   small = state - sum(b for _, b in big)
   fixed = 2 * param_bytes + activation_bytes  # params and gradients
+  usable = int(device_bytes * (1 - DEVICE_RESERVE))
   slices = SLICES_ON_DEVICE * chunk_bytes + _whole_updates(tx, params, state, chunk_bytes)
   assumptions = {
     "params": n_params,
@@ -155,6 +168,7 @@ def plan(
     "state_bytes": state,
     "activation_bytes": activation_bytes,
     "device_bytes": device_bytes,
+    "device_reserve": DEVICE_RESERVE,
     "host_bytes": host_bytes,
     "nvme_bytes": nvme_bytes,
     "bus_bytes_per_s": bus_bytes_per_s,
@@ -178,12 +192,12 @@ def plan(
     )
 
   everywhere = lambda where: {k: where for k, _ in leaves}
-  if fixed + state <= device_bytes:
+  if fixed + state <= usable:
     return make("device", True, everywhere("device"), fixed + state, 0, 0, 0, 0, 0.0, [])
 
   # The streamed host tier: offload the largest leaves first (ties in tree order,
   # as HostTier(fraction=) does) until the rest fits beside params and slices.
-  room = device_bytes - fixed - slices - small
+  room = usable - fixed - slices - small
   placement, on_device = everywhere("device"), sum(b for _, b in big)
   for k, b in sorted(big, key=lambda kb: -kb[1]):
     if on_device <= room:
@@ -200,7 +214,7 @@ def plan(
       2 * host, 0, 2 * host / bus_bytes_per_s, advice, fraction,
     )  # fmt: skip
   # Host compute: no state slices on the device, gradients out, updates back.
-  if fixed <= device_bytes and state <= host_bytes:
+  if fixed <= usable and state <= host_bytes:
     bus = 2 * param_bytes
     overhead = bus / bus_bytes_per_s + n_params / host_adam_params_per_s
     return make(
@@ -213,7 +227,7 @@ def plan(
   on_disk = max(0, state - small - cache)
   # The store holds all of the state (cached arrays too) once per generation.
   store_bytes = (nvme_tier.DEFAULT_KEEP + 1) * (state - small)
-  nvme_fits = fixed + slices + small <= device_bytes and 0 < on_disk and store_bytes <= nvme_bytes
+  nvme_fits = fixed + slices + small <= usable and 0 < on_disk and store_bytes <= nvme_bytes
   if nvme_fits:
     placement = everywhere("device")
     cached = 0
@@ -223,7 +237,9 @@ def plan(
         placement[k] = "host"
       else:
         placement[k] = "nvme"
-    disk = 2 * (state - small - cached)
+    # Arrays on disk are read and written; each commit also writes the cached
+    # arrays and scalars, so that the store holds the whole state.
+    disk = 2 * (state - small - cached) + cached + small
     bus = 2 * (state - small)
     overhead = max(bus / bus_bytes_per_s, disk / disk_bytes_per_s)
     return make(
@@ -231,11 +247,11 @@ def plan(
       store_bytes, bus, disk, overhead, [f"NVMeTier(path, cache_bytes={cache})"],
     )  # fmt: skip
   advice = []
-  if fixed > device_bytes:
+  if fixed > usable:
     advice.append(
       f"params and gradients alone need {format_bytes(fixed)} of device memory "
-      f"({format_bytes(device_bytes)} available): shard them over "
-      f"{math.ceil(fixed / device_bytes)}+ devices (a jax Mesh), use lower-precision params, "
+      f"({format_bytes(usable)} usable of {format_bytes(device_bytes)}): shard them over "
+      f"{math.ceil(fixed / usable)}+ devices (a jax Mesh), use lower-precision params, "
       "or train fewer of them (LoRA-style adapters)"
     )
   if state > host_bytes and store_bytes > nvme_bytes:
@@ -271,16 +287,38 @@ def _whole_updates(tx: Any, params: Any, state_bytes: int, chunk_bytes: int) -> 
   return total
 
 
-def parse_bytes(text: str) -> int:
-  """'24GB', '128GiB', '2TB', '512MiB' or a plain number of bytes."""
+def parse_bytes(text: str, unit_required: bool = False) -> int:
+  """'24GB', '128GiB', '2TB', '512MiB', '100B' or (unless `unit_required`) a plain number of bytes.
+
+  With `unit_required`, a bare number other than 0 is refused: ``--device-mem 24``
+  is far more likely to mean 24GB than 24 bytes.
+  """
   units = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
-  m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]?)(I?)B?\s*", text.upper())
+  m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]?)(I?)(B?)\s*", text.upper())
   if not m:
     raise ValueError(f"not a size: {text!r} (e.g. 24GB, 128GiB, 2TB)")
+  if unit_required and not (m.group(2) or m.group(4)) and float(m.group(1)) != 0:
+    raise ValueError(
+      f"{text!r} has no unit: write e.g. {text.strip()}GB or {text.strip()}GiB "
+      f"({text.strip()}B for bytes)"
+    )
   scale = units[m.group(2)]
   if m.group(3):  # binary: KiB, MiB, ...
     scale = 1024 ** "KMGT".index(m.group(2)) * 1024 if m.group(2) else 1
   return int(float(m.group(1)) * scale)
+
+
+def parse_count(text: str) -> int:
+  """A number of parameters: '7B', '350M', '1.5T', '13e9' or '1000000'."""
+  scale = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
+  m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMBGT]?)\s*", text.upper())
+  try:
+    value = float(m.group(1)) * scale[m.group(2)] if m else -1.0
+  except ValueError:
+    value = -1.0
+  if not value >= 1:
+    raise ValueError(f"not a number of parameters: {text!r} (e.g. 7B, 350M, 13e9)")
+  return int(value)
 
 
 def _nbytes(x: Any) -> int:

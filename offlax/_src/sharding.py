@@ -10,6 +10,7 @@ slices its own shard and no slice needs communication.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -205,6 +206,77 @@ class MeshPlan:
   def put(self, j: int, x: Any, memory_kind: str) -> Any:
     """Item `j` (or a piece of it) placed in `memory_kind`, sharded as planned."""
     return place(x, self.mesh, self.item_specs[j], memory_kind)
+
+
+ONE_DEVICE_AXIS = "offlax"
+
+
+@functools.cache
+def one_device_mesh(device: Any) -> Mesh:
+  """The mesh of one device that single-device state is placed on (one per device)."""
+  return Mesh(np.array([device]), (ONE_DEVICE_AXIS,))
+
+
+def on_one_device(tree: Any, mesh: Mesh | None, device: Any) -> Any:
+  """`tree` with every concrete array committed to `device` (the one device of `mesh`).
+
+  A jitted step's cache key holds each argument's sharding (its type too: a
+  `NamedSharding`'s mesh is part of the array's type) and whether it is
+  committed, and JAX commits every output of a program that moves memory, as
+  the step does. State that `init` left uncommitted, or typed unlike what the
+  step returns, would compile the step a second time on its second call. The
+  step returns arrays sharded like its first committed argument (the params,
+  if committed): `one_device_target` picks the sharding that matches them.
+
+  With a `NamedSharding`, specs built from the state
+  (``jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)``, for AOT
+  lowering, `jax.export` or an orbax restore target) keep each leaf's memory
+  kind: JAX 0.10 types a `SingleDeviceSharding` in host memory as device memory
+  (`offlax.placed` converts such specs).
+
+  Args:
+    tree: a pytree; tracers and non-array leaves pass through.
+    mesh: a mesh of one device to commit to with a `NamedSharding`, or None
+      for a `SingleDeviceSharding` on `device`.
+    device: the device.
+
+  Returns:
+    The tree, each array committed to `device` in its own memory kind.
+  """
+
+  def put(x):
+    if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
+      return x
+    return jax.device_put(x, one_device_sharding(mesh, device, x.sharding.memory_kind))
+
+  return jax.tree.map(put, tree)
+
+
+def one_device_sharding(mesh: Mesh | None, device: Any, memory_kind: str | None) -> Any:
+  """The sharding `on_one_device` gives an array in `memory_kind`."""
+  if mesh is not None:
+    return NamedSharding(mesh, PartitionSpec(), memory_kind=memory_kind)
+  return jax.sharding.SingleDeviceSharding(device, memory_kind=memory_kind)
+
+
+def one_device_target(params: Any, device: Any) -> Mesh | None:
+  """The mesh `on_one_device` should commit state for `params` (on `device`) to.
+
+  The params' own one-device mesh if they have one; None (a
+  `SingleDeviceSharding`) if they are committed with a `SingleDeviceSharding`;
+  else (uncommitted params, `ShapeDtypeStruct`s) `one_device_mesh(device)`.
+  """
+  single = False
+  for x in jax.tree.leaves(params):
+    if isinstance(x, jax.core.Tracer):
+      continue
+    sharding = getattr(x, "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if isinstance(sharding, NamedSharding) and isinstance(mesh, Mesh) and mesh.size == 1:
+      return mesh
+    if isinstance(sharding, jax.sharding.SingleDeviceSharding) and getattr(x, "committed", False):
+      single = True
+  return None if single else one_device_mesh(device)
 
 
 def place(x: Any, mesh: Mesh, spec: PartitionSpec, memory_kind: str | None = None) -> Any:

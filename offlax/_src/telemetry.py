@@ -105,7 +105,8 @@ def stats(state: Any, tier: Any, *, sync: bool = False) -> OffloadStats:
 
   Args:
     state: the `OffloadState` returned by `offload(...).init` or `update` (or
-      an abstract one, e.g. from `jax.eval_shape`).
+      an abstract one, e.g. from `jax.eval_shape`), or a state holding exactly
+      one (e.g. that of ``optax.chain(clip, offload(...))``).
     tier: the tier passed to `offload` (a `HostTier` or an `NVMeTier`).
     sync: wait for dispatched steps first (`jax.effects_barrier`), so the NVMe
       figures are those of the step that produced `state`; otherwise they are
@@ -127,9 +128,19 @@ def stats(state: Any, tier: Any, *, sync: bool = False) -> OffloadStats:
   from offlax._src.transform import OffloadState
 
   if not isinstance(state, OffloadState):
-    raise errors.TreeMismatchError(
-      f"offlax.stats expects the OffloadState of offlax.offload, got {type(state).__name__}."
-    )
+    # A chain's state (optax.chain(clip, offload(...))): the OffloadState inside it.
+    found = [
+      x
+      for x in jax.tree.leaves(state, is_leaf=lambda n: isinstance(n, OffloadState))
+      if isinstance(x, OffloadState)
+    ]
+    if len(found) != 1:
+      got = f"{len(found)} of them" if found else "none"
+      raise errors.TreeMismatchError(
+        f"offlax.stats expects the OffloadState of offlax.offload, or a state holding one "
+        f"(a chain's), got a {type(state).__name__} holding {got}; pass the OffloadState itself."
+      )
+    state = found[0]
   if not isinstance(tier, (HostTier, NVMeTier)):
     raise errors.InvalidTierError(
       f"offlax.stats: tier must be the HostTier or NVMeTier of offload, got {type(tier).__name__}."

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import numbers
+import threading
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -75,6 +76,11 @@ def offload(
     (4, 3)
   """
   errors.check_transformation(inner, "offload: inner")
+  if getattr(inner.init, "offlax_offload", None) is not None:
+    raise errors.TransformationTypeError(
+      "offload(offload(...)): the inner transformation is already offloaded; its state "
+      "already lives in its tier. Offload once: offlax.offload(optax.adam(...), tier)."
+    )
   if tier is None:
     tier = HostTier(**tier_options)
   elif tier_options:
@@ -91,16 +97,40 @@ def offload(
   def init_fn(params):
     params = flax_glue.unbox(params)
     spec = _spec_of(params, "params")
+    if _RECORDING.offloading:
+      raise errors.TransformationTypeError(
+        "an offload transformation inside another's inner transformation (e.g. "
+        "offload(chain(..., offload(...)))): a state can live in one tier. Offload once, "
+        "at the outermost level: offload(chain(...), tier), or chain(..., offload(...))."
+      )
+    if _RECORDING.calls is not None:  # `abstract_state` looking for offload inside a chain
+      shapes = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(layout_lib.shape_of(x), layout_lib.dtype_of(x)), params
+      )
+      _RECORDING.calls[id(spec)] = (inner, tier, shapes)
+      return OffloadState(inner.init(params), spec)
+    if isinstance(tier, NVMeTier) and spec.placeholder:
+      # A tree without arrays (optax.tree.map_params' placeholder) has no state
+      # to store: the inner state as is, with a step, has the state's structure.
+      return OffloadState(inner.init(params), spec, jax.numpy.zeros((), jax.numpy.int32))
     devices = _devices_of(params)
-    if isinstance(tier, NVMeTier):
-      tier.host.check_devices(devices)
-      inner_state, step = tier.init(inner, params, spec)
-      state = OffloadState(inner_state, spec, step)
-    else:
-      tier.check_devices(devices)
-      sharding_lib.check_axis(spec.mesh, tier.shard_axis)
-      state = OffloadState(tier.place(inner.init(params), spec), spec)
+    _RECORDING.offloading = True
+    try:
+      if isinstance(tier, NVMeTier):
+        tier.host.check_devices(devices)
+        inner_state, step = tier.init(inner, params, spec)
+        state = OffloadState(inner_state, spec, step)
+      else:
+        tier.check_devices(devices)
+        sharding_lib.check_axis(spec.mesh, tier.shard_axis)
+        state = OffloadState(tier.place(inner.init(params), spec), spec)
+    finally:
+      _RECORDING.offloading = False
     if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(params)):
+      if spec.mesh is None and len(devices) == 1:
+        device = next(iter(devices))
+        mesh = sharding_lib.one_device_target(params, device)
+        state = sharding_lib.on_one_device(state, mesh, device)
       _check_config(state, tier, devices)
     return state
 
@@ -109,15 +139,49 @@ def offload(
       raise errors.TreeMismatchError(
         f"offload.update expects the OffloadState returned by init, got {type(state).__name__}."
       )
-    _check_same(state.spec, _spec_of(updates, "updates"), "updates")
+    spec = state.spec
+    if spec.placeholder and jax.tree.leaves(updates):
+      spec = _respec(state, updates, params)
+    _check_same(spec, _spec_of(updates, "updates"), "updates")
     if params is not None:
-      _check_same(state.spec, _spec_of(params, "params"), "params")
+      _check_same(spec, _spec_of(params, "params"), "params")
     step = _Step(inner, tier, updates, state.inner_state, params, extra_args)
-    return step.run(state.spec, state.step)
+    return step.run(spec, state.step)
 
   # What `abstract_state` reads when it is given this transformation.
   init_fn.offlax_offload = (inner, tier)  # type: ignore[attr-defined]
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+class _Recording(threading.local):
+  """While `abstract_state` traces a chain's init: id(spec) -> (inner, tier, param shapes)."""
+
+  calls: dict[int, Any] | None = None
+  offloading = False  # inside an offload's init: a nested offload is refused
+
+
+_RECORDING = _Recording()
+
+
+def _respec(state: OffloadState, updates: Any, params: Any) -> ParamSpec:
+  """The spec of a state whose own is a placeholder's (it came through `optax.tree.map_params`).
+
+  `optax.tree.map_params` builds its result on a state initialised for a
+  placeholder, so the spec it carries is the placeholder's; the updates give
+  the tree and shapes again. Params on a mesh are not visible inside `jit`.
+  """
+  source = params if params is not None else updates
+  spec = _spec_of(source, "params" if params is not None else "updates")
+  traced = [x for x in jax.tree.leaves(source) if isinstance(x, jax.core.Tracer)]
+  on_mesh = any(getattr(jax.typeof(x).sharding.mesh, "size", 1) > 1 for x in traced)
+  if spec.mesh is None and on_mesh:
+    raise errors.TreeMismatchError(
+      "offload.update got a state whose spec is optax's params placeholder (the state came "
+      "through optax.tree.map_params), and params sharded on a mesh, whose shardings are not "
+      "visible inside jit. Give the state its spec back: "
+      "state = new_state._replace(spec=old_state.spec)."
+    )
+  return spec
 
 
 class _Step:
@@ -464,9 +528,11 @@ def _check_placement(tier: HostTier, state: Any) -> None:
       raise errors.MemoryKindError(
         f"state leaf {jax.tree_util.keystr(path)} is typed as device memory "
         f"({jax.typeof(x)}), but the tier keeps it in {tier.memory_kind}. Restored state "
-        "needs offlax.placed(state) (JAX types arrays made for a SingleDeviceSharding in "
-        "host memory as device arrays), or restore into offlax.abstract_state(...); "
-        "state moved by hand must stay where init put it."
+        "and jax.ShapeDtypeStruct specs need offlax.placed(tree) (JAX types a "
+        "SingleDeviceSharding in host memory as device memory; a NamedSharding keeps it), "
+        "or restore into offlax.abstract_state(...); jax.eval_shape keeps no memory kinds: "
+        "build specs with offlax.abstract_state. State moved by hand must stay where init "
+        "put it."
       )
 
 
