@@ -176,6 +176,7 @@ _SLOW = {
   "test_nvme_crash.py::test_sigkill_during_orbax_checkpoints",
   "test_nvme_crash.py::test_sigkill_on_a_mesh_keeps_every_shard_committed",
   "test_observability.py::test_rollback_then_resume_equals_the_reference",
+  "test_planner.py::test_cli_measure",  # measures the machine; test_cli runs the command line
 }
 _KEEP = {
   "test_equivalence.py::test_bit_identical_to_inner": {"clip_schedule_chain"},
