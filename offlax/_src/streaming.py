@@ -88,7 +88,6 @@ class Stream:
     self.p_slots = p_slots
     self.u = list(u_slots)  # the current buffer of each update leaf
     self.items = list(items)  # the current buffer of each state item
-    self.original = list(items)
     self.shapes_u = [
       layout_lib.shape_of(x) if not layout_lib.is_masked(x) else None for x in u_slots
     ]
@@ -152,7 +151,11 @@ class Stream:
   # -- one slice, one run -------------------------------------------------------
 
   def slice(self, k: int, pieces, keys, after) -> Any:
-    """Slice `k`, its state fetched not before `after` exists; returns what it computed."""
+    """Slice `k`; returns what the next slice's fetch waits for (see `run`).
+
+    Its state is fetched not before `after` exists (streamed); host compute
+    does not move the state, and XLA orders its host computations itself.
+    """
     io = self.io
     u_in = [self._take(self.u[p.leaf], p, p.start) for p in pieces]
     p_in = [self._p_piece(p, p.start) for p in pieces]
@@ -163,9 +166,7 @@ class Stream:
         self._put(self.items, ("item", j), j, x, p, p.start)
     else:
       if io.loops:
-        # The wait is on the whole arrays, before any piece is taken: XLA:GPU fuses
-        # a slice of a host array with its move to the device into one transfer,
-        # which would start as early as the host array exists.
+        # The wait is on the whole arrays, so that no piece is taken before it.
         sources = [self.items[j] for j, _ in keys]
         if after is not None:
           _, sources = jax.lax.optimization_barrier((after, sources))
@@ -252,7 +253,7 @@ class Stream:
     in_place = grads.dtype == u_dtype
     out = grads if in_place else jnp.zeros(grads.shape, u_dtype)
     bufs = [self._view(self.items[j], p0) for j in js]
-    if after is not None:  # only the state waits: a barrier on the updates would copy them
+    if after is not None:  # the state's fetch is what needs ordering
       _, bufs = jax.lax.optimization_barrier((after, bufs))
     init = (out, bufs)
 
@@ -364,8 +365,10 @@ class Stream:
 
 
 def _relabel(x):
-  """Inside a host computation, values are typed as device values: the inner
-  update makes constants (device-typed), and an op needs one memory space."""
+  """`x` typed as a device value, as values inside a host computation must be.
+
+  The inner update makes constants (device-typed), and an op needs one memory space.
+  """
   return None if x is None else jax.device_put(x, jax.memory.Space.Device)
 
 

@@ -317,7 +317,12 @@ class _Step:
     return jax.tree.leaves(new_updates, is_leaf=layout_lib.is_masked), new_state
 
   def _on_host(self, layout, items, spec):
-    """The whole inner update on the host CPU; the state stays where it is."""
+    """The whole inner update in one host computation: host compute on a mesh.
+
+    On one device host compute runs slice by slice (`streaming.Stream`); on a
+    mesh the slices' `dynamic_slice`s of sharded host arrays are not yet
+    checked with XLA's GPU compiler, so the update stays whole there.
+    """
     leaves = [i for i, s in enumerate(spec.shapes) if s is not None]
     extra_leaves, extra_def = jax.tree.flatten(self.extra_args)
     arrays = [i for i, x in enumerate(extra_leaves) if _is_array(x)]
@@ -482,18 +487,12 @@ class _HostIO:
       return self.mesh_plan.put(j, x, self.tier.memory_kind)
     return self.tier.to_host(x)
 
-  def load(self, k, after):
-    return self.fetch(self.keys[k], after)
-
   def fetch(self, keys, after):
     """Moves the given (item, piece) pairs to the device, not before `after` exists."""
     pieces = [p.take(self.items[j]) for j, p in keys]
     if after is not None:
       _, pieces = jax.lax.optimization_barrier((after, pieces))
     return [self.to_device(j, x) for (j, _), x in zip(keys, pieces, strict=True)]
-
-  def store(self, k, values):
-    return [self.to_tier(j, x) for (j, _), x in zip(self.keys[k], values, strict=True)]
 
   def finish(self, items):
     return items
