@@ -184,6 +184,24 @@ def rows_gpu_check(r: dict[str, Any]) -> list[Row]:
   ]
 
 
+def rows_gpu_memory(r: dict[str, Any]) -> list[Row]:
+  rows = []
+  for run in r["runs"]:
+    if run["mode"] == "plain":
+      continue
+    what = f"{run['params'] / 1e9:.2g}B {run['mode']}{' bf16+master' if run['master'] else ''}"
+    rows.append(
+      _row(
+        "gpu_memory",
+        f"device B/param, XLA:GPU ({what})",
+        f"<= {run['bound'] / run['params']:.2f}",
+        f"{run['device_per_param']:.2f}",
+        bool(run["within_bound"]) and not run["host_compute"],
+      )
+    )
+  return rows
+
+
 @dataclasses.dataclass(frozen=True)
 class Benchmark:
   name: str
@@ -210,6 +228,9 @@ BENCHMARKS = (
   Benchmark("checkpoint", (),
             ("--params-m", "1", "--raw-gib", "0.02", "--steps", "1", "--raw-passes", "1"),
             120, rows_checkpoint, takes_dir=True),
+  # 0.1B and 1B (about a minute); `python benchmarks/gpu_memory.py` adds 7B and 13B.
+  Benchmark("gpu_memory", ("--sizes-b", "0.1", "1"), ("--sizes-b", "0.01"), 60,
+            rows_gpu_memory),
   Benchmark("gpu_check", (), ("--size-scale", "0.001", "--steps", "2"), 300, rows_gpu_check,
             needs_gpu=True),
 )  # fmt: skip
