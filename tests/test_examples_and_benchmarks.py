@@ -10,6 +10,10 @@ import subprocess
 import sys
 import tempfile
 
+import pytest
+
+import offlax
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -275,3 +279,18 @@ def test_multi_device_example_with_the_nvme_tier(tmp_path):
   each = 2 * 4 * (32 + 32 + 32 + 1) + 4
   assert f"NVMe tier: 8 stores under {tmp_path / 'store'}, state bytes each: " in out.stdout
   assert out.stdout.count(f": {each}") == 8, out.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not offlax.gpu_compile_available(), reason="needs offlax[gpu-compile]")
+def test_gpu_memory_benchmark_runs(tmp_path):
+  result = _load("benchmarks/gpu_memory.py").main(["--sizes-b", "0.005", "--out", str(tmp_path)])
+  assert (tmp_path / "gpu_memory.png").stat().st_size > 10_000
+  assert json.loads((tmp_path / "gpu_memory.json").read_text())["runs"] == result["runs"]
+  assert {(r["mode"], r["master"]) for r in result["runs"]} == {
+    (m, master) for m in ("plain", "streamed", "host") for master in (False, True)
+  }
+  for r in result["runs"]:
+    assert r["host_compute"] == [] and r["device_peak"] > 0
+    assert r["within_bound"] in ((None,) if r["mode"] == "plain" else (True,)), r
+  assert len(_summary_rows("gpu_memory", result)) == 4
