@@ -9,6 +9,7 @@ from offlax._src.checkpoint import (
   retier,
 )
 from offlax._src.errors import (
+  InvalidTargetError,
   InvalidTierError,
   LeafTypeError,
   MemoryKindError,
@@ -43,6 +44,7 @@ __all__ = [
   "CompiledMemory",
   "GpuTarget",
   "HostTier",
+  "InvalidTargetError",
   "InvalidTierError",
   "LeafReport",
   "LeafTypeError",

@@ -68,7 +68,7 @@ def test_targets_and_overrides():
     assert m.target.name.startswith(name)
   m = offlax.compile_for_gpu(lambda x: x + 1, jnp.ones(8), target="h100", device_memory_size=10**9)
   assert m.target.device_memory_size == 10**9
-  with pytest.raises(offlax.InvalidTierError, match="unknown target 'h300'"):
+  with pytest.raises(offlax.InvalidTargetError, match="unknown target 'h300'"):
     offlax.compile_for_gpu(lambda x: x, jnp.ones(8), target="h300")
 
 

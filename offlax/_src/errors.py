@@ -72,6 +72,10 @@ class PerformanceWarning(UserWarning):
   """The configuration works but costs speed or memory; the message says what to change."""
 
 
+class InvalidTargetError(OffloadError, ValueError):
+  """`compile_for_gpu` was given a GPU target it does not know."""
+
+
 class TransformationTypeError(OffloadError, TypeError):
   """An argument that must be an optax GradientTransformation is not one."""
 

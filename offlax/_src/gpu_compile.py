@@ -221,16 +221,13 @@ def compile_for_gpu(
 
   Example:
     >>> import jax, jax.numpy as jnp, offlax
-    >>> if offlax.gpu_compile_available():
-    ...   m = offlax.compile_for_gpu(lambda x: x * 2, jnp.ones((1024,)), target="l4")
-    ...   print(m.device["argument"], m.device["output"])
-    ... else:
-    ...   print(4096, 4096)
-    4096 4096
+    >>> m = offlax.compile_for_gpu(lambda x: x * 2, jnp.ones((1024,)), target="l4")
+    >>> m.device["argument"], m.device["output"], m.host_compute
+    (4096, 4096, ())
   """
   if isinstance(target, str):
     if target not in TARGETS:
-      raise errors.InvalidTierError(
+      raise errors.InvalidTargetError(
         f"compile_for_gpu: unknown target {target!r}; known: {', '.join(TARGETS)} "
         "(or pass an offlax.GpuTarget)."
       )
