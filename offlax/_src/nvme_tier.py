@@ -2074,11 +2074,27 @@ def _interrupts_deferred():
   ):
     yield
     return
-  previous = signal.signal(signal.SIGINT, lambda signum, frame: _DEFERRED_INTERRUPT.set())
+  previous = signal.signal(signal.SIGINT, _defer_interrupt)
   try:
     yield
   finally:
     signal.signal(signal.SIGINT, previous)
+
+
+def _defer_interrupt(signum: int, frame: Any) -> None:
+  """The SIGINT handler inside a callback: holds the interrupt back, for a while.
+
+  The step's commit delivers it (`_deliver_deferred_interrupt`); should no commit
+  come within `_INTERRUPT_LATEST_S` (the callbacks are unordered: this one may
+  have run after the step's last delivery), it is delivered then all the same.
+  """
+  _DEFERRED_INTERRUPT.set()
+
+  def deliver_late():
+    time.sleep(_INTERRUPT_LATEST_S)
+    _deliver_deferred_interrupt()
+
+  threading.Thread(target=deliver_late, name="offlax-interrupt-late", daemon=True).start()
 
 
 def _deliver_deferred_interrupt() -> None:
@@ -2100,6 +2116,7 @@ def _deliver_deferred_interrupt() -> None:
 
 
 _INTERRUPT_DELAY_S = 0.05
+_INTERRUPT_LATEST_S = 1.0
 
 
 class _ByShard:
