@@ -180,7 +180,7 @@ def test_entry_point_quick(tmp_path):
   assert (out / "checkpoint.png").exists() and (out / "summary.md").exists()
   runs = summary["benchmarks"]
   assert list(runs) == ["host_overhead", "host_adam", "nvme_throughput", "scaling", "checkpoint",
-                        "gpu_check"]  # fmt: skip
+                        "gpu_memory", "gpu_check"]  # fmt: skip
   assert runs["checkpoint"]["status"] == "ok" and runs["checkpoint"]["wall_s"] > 0
   assert runs["checkpoint"]["peak_rss_bytes"] > 0
   assert runs["scaling"]["status"] == "not run (--only)"
