@@ -39,33 +39,12 @@ SLICES = 4  # the bound: params + gradients + this many slices
 MODES = ("plain", "streamed", "host")
 
 
-def variant(mode: str, master: bool, chunk_bytes: int):
-  import optax
-
-  import offlax
-
-  inner = optax.adamw(1e-3)
-  if master:
-    inner = offlax.master_weights(inner)
-  if mode == "plain":
-    return inner
-  return offlax.offload(
-    inner, chunk_bytes=chunk_bytes, compute="host" if mode == "host" else "device"
-  )
-
-
 def measure(n_params: float, mode: str, master: bool, target: str, chunk_bytes: int, layers: int):
   import jax
 
-  import offlax
   from offlax._src import gpu_compile
 
-  dtype = "bfloat16" if master else "float32"
-  params = gpu_compile.transformer_params(n_params, layers=layers, dtype=dtype)
-  n = sum(x.size for x in jax.tree.leaves(params))
-  tx = variant(mode, master, chunk_bytes)
-  state = jax.eval_shape(tx.init, params) if mode == "plain" else offlax.abstract_state(tx, params)
-  step = jax.jit(gpu_compile.update_step(tx), donate_argnums=(0, 1))
+  n = sum(x.size for x in jax.tree.leaves(gpu_compile.transformer_params(n_params, layers=layers)))
   param_bytes = n * (2 if master else 4)
   # Params + gradients + 4 slices; with master_weights + its fp32 updates, which a
   # leaf streamed in pieces has written whole before `optax.apply_updates`.
@@ -76,9 +55,9 @@ def measure(n_params: float, mode: str, master: bool, target: str, chunk_bytes: 
   # step needs. Plain optax is compiled for the whole target.
   memory = None if mode == "plain" else int(bound / 0.8)
   start = time.perf_counter()
-  m = offlax.compile_for_gpu(
-    step, params, gpu_compile.state_specs(state), jax.ShapeDtypeStruct((), dtype),
-    target=target, n_params=n, device_memory_size=memory,
+  m = gpu_compile.compile_adamw_step(
+    n_params, mode=mode, master=master, chunk_bytes=chunk_bytes, layers=layers,
+    target=target, device_memory_size=memory,
   )  # fmt: skip
   return {
     "params": n,

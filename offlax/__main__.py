@@ -162,9 +162,6 @@ def _compile(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 def _compiled(n, mode, master, chunk, layers, target, memory, fraction=1.0) -> Any:
   """An AdamW step on a transformer-shaped tree of `n` params, compiled for `target`; or None."""
-  import jax
-  import optax
-
   import offlax
   from offlax._src import gpu_compile
 
@@ -172,24 +169,10 @@ def _compiled(n, mode, master, chunk, layers, target, memory, fraction=1.0) -> A
     print("error: XLA's GPU compiler is not installed: pip install 'offlax[gpu-compile]'",
           file=sys.stderr)  # fmt: skip
     return None
-  dtype = "bfloat16" if master else "float32"
-  params = gpu_compile.transformer_params(n, layers=layers, dtype=dtype)
-  tx: Any = optax.adamw(1e-3)
-  tx = offlax.master_weights(tx) if master else tx
-  if mode != "plain":
-    compute = "host" if mode == "host" else "device"
-    tx = offlax.offload(tx, chunk_bytes=chunk, compute=compute, fraction=fraction)
-  if mode == "plain":
-    state = jax.eval_shape(tx.init, params)
-  else:
-    state = offlax.abstract_state(tx, params)
-  state = gpu_compile.state_specs(state)
-  step = jax.jit(gpu_compile.update_step(tx), donate_argnums=(0, 1))
-  count = sum(x.size for x in jax.tree.leaves(params))
   try:
-    return offlax.compile_for_gpu(
-      step, params, state, jax.ShapeDtypeStruct((), dtype),
-      target=target, device_memory_size=memory, n_params=count,
+    return gpu_compile.compile_adamw_step(
+      n, mode=mode, master=master, chunk_bytes=chunk, layers=layers, fraction=fraction,
+      target=target, device_memory_size=memory,
     )  # fmt: skip
   except offlax.OffloadError as e:
     print(f"error: {e}", file=sys.stderr)

@@ -305,6 +305,48 @@ def update_step(tx: Any) -> Callable[..., Any]:
   return step
 
 
+def compile_adamw_step(
+  n_params: float,
+  *,
+  mode: str = "streamed",
+  master: bool = False,
+  chunk_bytes: int = 64 * 2**20,
+  layers: int = 16,
+  fraction: float = 1.0,
+  **compile_options: Any,
+) -> CompiledMemory:
+  """An AdamW `update_step` on `transformer_params(n_params)`, compiled by `compile_for_gpu`.
+
+  `mode`: ``plain`` (optax), ``streamed`` or ``host`` (`offload` with that
+  compute); `master`: bf16 params with `master_weights`. The params and state
+  are donated. `compile_options` go to `compile_for_gpu` (``target``,
+  ``device_memory_size``).
+  """
+  import optax
+
+  from offlax._src.master import master_weights
+  from offlax._src.transform import offload
+
+  dtype = "bfloat16" if master else "float32"
+  params = transformer_params(n_params, layers=layers, dtype=dtype)
+  tx: Any = optax.adamw(1e-3)
+  tx = master_weights(tx) if master else tx
+  if mode == "plain":
+    state = jax.eval_shape(tx.init, params)
+  else:
+    compute = "host" if mode == "host" else "device"
+    tx = offload(tx, chunk_bytes=chunk_bytes, compute=compute, fraction=fraction)
+    from offlax._src.checkpoint import abstract_state
+
+    state = abstract_state(tx, params)
+  step = jax.jit(update_step(tx), donate_argnums=(0, 1))
+  n = sum(x.size for x in jax.tree.leaves(params))
+  return compile_for_gpu(
+    step, params, state_specs(state), jax.ShapeDtypeStruct((), dtype), n_params=n,
+    **compile_options,
+  )  # fmt: skip
+
+
 def state_specs(state: Any) -> Any:
   """`ShapeDtypeStruct`s of a state (or its abstract state) that keep their memory kinds."""
   return jax.tree.map(_spec, state)
