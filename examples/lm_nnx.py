@@ -5,6 +5,7 @@ Run from the repository root (a few minutes on 2 CPU cores):
     python examples/lm_nnx.py --tier host --steps 300
     python examples/lm_nnx.py --tier host_compute --steps 300
     python examples/lm_nnx.py --tier nvme --steps 300 --dir /tmp/offlax-lm
+    python examples/lm_nnx.py --tier host_compute --params-on-host --steps 300
 
 It learns characters of a text made here (no download): sentences of a tiny
 grammar with counting and agreement. The optimizer is
@@ -14,6 +15,13 @@ grammar with counting and agreement. The optimizer is
 - `--tier host_compute`: the moments in `pinned_host`, updated on the host CPU;
 - `--tier nvme`: the moments on disk under `--dir` (a small RAM cache);
 - `--tier none`: plain optax, for comparison.
+
+The layers are stacked (`nnx.vmap`) and run by `offlax.scan_layers`, which
+rematerialises each in the backward pass. With `--params-on-host` the layers'
+params live in `pinned_host` memory too: each step fetches one layer at a time,
+their gradients come back to host memory, and `offlax.nnx_update` writes the
+new params over the old on the host (the way a model too big for the device
+trains: see README "Params and gradients off the device").
 
 Every `--ckpt-every` steps orbax saves the model and optimizer under
 `--dir/ckpt` (asynchronously; the NVMe tier's store with `offlax.NVMeStoreSave`);
@@ -75,17 +83,23 @@ class Block(nnx.Module):
 
 class LM(nnx.Module):
   def __init__(self, vocab: int, dim: int, heads: int, layers: int, seq: int, rngs: nnx.Rngs):
+    @nnx.split_rngs(splits=layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make_blocks(rngs):  # one Block whose params are stacked along a first axis
+      return Block(dim, heads, rngs)
+
     self.embed = nnx.Embed(vocab, dim, rngs=rngs)
     self.pos = nnx.Param(jax.random.normal(rngs.params(), (seq, dim)) * 0.02)
-    self.blocks = nnx.List([Block(dim, heads, rngs) for _ in range(layers)])
+    self.blocks = make_blocks(rngs)
     self.norm = nnx.LayerNorm(dim, rngs=rngs)
     self.head = nnx.Linear(dim, vocab, rngs=rngs)
 
   def __call__(self, tokens):
     x = self.embed(tokens) + self.pos[: tokens.shape[1]]
     mask = nnx.make_causal_mask(tokens)
-    for block in self.blocks:
-      x = block(x, mask)
+    graphdef, layers = nnx.split(self.blocks)
+    layer = lambda x, params: (nnx.merge(graphdef, params)(x, mask), None)
+    x, _ = offlax.scan_layers(layer, x, layers)  # fetches each layer kept in host memory
     return self.head(self.norm(x))
 
 
@@ -123,6 +137,9 @@ def restore_store(mngr: ocp.CheckpointManager, step: int, directory: pathlib.Pat
 def main(argv: list[str] | None = None) -> float:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--tier", choices=("host", "host_compute", "nvme", "none"), default="host")
+  parser.add_argument(
+    "--params-on-host", action="store_true", help="the layers' params in pinned_host memory"
+  )
   parser.add_argument("--steps", type=int, default=300)
   parser.add_argument("--batch", type=int, default=16)
   parser.add_argument("--seq", type=int, default=64)
@@ -141,6 +158,10 @@ def main(argv: list[str] | None = None) -> float:
   chars = sorted(set(text))
   data = np.array([chars.index(c) for c in text], np.int32)
   model = LM(len(chars), args.dim, 4, args.layers, args.seq, nnx.Rngs(0))
+  if args.params_on_host:
+    if args.tier == "none":
+      parser.error("--params-on-host needs an offlax tier (--tier host_compute is the one to use)")
+    nnx.update(model.blocks, offlax.to_host(nnx.state(model.blocks)))
   # The NVMe tier's moments are in its store (committed every step), which orbax
   # saves with offlax.NVMeStoreSave; the other tiers' state is a pytree of arrays.
   nvme = args.tier == "nvme"
@@ -169,7 +190,9 @@ def main(argv: list[str] | None = None) -> float:
       return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
     loss, grads = nnx.value_and_grad(loss_fn)(model)
-    optimizer.update(model, grads)
+    # optimizer.update(model, grads), with each slice's new params written in place
+    # (params in host memory are updated by the host CPU, never by device compute).
+    offlax.nnx_update(optimizer, model, grads)
     return loss
 
   def checkpoint_args(save: bool):

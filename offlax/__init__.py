@@ -1,5 +1,6 @@
 """offlax: optimizer state off the accelerator, as an optax wrapper."""
 
+from offlax._src.apply import apply_updates, update_and_apply
 from offlax._src.checkpoint import (
   NVMeStoreRestore,
   NVMeStoreSave,
@@ -9,6 +10,7 @@ from offlax._src.checkpoint import (
   retier,
 )
 from offlax._src.errors import (
+  InvalidOptionError,
   InvalidTargetError,
   InvalidTierError,
   LeafTypeError,
@@ -26,11 +28,14 @@ from offlax._src.errors import (
   TreeMismatchError,
   UnsavableStateError,
 )
+from offlax._src.flax_glue import nnx_update
 from offlax._src.gpu_compile import CompiledMemory, GpuTarget, compile_for_gpu
 from offlax._src.gpu_compile import available as gpu_compile_available
 from offlax._src.host_adam import adam, adamw
+from offlax._src.host_params import fetch, to_host
 from offlax._src.host_tier import HostTier
 from offlax._src.inspector import LeafReport, StoreReport, inspect_store
+from offlax._src.layers import scan_layers
 from offlax._src.layout import OnDisk, ParamSpec
 from offlax._src.master import MasterWeightsState, master_weights
 from offlax._src.nvme_tier import NVMeTier, rollback
@@ -44,6 +49,7 @@ __all__ = [
   "CompiledMemory",
   "GpuTarget",
   "HostTier",
+  "InvalidOptionError",
   "InvalidTargetError",
   "InvalidTierError",
   "LeafReport",
@@ -74,15 +80,21 @@ __all__ = [
   "abstract_state",
   "adam",
   "adamw",
+  "apply_updates",
   "compile_for_gpu",
+  "fetch",
   "gpu_compile_available",
   "inspect_store",
   "master_weights",
+  "nnx_update",
   "offload",
   "placed",
   "plan",
   "reshard",
   "retier",
   "rollback",
+  "scan_layers",
   "stats",
+  "to_host",
+  "update_and_apply",
 ]

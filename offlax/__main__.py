@@ -27,6 +27,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     help="fp32 master weights in the state (offlax.master_weights), as mixed precision does",
   )  # fmt: skip
   p.add_argument("--chunk", default="64MiB", help="slice size (64MiB)")
+  p.add_argument(
+    "--layers", type=int, default=None,
+    help="stacked layers: lets the plan keep params and gradients in host memory too",
+  )  # fmt: skip
   p.add_argument("--bus-gbps", type=float, help="host<->device GB/s each way (25)")
   p.add_argument("--disk-gbps", type=float, help="disk GB/s (3)")
   p.add_argument("--host-adam-gps", type=float, help="host optimizer step, G params/s (1.2)")
@@ -123,9 +127,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     "adafactor": lambda: optax.adafactor(1e-3),
   }[args.optimizer]()
   tx = offlax.master_weights(inner) if args.master else inner
-  result = offlax.plan(shapes, tx, **sizes, **rates)
+  result = offlax.plan(shapes, tx, **sizes, **rates, layers=args.layers)
   print(result.table())
   mode = {"device": "plain", "host": "streamed", "host_compute": "host"}.get(result.mode)
+  if args.compile and result.mode == "params_host":
+    return _compile_params_host(n, args.layers, args.compile, result)
   if args.compile and mode is None:
     print(f"--compile: nothing to compile for mode {result.mode!r}", file=sys.stderr)
   if args.compile and mode is not None:
@@ -140,6 +146,24 @@ def main(argv: Sequence[str] | None = None) -> int:
       f"(plan {planned:.2f}), host {m.host_peak / n:.2f} B/param"
     )
   return 0 if result.fits else 1
+
+
+def _compile_params_host(n: int, layers: int, target: str, result: Any) -> int:
+  """Compiles the whole train step of a Llama-shaped model of `n` params in `layers` layers."""
+  from offlax._src import llama
+
+  try:
+    m = llama.compile_step(llama.shaped(n, layers), target)
+  except ImportError as e:
+    print(f"--compile: {e}", file=sys.stderr)
+    return 2
+  print(
+    f"compiled (params_host, {target}, {llama.shaped(n, layers)}): device "
+    f"{m.device_peak / 1e9:.2f} GB (plan {result.bytes['device'] / 1e9:.2f} GB + XLA's working "
+    f"set), host {m.host_peak / 1e9:.1f} GB (plan {result.bytes['host'] / 1e9:.1f} GB)"
+    + ("" if m.fits else "; DOES NOT FIT")
+  )
+  return 0 if m.fits else 1
 
 
 def _compile(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:

@@ -11,7 +11,7 @@ import optax
 import pytest
 
 import offlax
-from offlax._src import gpu_compile
+from offlax._src import gpu_compile, llama
 
 pytestmark = pytest.mark.skipif(
   not offlax.gpu_compile_available(), reason="needs offlax[gpu-compile] (jax-cuda12-plugin)"
@@ -113,3 +113,43 @@ def test_copies_in_flight_counts_host_transfers():
   %cd2 = f32[4]{0} copy-done(%cs2)
 }"""
   assert gpu_compile.copies_in_flight(hlo) == 2
+
+
+def _llama(layers):
+  return llama.Llama(layers=layers, d=256, ffn=512, vocab=512, heads=4, tokens=128)
+
+
+def test_params_off_device_step_is_flat_in_depth():
+  # The whole train step (scan_layers forward and backward, update_and_apply on
+  # the host) with params, gradients and state in host memory.
+  two, eight = (llama.compile_step(_llama(n), "l4", chunk_bytes=2**18) for n in (2, 8))
+  assert two.host_compute == () and eight.host_compute == ()
+  # Measured: 4.60 MB at 2 layers, 4.79 MB at 8 (a 1.2 MB and a 5.3 MB model in bf16).
+  assert eight.device_peak <= two.device_peak * 1.05
+  n = _llama(8).n_params
+  assert eight.device_peak < 2 * n / 2  # less than half the bf16 params
+  assert eight.host_peak >= 16 * n  # params, gradients, fp32 master and moments, on the host
+  plain = llama.compile_step(_llama(8), "l4", offloaded=False)
+  assert plain.device_peak > 10 * eight.device_peak
+
+
+@pytest.mark.slow
+def test_13b_train_step_fits_24gb_and_70b_fits_80gb():
+  m13 = llama.compile_step(llama.MODELS["13b"], "rtx4090")
+  m70 = llama.compile_step(llama.MODELS["70b"], "a100-80gb")
+  # Measured: 2.81 GB and 4.5 GB of device memory.
+  assert m13.device_peak <= 8e9 and m13.host_compute == ()
+  assert m70.fits and m70.host_compute == ()
+
+
+def test_plan_params_host_agrees_with_the_compiled_host_bytes():
+  m = _llama(4)
+  compiled = llama.compile_step(m, "l4", chunk_bytes=2**18)
+  specs = llama.param_specs(m, None)
+  p = offlax.plan(
+    specs, offlax.master_weights(optax.adamw(1e-3)), device_bytes=8 * 10**6, host_bytes=10**9,
+    layers=m.layers,
+  )  # fmt: skip
+  assert p.mode == "params_host"
+  # Measured: plan 46,174,212 B, compiled 46,173,956 B; 13B: 208.0 GB and 208.4 GB.
+  assert abs(compiled.host_peak - p.bytes["host"]) <= 0.1 * compiled.host_peak

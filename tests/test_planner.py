@@ -143,3 +143,24 @@ def test_cli_sizes_need_units_params_take_suffixes_and_no_fit_prints_no_costs(ca
   assert parse_count("350M") == 350 * 10**6 and parse_count("13e9") == 13 * 10**9
   with pytest.raises(ValueError, match="not a number of parameters"):
     parse_count("lots")
+
+
+def test_params_in_host_memory_when_params_and_gradients_do_not_fit():
+  # 13B bf16 params with an fp32 master on a 24 GB device: params and gradients alone are 52 GB.
+  shapes = {f"w{i}": jax.ShapeDtypeStruct((2**26,), jnp.bfloat16) for i in range(194)}
+  tx = offlax.master_weights(optax.adamw(1e-3))
+  sizes = {"device_bytes": 24 * 10**9, "nvme_bytes": 2 * 10**12}
+  assert not offlax.plan(shapes, tx, host_bytes=256 * 10**9, **sizes).fits  # no layers: no
+  p = offlax.plan(shapes, tx, host_bytes=256 * 10**9, layers=40, **sizes)
+  n = 194 * 2**26
+  assert (p.mode, p.fits) == ("params_host", True)
+  # Params, gradients, master and moments (and the step count).
+  assert 0 <= p.bytes["host"] - (2 * 2 * n + 12 * n) <= 8
+  assert p.bytes["device"] == int(2 * (2 * n / 40))  # a layer's params and gradients
+  assert p.bus_bytes_per_step == 3 * 2 * n
+  # Less RAM than the state: the state on disk, params and gradients in RAM.
+  q = offlax.plan(shapes, tx, host_bytes=128 * 10**9, layers=40, **sizes)
+  assert (q.mode, q.fits) == ("params_host_nvme", True)
+  assert 4 * n < q.bytes["host"] <= 128 * 10**9 and q.bytes["nvme"] == 3 * 12 * n
+  # Not enough RAM for params and gradients: nothing fits.
+  assert not offlax.plan(shapes, tx, host_bytes=40 * 10**9, layers=40, **sizes).fits

@@ -13,6 +13,10 @@ class InvalidTierError(OffloadError, ValueError):
   """A tier was configured with an invalid option."""
 
 
+class InvalidOptionError(OffloadError, ValueError):
+  """A function was given options that do not go together, or an invalid value."""
+
+
 class MemoryKindError(OffloadError, ValueError):
   """A memory kind is unknown, or a device does not offer it."""
 

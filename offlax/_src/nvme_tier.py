@@ -73,7 +73,7 @@ from jax.experimental import io_callback
 from jax.sharding import PartitionSpec as P
 
 from offlax._src import coupling as coupling_lib
-from offlax._src import errors, ffi
+from offlax._src import errors, ffi, host_params
 from offlax._src import layout as layout_lib
 from offlax._src import schedule as schedule_lib
 from offlax._src import sharding as sharding_lib
@@ -1111,7 +1111,7 @@ class NVMeTier:
     self.store.generation = keep  # the last one, so the first commit writes generation 0
     slots = jax.tree.leaves(params, is_leaf=layout_lib.is_masked)
     groups = _init_groups(layout, shapes, self.chunk_bytes, len(slots))
-    init = jax.jit(inner.init)
+    init = jax.jit(functools.partial(host_params.init, inner.init))
     items: list[Any] = [None] * len(shapes)
 
     whole = values

@@ -36,7 +36,10 @@ class Plan:
   Attributes:
     mode: ``"device"`` (everything fits: no offload), ``"host"`` (the streamed
       host tier), ``"host_compute"`` (``HostTier(compute="host")``),
-      ``"nvme"`` (the NVMe tier), or ``"none"`` if nothing fits.
+      ``"nvme"`` (the NVMe tier), ``"params_host"`` (params, gradients and
+      state in host memory: `offlax.scan_layers` and host compute),
+      ``"params_host_nvme"`` (the same with the state on the NVMe tier), or
+      ``"none"`` if nothing fits.
     fits: whether the mode fits the given memories.
     chunk_bytes: the slice size the plan assumes.
     fraction: for ``"host"``, the share of the state to offload (the rest fits
@@ -112,12 +115,19 @@ def plan(
   bus_bytes_per_s: float = BUS_BYTES_PER_S,
   disk_bytes_per_s: float = DISK_BYTES_PER_S,
   host_adam_params_per_s: float = HOST_ADAM_PARAMS_PER_S,
+  layers: int | None = None,
 ) -> Plan:
   """Chooses where the state of `tx` should live for `params`, and estimates the cost.
 
   Tries, in order, all on the device, the streamed host tier (offloading only
   the share of the state that does not fit), host compute, then the NVMe tier,
   and returns the first that fits (or, if none does, the closest, with advice).
+  When params and gradients do not fit on the device, and `layers` says how
+  many stacked layers they have, it tries them in host memory too
+  (``params_host``: the device holds a layer's params and gradients besides
+  `activation_bytes`; XLA's own working set comes on top, which
+  ``python -m offlax plan --compile`` measures), with the state on the NVMe
+  tier if RAM is short.
   The device holds the params, their gradients (same dtype), `activation_bytes`
   and, when streaming, about three slices of `chunk_bytes`; the plan keeps
   `DEVICE_RESERVE` (5%) of `device_bytes` free besides.
@@ -133,6 +143,8 @@ def plan(
     bus_bytes_per_s: host <-> device bandwidth, each way.
     disk_bytes_per_s: disk bandwidth.
     host_adam_params_per_s: host compute speed of the optimizer step.
+    layers: the number of layers the params stack (`offlax.scan_layers`);
+      None: params stay on the device.
 
   Returns:
     A `Plan`.
@@ -246,6 +258,14 @@ def plan(
       "nvme", True, placement, fixed + slices + small, cached + 8 * chunk_bytes,
       store_bytes, bus, disk, overhead, [f"NVMeTier(path, cache_bytes={cache})"],
     )  # fmt: skip
+  if layers and fixed > usable:
+    host_plan = _params_on_host(
+      make, everywhere, layers, param_bytes, n_params, state, small, activation_bytes, usable,
+      host_bytes, nvme_bytes, chunk_bytes, bus_bytes_per_s, disk_bytes_per_s,
+      host_adam_params_per_s,
+    )  # fmt: skip
+    if host_plan is not None:
+      return host_plan
   advice = []
   if fixed > usable:
     advice.append(
@@ -263,6 +283,43 @@ def plan(
   return make(
     "none", False, everywhere("host"), fixed, state, 0, 2 * param_bytes, 0, math.inf, advice
   )
+
+
+def _params_on_host(
+  make, everywhere, layers, param_bytes, n_params, state, small, activation_bytes, usable,
+  host_bytes, nvme_bytes, chunk_bytes, bus_bytes_per_s, disk_bytes_per_s, host_adam_params_per_s,
+) -> Plan | None:
+  """Params, gradients and state in host memory (state on disk if RAM is short), or None."""
+  layer = param_bytes / layers
+  device = int(2 * layer + activation_bytes)  # a layer's params and its gradients
+  if device > usable:
+    return None
+  # Each layer's params cross twice (forward, and again in the rematerialised
+  # backward pass), its gradients once; the step itself runs on the host.
+  bus = 3 * param_bytes
+  compute = n_params / host_adam_params_per_s
+  why = (
+    "params and gradients do not fit on the device: params in host memory, layers "
+    f"streamed by offlax.scan_layers ({format_bytes(layer)} per layer), the step on the host "
+    "(offlax.update_and_apply); device figure: a layer and its gradients + activations, "
+    "XLA's working set on top (plan --compile measures it)"
+  )
+  if 2 * param_bytes + state <= host_bytes:
+    return make(
+      "params_host", True, everywhere("host"), device, 2 * param_bytes + state, 0, bus, 0,
+      bus / bus_bytes_per_s + compute, [why],
+    )  # fmt: skip
+  cache = max(0, int((host_bytes - 2 * param_bytes) * 0.75) - 8 * chunk_bytes)
+  store_bytes = (nvme_tier.DEFAULT_KEEP + 1) * (state - small)
+  if cache <= 0 or store_bytes > nvme_bytes:
+    return None
+  disk = 2 * max(0, state - small - cache) + min(cache, state - small) + small
+  bus += 2 * (state - small)
+  return make(
+    "params_host_nvme", True, everywhere("nvme"), device, 2 * param_bytes + cache, store_bytes,
+    bus, disk, max(bus / bus_bytes_per_s, disk / disk_bytes_per_s) + compute,
+    [why, f"NVMeTier(path, cache_bytes={cache})"],
+  )  # fmt: skip
 
 
 def _whole_updates(tx: Any, params: Any, state_bytes: int, chunk_bytes: int) -> int:

@@ -15,6 +15,13 @@ With ``on_host`` (``HostTier(compute="host")``) each slice's update runs on the
 host CPU instead (``compute_on("device_host")``): the gradient piece goes to
 the host, the update piece comes back, and the offloaded state is sliced and
 written inside the host computation, so it never moves.
+
+Params and gradients may live in host memory too (`offlax.scan_layers`): their
+pieces are fetched to the device for a streamed slice, and results are written
+back to the memory their buffer lives in. With ``apply``
+(`offlax.update_and_apply`) each slice adds its updates to its params piece
+and writes the new params over the old (in place): no model-sized updates
+buffer exists, and `master_weights`' fp32 updates never leave the slice.
 """
 
 from __future__ import annotations
@@ -25,8 +32,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from offlax._src import coupling as coupling_lib
+from offlax._src import host_params
 from offlax._src import layout as layout_lib
 from offlax._src import schedule as schedule_lib
 from offlax._src.compat import compute_on
@@ -81,12 +90,21 @@ class Stream:
       a tier whose state needs its own reads, the NVMe tier, has `load`/`store`
       and `loops = False`).
     on_host: run each slice's update on the host CPU (state stays in place).
+    apply: return the new params (each slice's updates added to its params
+      piece, written over the params) instead of the updates.
   """
 
-  def __init__(self, update: Update, u_slots, p_slots, layout, items, io, on_host: bool = False):
+  def __init__(
+    self, update: Update, u_slots, p_slots, layout, items, io, on_host=False, apply=False
+  ):
     self.update, self.layout, self.io, self.on_host = update, layout, io, on_host
-    self.p_slots = p_slots
-    self.u = list(u_slots)  # the current buffer of each update leaf
+    self.p_slots, self.apply = p_slots, apply
+    self.u = list(u_slots)  # the gradients
+    # Where results go: the params' buffers with `apply`, else the gradients'
+    # (overwritten in place) until an update of another dtype needs its own.
+    self.out = list(p_slots) if apply else list(u_slots)
+    self.over_grads = [not apply] * len(self.u)
+    self.out_host = [not layout_lib.is_masked(x) and host_params.on_host(x) for x in self.out]
     self.items = list(items)  # the current buffer of each state item
     self.shapes_u = [
       layout_lib.shape_of(x) if not layout_lib.is_masked(x) else None for x in u_slots
@@ -117,8 +135,11 @@ class Stream:
         p_slots[p.leaf] = p_in[n]
     out_u, out_state = self.update(u_slots, self.layout.merge(slice_items), p_slots)
     out_items = self.layout.split(out_state)
+    new = [out_u[p.leaf] for p in pieces]
+    if self.apply:
+      new = [optax.apply_updates(x, u) for x, u in zip(p_in, new, strict=True)]
     return (
-      [out_u[p.leaf] for p in pieces],
+      new,
       [out_items[j] for j, _ in keys],
       [out_items[j] for j in self.globals],
     )
@@ -140,13 +161,28 @@ class Stream:
       buffers[i] = value
       return
     old = self._view(buffers[i], p)
-    if key in self.parts or value.dtype != old.dtype:
+    if key in self.parts or (value.dtype != old.dtype and key[0] == "item"):
       self.parts.setdefault(key, []).append(value)  # joined by `concatenate` at the end
       return
+    if value.dtype != old.dtype:  # updates of another dtype than the gradients: a new buffer
+      old = host_params.zeros_like(old, value.dtype, host=self.out_host[i])
+      self.over_grads[i] = False
     buffers[i] = jax.lax.dynamic_update_slice_in_dim(old, value, start, p.axis)
 
+  def _grads(self, leaf: int):
+    """The buffer holding `leaf`'s gradients (pieces not yet updated where overwritten)."""
+    return self.out[leaf] if self.over_grads[leaf] else self.u[leaf]
+
   def _p_piece(self, p: Piece, start):
-    return None if self.p_slots is None else self._take(self.p_slots[p.leaf], p, start)
+    if self.p_slots is None:
+      return None
+    # With `apply`, from the buffer being written: each piece is read before it
+    # is written, and the old params are not kept alive beside the new.
+    return self._take((self.out if self.apply else self.p_slots)[p.leaf], p, start)
+
+  def _where(self, leaf: int, x):
+    """A result piece `x` of `leaf`, moved to the memory its buffer lives in."""
+    return jax.device_put(x, jax.memory.Space.Host) if self.out_host[leaf] else x
 
   # -- one slice, one run -------------------------------------------------------
 
@@ -157,7 +193,7 @@ class Stream:
     does not move the state, and XLA orders its host computations itself.
     """
     io = self.io
-    u_in = [self._take(self.u[p.leaf], p, p.start) for p in pieces]
+    u_in = [self._take(self._grads(p.leaf), p, p.start) for p in pieces]
     p_in = [self._p_piece(p, p.start) for p in pieces]
     starts = [p.start for _, p in keys]
     if self.on_host:
@@ -177,8 +213,10 @@ class Stream:
       else:
         state_in = io.load(k, after)
       new_u, new_state, new_g = self.compute(
-        pieces, keys, u_in, p_in, state_in, self.device_globals
-      )
+        pieces, keys, host_params.fetch(u_in), host_params.fetch(p_in), state_in,
+        self.device_globals,
+      )  # fmt: skip
+      new_u = [self._where(p.leaf, x) for p, x in zip(pieces, new_u, strict=True)]
       if io.loops:
         stored = [io.to_tier(j, x) for (j, _), x in zip(keys, new_state, strict=True)]
       else:
@@ -189,14 +227,15 @@ class Stream:
         else:
           self._put(self.items, ("item", j), j, x, p, p.start)
     for p, x in zip(pieces, new_u, strict=True):
-      if io.loops:
-        self._put(self.u, ("u", p.leaf), p.leaf, x, p, p.start)
+      if io.loops or self.apply or self.out_host[p.leaf]:
+        self._put(self.out, ("u", p.leaf), p.leaf, x, p, p.start)
       elif p.start is None:
-        self.u[p.leaf] = x
+        self.out[p.leaf] = x
       else:
         # The NVMe tier's slices are not looped: joined by a `concatenate` that
         # XLA fuses into `apply_updates` (written into the gradients' buffer,
-        # the updates would be a second copy of them in RAM).
+        # the updates would be a second copy of them in RAM). Into params, or
+        # into gradients in host memory (no concatenate on host), it is in place.
         self.parts.setdefault(("u", p.leaf), []).append(x)
     if self.new_globals is None:
       self.new_globals = new_g
@@ -223,10 +262,13 @@ class Stream:
       self._take(b, p, s) if h else io.to_host(self._take(b, p, s))
       for b, (_, p), h, s in zip(sources, keys, host, starts, strict=True)
     ]
-    to_host = lambda xs: [None if x is None else io.to_host(x) for x in xs]
+    # Pieces already in host memory (params and gradients there) are passed as they are.
+    to_host = lambda xs: [
+      x if x is None or host_params.on_host(x) else io.to_host(x) for x in xs
+    ]  # fmt: skip
 
     def on_host(u_in, p_in, state_in, globals_in):
-      args = jax.tree.map(_relabel, (u_in, p_in, state_in, globals_in))
+      args = jax.tree.map(host_params.as_device_value, (u_in, p_in, state_in, globals_in))
       return self.compute(pieces, keys, *args)
 
     run = compute_on(on_host, compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)
@@ -234,7 +276,9 @@ class Stream:
       to_host(u_in), to_host(p_in), state_in, to_host(self.device_globals)
     )
     new_state = [x if h else _to_device(x) for x, h in zip(new_state, host, strict=True)]
-    new_u = [_to_device(x) for x in new_u]
+    new_u = [
+      x if self.out_host[p.leaf] else _to_device(x) for p, x in zip(pieces, new_u, strict=True)
+    ]
     new_g = [
       x if io.offloaded[j] else _to_device(x) for j, x in zip(self.globals, new_g, strict=True)
     ]
@@ -245,13 +289,18 @@ class Stream:
 
     The updates are written over the gradients where they have their dtype;
     otherwise (`master_weights`: fp32 updates of bf16 params) into a new array.
+    With `apply` the new params are written over the params.
     """
     p0, size, leaf = run.piece, run.piece.rows, run.piece.leaf
     js = self.by_leaf.get(leaf, [])
     keys = [(j, p0) for j in js]
-    grads = self._view(self.u[leaf], p0)
-    in_place = grads.dtype == u_dtype
-    out = grads if in_place else jnp.zeros(grads.shape, u_dtype)
+    grads = self._view(self._grads(leaf), p0)
+    in_place = self.over_grads[leaf] and grads.dtype == u_dtype  # the gradients are the carry
+    if in_place or not self.over_grads[leaf]:  # (the params with `apply`)
+      out = self._view(self.out[leaf], p0)
+    else:
+      out = host_params.zeros_like(grads, u_dtype, host=self.out_host[leaf])
+      self.over_grads[leaf] = False
     bufs = [self._view(self.items[j], p0) for j in js]
     if after is not None:  # the state's fetch is what needs ordering
       _, bufs = jax.lax.optimization_barrier((after, bufs))
@@ -261,7 +310,10 @@ class Stream:
       (u_buf, bufs), _ = carry
       start = p0.start + i * size
       u_in = [jax.lax.dynamic_slice_in_dim(u_buf if in_place else grads, start, size, p0.axis)]
-      p_in = [self._p_piece(p0, start)]
+      if self.apply:
+        p_in = [jax.lax.dynamic_slice_in_dim(u_buf, start, size, p0.axis)]
+      else:
+        p_in = [self._p_piece(p0, start)]
       if self.on_host:
         new_u, new_g, new_state = self._host_slice((p0,), keys, u_in, p_in, [start] * len(js), bufs)
         bufs = [
@@ -272,8 +324,10 @@ class Stream:
         state_in = [jax.lax.dynamic_slice_in_dim(b, start, size, p0.axis) for b in bufs]
         state_in = [self.io.to_device(j, x) for j, x in zip(js, state_in, strict=True)]
         new_u, new_state, new_g = self.compute(
-          (p0,), keys, u_in, p_in, state_in, self.device_globals
-        )
+          (p0,), keys, host_params.fetch(u_in), host_params.fetch(p_in), state_in,
+          self.device_globals,
+        )  # fmt: skip
+        new_u = [self._where(leaf, new_u[0])]
         bufs = [
           jax.lax.dynamic_update_slice_in_dim(b, self.io.to_tier(j, x), start, p0.axis)
           for j, b, x in zip(js, bufs, new_state, strict=True)
@@ -283,7 +337,7 @@ class Stream:
 
     # Every piece computes the same new globals (a step count): the carry keeps one.
     (u_buf, bufs), new_g = jax.lax.fori_loop(0, run.count, body, (init, list(self.device_globals)))
-    self.u[leaf] = u_buf
+    self.out[leaf] = u_buf
     for j, b in zip(js, bufs, strict=True):
       self.items[j] = b
     if self.new_globals is None:
@@ -301,7 +355,7 @@ class Stream:
     js = self.by_leaf.get(p0.leaf, [])
     keys = [(j, p0) for j in js]
     chunk = lambda x: jax.eval_shape(lambda y: self._take(y, p0, p0.start), x)
-    u_in = [chunk(self.u[p0.leaf])]
+    u_in = [chunk(self._grads(p0.leaf))]
     p_in = [None if self.p_slots is None else chunk(self.p_slots[p0.leaf])]
     state_in = [chunk(self.items[j]) for j in js]
     g_in = [jax.ShapeDtypeStruct(jnp.shape(x), layout_lib.dtype_of(x)) for x in self.device_globals]
@@ -341,7 +395,7 @@ class Stream:
     for pieces in slices:
       for p in pieces:
         pieces_of.setdefault(p.leaf, []).append(p)
-    u = list(self.u)
+    u = list(self.out)
     for leaf, shape in enumerate(self.shapes_u):
       if ("u", leaf) in self.parts:
         u[leaf] = schedule_lib.join(pieces_of[leaf], self.parts[("u", leaf)], shape)
@@ -362,14 +416,6 @@ class Stream:
       elif o in pieces_of:
         items[j] = items[j].reshape(self.shapes_items[j])
     return u, items
-
-
-def _relabel(x):
-  """`x` typed as a device value, as values inside a host computation must be.
-
-  The inner update makes constants (device-typed), and an op needs one memory space.
-  """
-  return None if x is None else jax.device_put(x, jax.memory.Space.Device)
 
 
 def _to_device(x):

@@ -14,8 +14,9 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
+from offlax._src import apply as apply_lib
 from offlax._src import coupling as coupling_lib
-from offlax._src import errors, ffi, flax_glue, nvme_tier, streaming, telemetry
+from offlax._src import errors, ffi, flax_glue, host_params, nvme_tier, streaming, telemetry
 from offlax._src import layout as layout_lib
 from offlax._src import schedule as schedule_lib
 from offlax._src import sharding as sharding_lib
@@ -123,7 +124,7 @@ def offload(
       else:
         tier.check_devices(devices)
         sharding_lib.check_axis(spec.mesh, tier.shard_axis)
-        state = OffloadState(tier.place(inner.init(params), spec), spec)
+        state = OffloadState(tier.place(host_params.init(inner.init, params), spec), spec)
     finally:
       _RECORDING.offloading = False
     if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(params)):
@@ -135,6 +136,14 @@ def offload(
     return state
 
   def update_fn(updates, state, params=None, **extra_args):
+    return run(updates, state, params, extra_args, apply=False)
+
+  def apply_fn(updates, state, params, **extra_args):
+    if params is None:
+      raise errors.TreeMismatchError("offlax.update_and_apply needs the params.")
+    return run(updates, state, params, extra_args, apply=True)
+
+  def run(updates, state, params, extra_args, apply):
     if not isinstance(state, OffloadState):
       raise errors.TreeMismatchError(
         f"offload.update expects the OffloadState returned by init, got {type(state).__name__}."
@@ -146,10 +155,12 @@ def offload(
     if params is not None:
       _check_same(spec, _spec_of(params, "params"), "params")
     step = _Step(inner, tier, updates, state.inner_state, params, extra_args)
-    return step.run(spec, state.step)
+    return step.run(spec, state.step, apply)
 
   # What `abstract_state` reads when it is given this transformation.
   init_fn.offlax_offload = (inner, tier)  # type: ignore[attr-defined]
+  # What `update_and_apply` runs: the update fused with `apply_updates`.
+  update_fn.offlax_update_and_apply = apply_fn  # type: ignore[attr-defined]
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
@@ -194,21 +205,32 @@ class _Step:
     self.extra_args = extra_args
     self.inner_state = inner_state
 
-  def run(self, spec: ParamSpec, step: Any):
+  def run(self, spec: ParamSpec, step: Any, apply: bool = False):
+    """(updates, state), or with `apply` (new params, state)."""
     layout = layout_lib.StateLayout(self.inner_state, spec)
     items = layout.split(self.inner_state)
     if isinstance(self.tier, HostTier):
       _check_placement(self.tier, self.inner_state)
-    if isinstance(self.tier, HostTier) and self.tier.compute == "host" and spec.mesh is not None:
-      return self._on_host(layout, items, spec)
-    if isinstance(self.tier, NVMeTier) and spec.mesh is not None:
-      return self._on_shards(layout, items, spec, step)
-    return self._streamed(layout, items, spec, step)
+    if spec.mesh is not None:
+      if isinstance(self.tier, HostTier) and self.tier.compute == "host":
+        updates, state = self._on_host(layout, items, spec)
+      elif isinstance(self.tier, NVMeTier):
+        updates, state = self._on_shards(layout, items, spec, step)
+      else:
+        return self._streamed(layout, items, spec, step, apply=apply)
+      if not apply:
+        return updates, state
+      params = spec.treedef.unflatten(self.p_slots)
+      return apply_lib.apply_updates(params, updates), state
+    return self._streamed(layout, items, spec, step, apply=apply)
 
-  def _streamed(self, layout, items, spec: ParamSpec, step: Any, shard: Any = None, coupling=None):
+  def _streamed(
+    self, layout, items, spec: ParamSpec, step: Any, shard: Any = None, coupling=None, apply=False
+  ):
     """The streamed update (`_stream`) of `items`; `shard`: see `DiskIO`.
 
     `coupling`: the whole tree's, when the caller has it (`_on_shards`).
+    `apply`: return the new params instead of the updates.
     """
     leaves = [i for i, s in enumerate(spec.shapes) if s is not None]
     shapes = [s for s in spec.shapes if s is not None]
@@ -236,7 +258,9 @@ class _Step:
     else:
       io = _HostIO(self.tier, items, offloaded, mesh_plan)
     update = lambda u, state, p: self._update(spec, u, state, p, self.extra_args)
-    stream = streaming.Stream(update, self.u_slots, self.p_slots, layout, items, io, on_host)
+    stream = streaming.Stream(
+      update, self.u_slots, self.p_slots, layout, items, io, on_host, apply=apply
+    )
     out_u_slots, out_items = stream.run(slices)
     out_items = io.finish(out_items)
     new_state = OffloadState(layout.merge(out_items), spec, io.next_step())

@@ -1,0 +1,137 @@
+"""Params and gradients in host memory: fetched where used, initialised and applied on the host.
+
+A model too big for the device keeps its params in ``pinned_host`` arrays; a
+step fetches each to the device where it is used (`fetch`, or layer by layer
+with `offlax.scan_layers`), and autodiff returns their gradients in host memory
+(the transpose of a host -> device copy is a device -> host copy). What the
+optimizer does with them must not compute on host memory outside a host
+computation: XLA's GPU compiler would convert each such op into slow host
+compute of its own, and the CPU backend would silently accept it. So the
+inner state is built here (`init`) inside ``compute_on("device_host")``, and
+updates are applied by `offlax._src.apply`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from offlax._src import sharding as sharding_lib
+from offlax._src.compat import compute_on
+
+def on_host(x: Any) -> bool:
+  """Whether `x` (an array, tracer or `ShapeDtypeStruct`) lives in host memory."""
+  if isinstance(x, jax.ShapeDtypeStruct) or not hasattr(x, "dtype"):
+    kind = getattr(getattr(x, "sharding", None), "memory_kind", None)
+    return kind in ("pinned_host", "unpinned_host")
+  try:
+    return getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
+  except TypeError:
+    return False
+
+
+def any_on_host(tree: Any) -> bool:
+  """Whether some leaf of `tree` lives in host memory."""
+  return any(on_host(x) for x in jax.tree.leaves(tree))
+
+
+def fetch(tree: Any) -> Any:
+  """`tree` with its host-memory leaves copied to the device; other leaves as they are.
+
+  Use it inside `jax.jit` where a param kept in host memory is used (an
+  embedding, a final norm); its gradient comes back in host memory. Layers
+  stacked along a leading axis are better fetched one at a time by
+  `offlax.scan_layers`.
+
+  Args:
+    tree: a pytree of arrays.
+
+  Returns:
+    The same tree, every host leaf replaced by its device copy.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, offlax
+    >>> host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+    >>> w = jax.device_put(jnp.ones(3), host)
+    >>> jax.jit(lambda w: offlax.fetch(w) * 2)(w)
+    Array([2., 2., 2.], dtype=float32)
+  """
+  return jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Device) if on_host(x) else x, tree)
+
+
+def to_host(tree: Any, memory_kind: str = "pinned_host") -> Any:
+  """`tree`'s arrays moved to host memory, each kept on its devices and sharding.
+
+  An array on a mesh keeps its `NamedSharding`; an array on one device gets a
+  one-device `NamedSharding`, as offlax places state: JAX 0.10 types a
+  `SingleDeviceSharding` in host memory as device memory in specs built from it
+  (an orbax restore target, AOT lowering), and a `NamedSharding` keeps it.
+
+  Args:
+    tree: a pytree of arrays (e.g. ``nnx.state(model.blocks)``).
+    memory_kind: ``"pinned_host"`` (what transfers need to be fast) or
+      ``"unpinned_host"``.
+
+  Returns:
+    The tree, in host memory.
+
+  Example:
+    >>> import jax.numpy as jnp, offlax
+    >>> offlax.to_host({"w": jnp.ones(3)})["w"].sharding.memory_kind
+    'pinned_host'
+  """
+
+  def move(x):
+    if not isinstance(x, jax.Array):
+      return x
+    sharding = x.sharding
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+      (device,) = sharding.device_set
+      mesh = sharding_lib.one_device_mesh(device)
+      sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return jax.device_put(x, sharding.with_memory_kind(memory_kind))
+
+  return jax.tree.map(move, tree)
+
+
+def init(init_fn: Any, params: Any) -> Any:
+  """`init_fn(params)` run in a host computation when some param lives in host memory.
+
+  The state of a model whose params do not fit on the device must not pass
+  through it: it is computed on the host CPU and returned in host memory
+  (the tier then moves scalars such as a step count to the device).
+  """
+  if not any_on_host(params):
+    return init_fn(params)
+
+  def on_cpu(params):
+    return init_fn(jax.tree.map(as_device_value, params))
+
+  run = compute_on(on_cpu, compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)
+  return jax.jit(run)(params)
+
+
+def zeros_like(x: Any, dtype: Any, *, host: bool) -> Any:
+  """Zeros of `x`'s shape (and sharding) in `dtype`: made by the host CPU in host memory, or on the device."""
+  if not host:
+    return jnp.zeros_like(x, dtype=dtype)
+  make = compute_on(
+    lambda: jnp.zeros(x.shape, dtype),
+    compute_type="device_host",
+    out_memory_spaces=jax.memory.Space.Host,
+  )
+  return make()
+
+
+def as_device_value(x: Any) -> Any:
+  """`x` typed as a device value, as values inside a host computation must be.
+
+  Ops in a host computation make constants typed as device values, and an op
+  needs one memory space; the data does not move (it is a relabel).
+  """
+  if not hasattr(x, "dtype") or not on_host(x):
+    return x
+  return jax.device_put(x, jax.memory.Space.Device)

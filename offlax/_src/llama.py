@@ -1,0 +1,148 @@
+"""A Llama-shaped decoder, as shapes: whole training steps to compile, plan and benchmark.
+
+`compile_step` builds the train step of a model too big for the device the way
+offlax trains it (params, gradients and optimizer state in host memory, layers
+streamed by `scan_layers`, the update fused with its apply on the host) or the
+plain way, and compiles it with XLA's GPU compiler (`compile_for_gpu`): the
+CLI's ``offlax compile --llama``, the planner's check, `benchmarks/params_offload.py`
+and the tests use it. Nothing is allocated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from offlax._src import gpu_compile
+from offlax._src.apply import update_and_apply
+from offlax._src.checkpoint import abstract_state
+from offlax._src.host_params import fetch
+from offlax._src.layers import scan_layers
+from offlax._src.master import master_weights
+from offlax._src.transform import offload
+
+
+@dataclasses.dataclass(frozen=True)
+class Llama:
+  """A Llama-shaped decoder: `layers` blocks of attention and a SwiGLU MLP."""
+
+  layers: int
+  d: int
+  ffn: int
+  vocab: int
+  heads: int
+  kv_heads: int = 0  # grouped-query attention: fewer key/value heads (0: as many as heads)
+  tokens: int = 2048  # batch 1 x sequence
+
+  @property
+  def kv(self) -> int:
+    """The width of the key and value projections."""
+    return self.d // self.heads * (self.kv_heads or self.heads)
+
+  @property
+  def n_params(self) -> int:
+    per_layer = 2 * self.d * (self.d + self.kv) + 3 * self.d * self.ffn + 2 * self.d
+    return self.layers * per_layer + 2 * self.vocab * self.d + self.d
+
+
+MODELS = {
+  "13b": Llama(layers=40, d=5120, ffn=13824, vocab=32000, heads=40),
+  "70b": Llama(layers=80, d=8192, ffn=28672, vocab=32000, heads=64, kv_heads=8),
+}
+
+
+def shaped(n_params: float, layers: int, *, tokens: int = 2048, vocab: int = 32000) -> Llama:
+  """A Llama of about `n_params` parameters in `layers` layers (ffn 2.7 d, heads of 128)."""
+  # n = layers * (4 d^2 + 3 * 2.7 d^2) + 2 vocab d: solved for d, rounded to heads of 128.
+  a, b = layers * (4 + 3 * 2.7), 2 * vocab
+  d = (-b + (b * b + 4 * a * n_params) ** 0.5) / (2 * a)
+  d = max(128, int(round(d / 128)) * 128)
+  ffn = int(round(2.7 * d / 256)) * 256
+  return Llama(layers=layers, d=d, ffn=ffn, vocab=vocab, heads=d // 128, tokens=tokens)
+
+
+def param_specs(m: Llama, memory_kind: str | None, dtype=jnp.bfloat16):
+  """`ShapeDtypeStruct`s of the params, layers stacked along a first axis."""
+  sharding = gpu_compile._one_device(memory_kind)
+  s = lambda *shape: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+  L, d, f = m.layers, m.d, m.ffn
+  layers = {
+    "wq": s(L, d, d), "wk": s(L, d, m.kv), "wv": s(L, d, m.kv), "wo": s(L, d, d),
+    "w1": s(L, d, f), "w3": s(L, d, f), "w2": s(L, f, d), "n1": s(L, d), "n2": s(L, d),
+  }  # fmt: skip
+  return {"layers": layers, "embed": s(m.vocab, d), "head": s(d, m.vocab), "norm": s(d)}
+
+
+def _rms(x, g):
+  x32 = x.astype(jnp.float32)
+  y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + 1e-6)
+  return y.astype(x.dtype) * g
+
+
+def block(m: Llama, h, w):
+  """One decoder layer on hidden states `h` (tokens, d)."""
+  t, hd = h.shape[0], m.d // m.heads
+  x = _rms(h, w["n1"])
+  q = (x @ w["wq"]).reshape(1, t, m.heads, hd)
+  k, v = ((x @ w[n]).reshape(1, t, m.kv // hd, hd) for n in ("wk", "wv"))
+  a = jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(t, m.d)
+  h = h + a @ w["wo"]
+  x = _rms(h, w["n2"])
+  return h + (jax.nn.silu(x @ w["w1"]) * (x @ w["w3"])) @ w["w2"]
+
+
+def loss_fn(m: Llama, offload_activations: bool = True):
+  def loss(params, tokens):
+    h = fetch(params["embed"])[tokens]
+    layer = lambda h, w: (block(m, h, w), None)
+    h, _ = scan_layers(layer, h, params["layers"], offload_activations=offload_activations)
+    logits = (_rms(h, fetch(params["norm"])) @ fetch(params["head"])).astype(jnp.float32)
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, None], -1))
+
+  return loss
+
+
+def train_step(m: Llama, tx, *, offloaded: bool = True):
+  """``(params, state, tokens) -> (params, state, loss)``; jit with params and state donated."""
+  loss = loss_fn(m) if offloaded else _plain_loss(m)
+
+  def step(params, state, tokens):
+    value, grads = jax.value_and_grad(loss)(params, tokens)
+    if offloaded:
+      params, state = update_and_apply(tx, grads, state, params)
+    else:
+      updates, state = tx.update(grads, state, params)
+      params = optax.apply_updates(params, updates)
+    return params, state, value
+
+  return step
+
+
+def _plain_loss(m: Llama):
+  def loss(params, tokens):
+    h = params["embed"][tokens]
+    layer = jax.checkpoint(lambda h, w: (block(m, h, w), None))
+    h, _ = jax.lax.scan(layer, h, params["layers"])
+    logits = (_rms(h, params["norm"]) @ params["head"]).astype(jnp.float32)
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, None], -1))
+
+  return loss
+
+
+def compile_step(m: Llama, target: str, *, offloaded: bool = True, chunk_bytes: int = 256 * 2**20):
+  """The compiled train step's memory (`offlax.CompiledMemory`)."""
+  inner = master_weights(optax.adamw(1e-5))
+  params = param_specs(m, "pinned_host" if offloaded else None)
+  if offloaded:
+    tx = offload(inner, compute="host", chunk_bytes=chunk_bytes)
+    state = gpu_compile.state_specs(abstract_state(tx, params))
+  else:
+    tx = inner
+    state = gpu_compile.state_specs(jax.eval_shape(tx.init, params))
+  step = jax.jit(train_step(m, tx, offloaded=offloaded), donate_argnums=(0, 1))
+  tokens = jax.ShapeDtypeStruct((m.tokens,), jnp.int32, sharding=gpu_compile._one_device(None))
+  return gpu_compile.compile_for_gpu(step, params, state, tokens, target=target, n_params=m.n_params)
