@@ -202,6 +202,25 @@ def rows_gpu_memory(r: dict[str, Any]) -> list[Row]:
   return rows
 
 
+def rows_params_offload(r: dict[str, Any]) -> list[Row]:
+  goals = {"13b": 8e9}  # the 13B step within 8 GB (on a 24 GB GPU); the others: fit
+  rows = []
+  for run in r["runs"]:
+    if not run["offloaded"]:
+      continue
+    goal = goals.get(run["model"], run["target_memory"])
+    rows.append(
+      _row(
+        "params_offload",
+        f"device GB, whole step, XLA:GPU ({run['model']} on {run['target']})",
+        f"<= {goal / 1e9:.3g}",
+        f"{run['device_peak'] / 1e9:.2f}",
+        run["device_peak"] <= goal and not run["host_compute"],
+      )
+    )
+  return rows
+
+
 @dataclasses.dataclass(frozen=True)
 class Benchmark:
   name: str
@@ -231,6 +250,8 @@ BENCHMARKS = (
   # 0.1B and 1B (about a minute); `python benchmarks/gpu_memory.py` adds 7B and 13B.
   Benchmark("gpu_memory", ("--sizes-b", "0.1", "1"), ("--sizes-b", "0.01"), 60,
             rows_gpu_memory),
+  # The 13B and 70B-shaped train steps with params and gradients on the host (about 30 s).
+  Benchmark("params_offload", (), ("--model", "tiny"), 60, rows_params_offload),
   Benchmark("gpu_check", (), ("--size-scale", "0.001", "--steps", "2"), 300, rows_gpu_check,
             needs_gpu=True),
 )  # fmt: skip

@@ -180,7 +180,7 @@ def test_entry_point_quick(tmp_path):
   assert (out / "checkpoint.png").exists() and (out / "summary.md").exists()
   runs = summary["benchmarks"]
   assert list(runs) == ["host_overhead", "host_adam", "nvme_throughput", "scaling", "checkpoint",
-                        "gpu_memory", "gpu_check"]  # fmt: skip
+                        "gpu_memory", "params_offload", "gpu_check"]  # fmt: skip
   assert runs["checkpoint"]["status"] == "ok" and runs["checkpoint"]["wall_s"] > 0
   assert runs["checkpoint"]["peak_rss_bytes"] > 0
   assert runs["scaling"]["status"] == "not run (--only)"
@@ -294,3 +294,26 @@ def test_gpu_memory_benchmark_runs(tmp_path):
     assert r["host_compute"] == [] and r["device_peak"] > 0
     assert r["within_bound"] in ((None,) if r["mode"] == "plain" else (True,)), r
   assert len(_summary_rows("gpu_memory", result)) == 4
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not offlax.gpu_compile_available(), reason="needs offlax[gpu-compile]")
+def test_params_offload_benchmark_runs(tmp_path):
+  result = _load("benchmarks/params_offload.py").main(["--model", "tiny", "--out", str(tmp_path)])
+  assert (tmp_path / "params_offload.png").stat().st_size > 10_000
+  assert json.loads((tmp_path / "params_offload.json").read_text())["runs"] == result["runs"]
+  offlax_run, plain = result["runs"]
+  assert offlax_run["offloaded"] and not plain["offloaded"]
+  assert offlax_run["host_compute"] == [] and offlax_run["device_peak"] < plain["device_peak"] / 4
+  assert _summary_rows("params_offload", result)[0]["met"]
+
+
+def test_lm_example_with_params_on_host(tmp_path, capsys):
+  example = _load("examples/lm_nnx.py")
+  small = ["--dim", "32", "--seq", "32", "--batch", "8", "--no-progress", "--ckpt-every", "6"]
+  args = ["--tier", "host_compute", "--params-on-host", "--dir", str(tmp_path), *small]
+  loss = example.main([*args, "--steps", "12"])
+  out = capsys.readouterr().out
+  assert loss < float(out.split("loss ")[1].split()[0])
+  example.main([*args, "--steps", "4", "--resume"])
+  assert "starting at step 12" in capsys.readouterr().out

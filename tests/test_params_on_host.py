@@ -199,3 +199,22 @@ def test_nvme_tier_with_params_on_host(tmp_path):
   stored, step = _stored_state(tmp_path / "store", want_s, want_p)
   assert step == 3
   assert_trees_equal(stored, want_s)
+
+
+@pytest.mark.parametrize("compute", ["device", "host"])
+def test_step_exports_for_cuda(compute):
+  # jax.export type-checks memory spaces for CUDA (tests/test_gpu_compile.py compiles it).
+  params = to_host(make_params(jnp.bfloat16))
+  tx = offlax.offload(offlax.master_weights(optax.adamw(1e-2)), compute=compute, chunk_bytes=2048)
+  state = tx.init(params)
+
+  def step(params, state):
+    grads = jax.grad(loss_with(offlax_scan(offload_activations=True)))(params, TOKENS)
+    return offlax.update_and_apply(tx, grads, state, params)
+
+  exported = jax.export.export(jax.jit(step, donate_argnums=(0, 1)), platforms=["cuda"])(
+    params, state
+  )
+  assert "cuda" in exported.platforms
+  text = exported.mlir_module()
+  assert "pinned_host" in text and "annotate_device_placement" in text

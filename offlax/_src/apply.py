@@ -1,4 +1,4 @@
-"""Applying updates to params that may live in host memory, fused with the update where it can be."""
+"""Applying updates to params that may live in host memory, fused with the update where it can."""
 
 from __future__ import annotations
 

@@ -17,10 +17,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from offlax._src import sharding as sharding_lib
 from offlax._src.compat import compute_on
+
 
 def on_host(x: Any) -> bool:
   """Whether `x` (an array, tracer or `ShapeDtypeStruct`) lives in host memory."""
@@ -59,7 +59,9 @@ def fetch(tree: Any) -> Any:
     >>> jax.jit(lambda w: offlax.fetch(w) * 2)(w)
     Array([2., 2., 2.], dtype=float32)
   """
-  return jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Device) if on_host(x) else x, tree)
+  return jax.tree.map(
+    lambda x: jax.device_put(x, jax.memory.Space.Device) if on_host(x) else x, tree
+  )
 
 
 def to_host(tree: Any, memory_kind: str = "pinned_host") -> Any:
@@ -115,7 +117,7 @@ def init(init_fn: Any, params: Any) -> Any:
 
 
 def zeros_like(x: Any, dtype: Any, *, host: bool) -> Any:
-  """Zeros of `x`'s shape (and sharding) in `dtype`: made by the host CPU in host memory, or on the device."""
+  """Zeros of `x`'s shape (and sharding) in `dtype`: in host memory (made by the CPU) or not."""
   if not host:
     return jnp.zeros_like(x, dtype=dtype)
   make = compute_on(

@@ -1,4 +1,4 @@
-"""`scan_layers`: a model's stacked layers run one at a time, their params fetched from host memory."""
+"""`scan_layers`: stacked layers run one at a time, their params fetched from host memory."""
 
 from __future__ import annotations
 
@@ -86,7 +86,9 @@ def scan_layers(
 
 def _policy(remat: bool | Callable[..., Any], offload_activations: bool) -> Callable[..., Any]:
   """The checkpoint policy: the user's (or save nothing), the layer input offloaded."""
-  base = jax.checkpoint_policies.nothing_saveable if remat is True else remat
+  base: Callable[..., Any] = (
+    jax.checkpoint_policies.nothing_saveable if remat is True or remat is False else remat
+  )
   if not offload_activations:
     return base
   offload = jax.checkpoint_policies.save_and_offload_only_these_names(

@@ -11,7 +11,6 @@ and the tests use it. Nothing is allocated.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -145,4 +144,6 @@ def compile_step(m: Llama, target: str, *, offloaded: bool = True, chunk_bytes: 
     state = gpu_compile.state_specs(jax.eval_shape(tx.init, params))
   step = jax.jit(train_step(m, tx, offloaded=offloaded), donate_argnums=(0, 1))
   tokens = jax.ShapeDtypeStruct((m.tokens,), jnp.int32, sharding=gpu_compile._one_device(None))
-  return gpu_compile.compile_for_gpu(step, params, state, tokens, target=target, n_params=m.n_params)
+  return gpu_compile.compile_for_gpu(
+    step, params, state, tokens, target=target, n_params=m.n_params
+  )

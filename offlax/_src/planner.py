@@ -286,8 +286,21 @@ def plan(
 
 
 def _params_on_host(
-  make, everywhere, layers, param_bytes, n_params, state, small, activation_bytes, usable,
-  host_bytes, nvme_bytes, chunk_bytes, bus_bytes_per_s, disk_bytes_per_s, host_adam_params_per_s,
+  make,
+  everywhere,
+  layers,
+  param_bytes,
+  n_params,
+  state,
+  small,
+  activation_bytes,
+  usable,
+  host_bytes,
+  nvme_bytes,
+  chunk_bytes,
+  bus_bytes_per_s,
+  disk_bytes_per_s,
+  host_adam_params_per_s,
 ) -> Plan | None:
   """Params, gradients and state in host memory (state on disk if RAM is short), or None."""
   layer = param_bytes / layers
