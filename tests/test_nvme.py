@@ -102,7 +102,7 @@ def test_state_placement(tmp_path):
   tier.close()
 
 
-def test_resume_continues_bit_exactly(tmp_path):
+def test_resume_continues_bit_exactly(tmp_path, caplog):
   params = _float_params()
   inner = optax.adamw(1e-3)
   want_params, _ = _train(inner, params, 5)
@@ -117,7 +117,12 @@ def test_resume_continues_bit_exactly(tmp_path):
 
   tier = _tier(tmp_path, resume=True)
   tx = offlax.offload(inner, tier)
-  state = tx.init(params)
+  with caplog.at_level("WARNING", logger="offlax"):
+    state = tx.init(params)
+  # Without step=, the user is told which step the optimizer resumes at, and how to check it.
+  assert (
+    "resumed at its committed step 3" in caplog.text and "step=<your params' step>" in caplog.text
+  )
   assert int(state.step) == 3
   step = jax.jit(lambda p, s, g: tx.update(g, s, p))
   for i in (3, 4):

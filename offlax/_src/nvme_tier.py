@@ -1142,6 +1142,15 @@ class NVMeTier:
     self.store.read_metadata()
     if self.step is not None and self.step != self.store.step:
       self._go_to_step(self.step)
+    elif self.step is None:
+      # The store commits every step, so after a kill it may be ahead of the
+      # params' last checkpoint; only the caller knows the params' step.
+      logging.getLogger("offlax").warning(
+        "%s: resumed at its committed step %d. offlax cannot check that your params are at "
+        "step %d too; pass NVMeTier(..., resume=True, step=<your params' step>) to check it "
+        "(and roll back a store that is ahead).",
+        self.path, self.store.step, self.store.step,
+      )  # fmt: skip
     if self.store.chunk_bytes != self.chunk_bytes:
       if self._chunk_bytes_given:
         raise errors.StoreMismatchError(
