@@ -150,6 +150,17 @@ def test_pinned_pool_warning(monkeypatch):
     telemetry.check_pinned(2**40, "cpu")  # the CPU backend's host memory is uncapped
 
 
+def test_uncommitted_params_warning_on_a_gpu():
+  loose = {"w": jnp.ones(3), "b": jnp.zeros(2)}
+  assert not loose["w"].committed
+  with pytest.warns(offlax.PerformanceWarning, match=r"params \['b'\], \['w'\] are not committed"):
+    telemetry.check_committed(loose, "gpu")
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    telemetry.check_committed(jax.device_put(loose, jax.devices()[0]), "gpu")
+    telemetry.check_committed(loose, "cpu")  # a compile is cheap there
+
+
 @pytest.mark.parametrize("mode", ["always [madvise] never", "[always] madvise never"])
 def test_hugepage_hint(mode, tmp_path, monkeypatch):
   thp = tmp_path / "enabled"

@@ -289,6 +289,32 @@ def check_pinned(host_bytes: int, platform: str) -> None:
     )
 
 
+def check_committed(params: Any, platform: str) -> None:
+  """Warns on a GPU when params are uncommitted: the jitted step would compile twice.
+
+  JAX commits every output of a program that moves memory, so the params the
+  first step returns are committed where the first call's were not, and the
+  second call compiles again: minutes for a big model. On the CPU backend a
+  compile is cheap, and uncommitted params are what `jnp` makes: no warning.
+  """
+  if platform not in ("gpu", "cuda", "rocm"):
+    return
+  loose = [
+    jax.tree_util.keystr(path)
+    for path, x in jax.tree_util.tree_flatten_with_path(params)[0]
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and not x.committed
+  ]
+  if loose:
+    warnings.warn(
+      f"offlax: params {', '.join(loose[:3])}{' ...' if len(loose) > 3 else ''} are not "
+      "committed to a device: the jitted step commits them on its first call and compiles "
+      "again on its second (plain optax would not). Commit them first: "
+      "params = jax.device_put(params, jax.devices()[0]) (or place them on your mesh).",
+      errors.PerformanceWarning,
+      stacklevel=4,
+    )
+
+
 def check_hugepages(nvme_bytes: int, platform: str, *, native: bool) -> None:
   """Hints at glibc's huge-page tunable for a large NVMe state on the CPU backend.
 

@@ -133,6 +133,8 @@ def offload(
         mesh = sharding_lib.one_device_target(params, device)
         state = sharding_lib.on_one_device(state, mesh, device)
       _check_config(state, tier, devices)
+      for platform in {d.platform for d in devices}:
+        telemetry.check_committed(params, platform)
     return state
 
   def update_fn(updates, state, params=None, **extra_args):
