@@ -184,6 +184,10 @@ _SLOW = {
   "test_nvme_memory.py::test_ram_bounded_by_cache_and_slices",
   "test_default_flags.py::test_default_xla_flags",
   "test_checkpoint.py::test_plain_optax_checkpoint_restores_into_offload",
+  # Params in host memory: the example's run (test_params_on_host_nnx.py trains the same
+  # way), the planner's compiled agreement (test_planner.py checks its figures).
+  "test_examples_and_benchmarks.py::test_lm_example_with_params_on_host",
+  "test_gpu_compile.py::test_plan_params_host_agrees_with_the_compiled_host_bytes",
 }
 _KEEP = {
   "test_bad_input.py::test_nan_and_inf_gradients_propagate_like_optax": {"host/host"},
@@ -208,6 +212,16 @@ _KEEP = {
     "outside-host",
   },
   "test_flax.py::test_linen_train_state": {"host"},
+  "test_params_on_host.py::test_training_off_device_equals_plain": {"True-host", "False-device"},
+  "test_params_on_host.py::test_coupled_update_inside_offload_equals_optax": {"host"},
+  "test_params_on_host.py::test_layer_gradients_equal_plain_scan": {
+    "True-False-False",  # remat, forward
+    "True-True-True",  # remat, offloaded layer inputs, reversed
+    "False-False-True",  # no remat, reversed
+    "remat3-True-False",  # a checkpoint policy with offloaded layer inputs
+  },
+  "test_params_on_host.py::test_step_exports_for_cuda": {"host"},
+  "test_params_on_host_nnx.py::test_stacked_decoder_with_host_layers_equals_plain": {"True"},
   "test_sharding.py::*": {"auto"},  # any parametrized test: its Auto-axes mesh case
   "test_usage.py::test_every_optax_alias_works_with_every_tier": {
     *(f"nvme-{n}" for n in ("sign_sgd", "polyak_sgd", "noisy_sgd", "sm3")),

@@ -129,8 +129,6 @@ def test_params_off_device_step_is_flat_in_depth():
   n = _llama(8).n_params
   assert eight.device_peak < 2 * n / 2  # less than half the bf16 params
   assert eight.host_peak >= 16 * n  # params, gradients, fp32 master and moments, on the host
-  plain = llama.compile_step(_llama(8), "l4", offloaded=False)
-  assert plain.device_peak > 10 * eight.device_peak
 
 
 @pytest.mark.slow
