@@ -189,7 +189,10 @@ def rows_gpu_memory(r: dict[str, Any]) -> list[Row]:
   for run in r["runs"]:
     if run["mode"] == "plain":
       continue
-    what = f"{run['params'] / 1e9:.2g}B {run['mode']}{' bf16+master' if run['master'] else ''}"
+    what = (
+      f"{run['params'] / 1e9:.2g}B {run['mode']}{' bf16+master' if run['master'] else ''}"
+      f"{' update_and_apply' if run.get('fused') else ''}"
+    )
     rows.append(
       _row(
         "gpu_memory",

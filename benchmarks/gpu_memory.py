@@ -7,10 +7,13 @@ kept whole, params and state donated) is compiled for a GPU target from shapes o
 - ``plain``: optax's AdamW with its state on the device;
 - ``streamed``: `offlax.offload(adamw)`, the state in `pinned_host`, streamed through the device;
 - ``host``: `offlax.offload(adamw, compute="host")`, the update on the host CPU;
-- the same three with bf16 params and `offlax.master_weights` (fp32 master in the state).
+- the same three with bf16 params and `offlax.master_weights` (fp32 master in the state);
+- each offlax mode twice: applied by `optax.apply_updates`, and fused with its update by
+  `offlax.update_and_apply` (``fused``: each slice writes its new params in place).
 
 The bound checked: device bytes <= params + gradients + 4 slices (`chunk_bytes` of state each;
-with `master_weights` + its fp32 updates, written whole for a leaf streamed in pieces),
+with `master_weights` applied by optax + its fp32 updates, written whole for a leaf streamed in
+pieces; fused, no updates are kept),
 with no instruction XLA had to convert into host compute; host temporaries <= 4 slices for host
 compute (the state updated in place). Offloaded variants are compiled for a device just big
 enough for the bound (XLA's scheduler otherwise spends free memory on early transfers); plain
@@ -39,7 +42,10 @@ SLICES = 4  # the bound: params + gradients + this many slices
 MODES = ("plain", "streamed", "host")
 
 
-def measure(n_params: float, mode: str, master: bool, target: str, chunk_bytes: int, layers: int):
+def measure(
+  n_params: float, mode: str, master: bool, target: str, chunk_bytes: int, layers: int,
+  fused: bool = False,
+):  # fmt: skip
   import jax
 
   from offlax._src import gpu_compile
@@ -48,7 +54,7 @@ def measure(n_params: float, mode: str, master: bool, target: str, chunk_bytes: 
   param_bytes = n * (2 if master else 4)
   # Params + gradients + 4 slices; with master_weights + its fp32 updates, which a
   # leaf streamed in pieces has written whole before `optax.apply_updates`.
-  updates = 4 * n if master else 0
+  updates = 4 * n if master and not fused else 0
   bound = 2 * param_bytes + updates + SLICES * chunk_bytes
   # XLA's scheduler uses free device memory to run transfers early; compiled for
   # a device just big enough (it aims at 80% of the memory), it shows what the
@@ -57,12 +63,13 @@ def measure(n_params: float, mode: str, master: bool, target: str, chunk_bytes: 
   start = time.perf_counter()
   m = gpu_compile.compile_adamw_step(
     n_params, mode=mode, master=master, chunk_bytes=chunk_bytes, layers=layers,
-    target=target, device_memory_size=memory,
+    target=target, device_memory_size=memory, fused=fused,
   )  # fmt: skip
   return {
     "params": n,
     "mode": mode,
     "master": master,
+    "fused": fused,
     "compile_s": time.perf_counter() - start,
     "device": m.device,
     "host": m.host,
@@ -86,11 +93,15 @@ def plot(result: dict[str, Any], path) -> None:
   fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
   for ax, master in zip(axes, (False, True), strict=True):
     for mode, style in zip(MODES, ("o-", "s-", "^-"), strict=True):
-      rows = [r for r in result["runs"] if r["mode"] == mode and r["master"] == master]
-      if rows:
-        ax.plot([r["params"] / 1e9 for r in rows], [r["device_per_param"] for r in rows], style,
-                label=mode)  # fmt: skip
-    rows = [r for r in result["runs"] if r["mode"] == "streamed" and r["master"] == master]
+      for fused in (False, True):
+        rows = [r for r in result["runs"]
+                if r["mode"] == mode and r["master"] == master and r["fused"] == fused]  # fmt: skip
+        if rows:
+          ax.plot([r["params"] / 1e9 for r in rows], [r["device_per_param"] for r in rows],
+                  style if not fused else style[0] + "--",
+                  label=mode + (", update_and_apply" if fused else ""))  # fmt: skip
+    rows = [r for r in result["runs"]
+            if r["mode"] == "streamed" and r["master"] == master and not r["fused"]]  # fmt: skip
     if rows:
       what = "params + grads + fp32 updates" if master else "params + grads"
       ax.plot([r["params"] / 1e9 for r in rows], [r["bound"] / r["params"] for r in rows], "k:",
@@ -105,12 +116,19 @@ def plot(result: dict[str, Any], path) -> None:
 
 
 def summary_table(result: dict[str, Any]) -> str:
-  lines = [f"{'params':>8} {'master':>6} {'mode':>9} {'device B/p':>10} {'host B/p':>9} "
-           f"{'bound B/p':>9} {'ok':>4} {'slices':>6} {'converted':>9}"]  # fmt: skip
+  head = (
+    ("params", 8),
+    ("master", 6),
+    ("mode", 9),
+    ("fused", 5),
+    ("device B/p", 10),
+  )
+  head += ("host B/p", 9), ("bound B/p", 9), ("ok", 4), ("slices", 6), ("converted", 9)
+  lines = [" ".join(f"{name:>{width}}" for name, width in head)]
   for r in result["runs"]:
     ok = {None: "-", True: "yes", False: "NO"}[r["within_bound"]]
     lines.append(
-      f"{r['params'] / 1e9:>7.2f}B {str(r['master']):>6} {r['mode']:>9} "
+      f"{r['params'] / 1e9:>7.2f}B {str(r['master']):>6} {r['mode']:>9} {str(r['fused']):>5} "
       f"{r['device_per_param']:>10.2f} {r['host_per_param']:>9.2f} "
       f"{r['bound'] / r['params']:>9.2f} {ok:>4} {r['slices_used']:>6.1f} "
       f"{len(r['host_compute']):>9}"
@@ -134,10 +152,13 @@ def main(argv=None) -> dict[str, Any]:
   runs = []
   for size in args.sizes_b:
     for master in (False, True):
-      for mode in MODES:
-        r = measure(size * 1e9, mode, master, args.target, args.chunk_mib * 2**20, args.layers)
+      for mode, fused in [(m, f) for m in MODES for f in (False, True) if m != "plain" or not f]:
+        r = measure(
+          size * 1e9, mode, master, args.target, args.chunk_mib * 2**20, args.layers, fused
+        )
         runs.append(r)
-        print(f"{size:g}B master={master} {mode}: {r['device_per_param']:.2f} B/param on the "
+        what = f"{mode}{' update_and_apply' if fused else ''}"
+        print(f"{size:g}B master={master} {what}: {r['device_per_param']:.2f} B/param on the "
               f"device, {r['host_per_param']:.2f} on the host ({r['compile_s']:.0f} s)",
               flush=True)  # fmt: skip
   result = {

@@ -287,13 +287,17 @@ def test_gpu_memory_benchmark_runs(tmp_path):
   result = _load("benchmarks/gpu_memory.py").main(["--sizes-b", "0.005", "--out", str(tmp_path)])
   assert (tmp_path / "gpu_memory.png").stat().st_size > 10_000
   assert json.loads((tmp_path / "gpu_memory.json").read_text())["runs"] == result["runs"]
-  assert {(r["mode"], r["master"]) for r in result["runs"]} == {
-    (m, master) for m in ("plain", "streamed", "host") for master in (False, True)
+  assert {(r["mode"], r["master"], r["fused"]) for r in result["runs"]} == {
+    (m, master, fused)
+    for m in ("plain", "streamed", "host")
+    for master in (False, True)
+    for fused in (False, True)
+    if m != "plain" or not fused
   }
   for r in result["runs"]:
     assert r["host_compute"] == [] and r["device_peak"] > 0
     assert r["within_bound"] in ((None,) if r["mode"] == "plain" else (True,)), r
-  assert len(_summary_rows("gpu_memory", result)) == 4
+  assert len(_summary_rows("gpu_memory", result)) == 8
 
 
 @pytest.mark.slow

@@ -21,13 +21,13 @@ CHUNK = 2**20  # 1 MiB slices: the leaves below are cut into several pieces
 SLICES = 4
 
 
-def compiled(tx, params, dtype="float32"):
+def compiled(tx, params, dtype="float32", fused=False):
   state = (
     jax.eval_shape(tx.init, params)
     if not hasattr(tx.init, "offlax_offload")
     else offlax.abstract_state(tx, params)
   )
-  step = jax.jit(gpu_compile.update_step(tx), donate_argnums=(0, 1))
+  step = jax.jit(gpu_compile.update_step(tx, fused=fused), donate_argnums=(0, 1))
   n = sum(x.size for x in jax.tree.leaves(params))
   return offlax.compile_for_gpu(
     step, params, gpu_compile.state_specs(state), jax.ShapeDtypeStruct((), dtype), n_params=n
@@ -35,11 +35,12 @@ def compiled(tx, params, dtype="float32"):
 
 
 def bound(params, master=False):
-  """Params + gradients + 4 slices; with `master_weights`, + its fp32 updates.
+  """Params + gradients + 4 slices; with `master_weights` unfused, + its fp32 updates.
 
   `master_weights` returns fp32 updates (the exact difference between the new
   bf16 params and the old: no bf16 update rounds to it in general), and a leaf
-  streamed in pieces has its update written whole before `apply_updates`.
+  streamed in pieces has its update written whole before `apply_updates`;
+  `update_and_apply` applies each slice's and keeps none.
   """
   grads = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
   updates = 4 * sum(x.size for x in jax.tree.leaves(params)) if master else 0
@@ -72,17 +73,19 @@ def test_targets_and_overrides():
     offlax.compile_for_gpu(lambda x: x, jnp.ones(8), target="h300")
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["optax-apply", "update_and_apply"])
 @pytest.mark.parametrize("master", [False, True], ids=["fp32", "bf16-master"])
 @pytest.mark.parametrize("compute", ["device", "host"])
-def test_offloaded_step_bounds_device_memory(compute, master):
+def test_offloaded_step_bounds_device_memory(compute, master, fused):
   """Split leaves (16 x 1 MiB slices each) run as loops: params + grads + 4 slices at most."""
   dtype = "bfloat16" if master else "float32"
   params = gpu_compile.transformer_params(4e6, layers=2, dtype=dtype)
   inner = optax.adamw(1e-3)
   inner = offlax.master_weights(inner) if master else inner
-  m = compiled(offlax.offload(inner, chunk_bytes=CHUNK, compute=compute), params, dtype)
+  tx = offlax.offload(inner, chunk_bytes=CHUNK, compute=compute)
+  m = compiled(tx, params, dtype, fused)
   assert m.host_compute == (), m.host_compute
-  assert m.device_peak <= bound(params, master), m.table()
+  assert m.device_peak <= bound(params, master and not fused), m.table()
   state_bytes = (12 if master else 8) * m.n_params
   assert m.host["argument"] == state_bytes  # all of the state is on the host ...
   assert m.host["temp"] <= SLICES * CHUNK, m.table()  # ... and updated in place

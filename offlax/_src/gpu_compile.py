@@ -286,19 +286,24 @@ def transformer_params(
   )
 
 
-def update_step(tx: Any) -> Callable[..., Any]:
+def update_step(tx: Any, *, fused: bool = False) -> Callable[..., Any]:
   """A training step's optimizer half: ``(params, state, x) -> (params, state)``.
 
   The gradients are made inside the step, as a backward pass makes them, and
   kept whole (an optimization barrier: XLA cannot fuse them into the update),
   so the figures count params + gradients + state + what the update adds;
-  jit it with ``donate_argnums=(0, 1)``.
+  jit it with ``donate_argnums=(0, 1)``. `fused`: `offlax.update_and_apply`
+  instead of ``tx.update`` and `optax.apply_updates`.
   """
   import optax
+
+  from offlax._src.apply import update_and_apply
 
   def step(params, state, x):
     # Whole arrays that depend on the params, as a backward pass's outputs are.
     grads = jax.lax.optimization_barrier(jax.tree.map(lambda p: p * x.astype(p.dtype), params))
+    if fused:
+      return update_and_apply(tx, grads, state, params)
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state
 
@@ -313,14 +318,15 @@ def compile_adamw_step(
   chunk_bytes: int = 64 * 2**20,
   layers: int = 16,
   fraction: float = 1.0,
+  fused: bool = False,
   **compile_options: Any,
 ) -> CompiledMemory:
   """An AdamW `update_step` on `transformer_params(n_params)`, compiled by `compile_for_gpu`.
 
   `mode`: ``plain`` (optax), ``streamed`` or ``host`` (`offload` with that
   compute); `master`: bf16 params with `master_weights`. The params and state
-  are donated. `compile_options` go to `compile_for_gpu` (``target``,
-  ``device_memory_size``).
+  are donated; `fused`: the step applies with `offlax.update_and_apply`.
+  `compile_options` go to `compile_for_gpu` (``target``, ``device_memory_size``).
   """
   import optax
 
@@ -339,7 +345,7 @@ def compile_adamw_step(
     from offlax._src.checkpoint import abstract_state
 
     state = abstract_state(tx, params)
-  step = jax.jit(update_step(tx), donate_argnums=(0, 1))
+  step = jax.jit(update_step(tx, fused=fused and mode != "plain"), donate_argnums=(0, 1))
   n = sum(x.size for x in jax.tree.leaves(params))
   return compile_for_gpu(
     step, params, state_specs(state), jax.ShapeDtypeStruct((), dtype), n_params=n,
