@@ -55,6 +55,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     help="plain optax, the streamed host tier, or host compute (streamed)",
   )  # fmt: skip
   p.add_argument("--master", action="store_true", help="bf16 params + fp32 master weights")
+  p.add_argument(
+    "--fused", action="store_true",
+    help="apply with offlax.update_and_apply (each slice writes its params) instead of optax",
+  )  # fmt: skip
   p.add_argument("--chunk", default="64MiB", help="slice size (64MiB)")
   p.add_argument("--layers", type=int, default=16, help="transformer layers (16)")
   p = sub.add_parser(
@@ -175,16 +179,19 @@ def _compile(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     memory = None if args.device_mem is None else planner.parse_bytes(args.device_mem, True)
   except ValueError as e:
     parser.error(str(e))
-  m = _compiled(n, args.mode, args.master, chunk, args.layers, args.target, memory)
+  m = _compiled(
+    n, args.mode, args.master, chunk, args.layers, args.target, memory, fused=args.fused
+  )
   if m is None:
     return 2
-  print(f"AdamW step ({args.mode}{', bf16 + fp32 master' if args.master else ''}) on "
+  fused = ", update_and_apply" if args.fused and args.mode != "plain" else ""
+  print(f"AdamW step ({args.mode}{', bf16 + fp32 master' if args.master else ''}{fused}) on "
         f"{m.n_params:,} params in {args.layers} layers")  # fmt: skip
   print(m.table())
   return 0 if m.fits else 1
 
 
-def _compiled(n, mode, master, chunk, layers, target, memory, fraction=1.0) -> Any:
+def _compiled(n, mode, master, chunk, layers, target, memory, fraction=1.0, fused=False) -> Any:
   """An AdamW step on a transformer-shaped tree of `n` params, compiled for `target`; or None."""
   import offlax
   from offlax._src import gpu_compile
@@ -196,7 +203,7 @@ def _compiled(n, mode, master, chunk, layers, target, memory, fraction=1.0) -> A
   try:
     return gpu_compile.compile_adamw_step(
       n, mode=mode, master=master, chunk_bytes=chunk, layers=layers, fraction=fraction,
-      target=target, device_memory_size=memory,
+      target=target, device_memory_size=memory, fused=fused,
     )  # fmt: skip
   except offlax.OffloadError as e:
     print(f"error: {e}", file=sys.stderr)

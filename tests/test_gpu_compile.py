@@ -154,3 +154,16 @@ def test_plan_params_host_agrees_with_the_compiled_host_bytes():
   assert p.mode == "params_host"
   # Measured: plan 46,174,212 B, compiled 46,173,956 B; 13B: 208.0 GB and 208.4 GB.
   assert abs(compiled.host_peak - p.bytes["host"]) <= 0.1 * compiled.host_peak
+
+
+def test_cli_compile_and_plan_params_host(capsys):
+  from offlax.__main__ import main as cli
+
+  args = ["compile", "--params", "4e6", "--layers", "2", "--master", "--chunk", "1MiB"]
+  assert cli([*args, "--fused", "--target", "l4"]) == 0
+  out = capsys.readouterr().out
+  assert "AdamW step (streamed, bf16 + fp32 master, update_and_apply)" in out and "fits" in out
+  plan = ["plan", "--params", "30M", "--device-mem", "100MB", "--host-mem", "1GB", "--master"]
+  assert cli([*plan, "--layers", "4", "--compile", "l4"]) == 0
+  out = capsys.readouterr().out
+  assert "mode: params_host (fits)" in out and "compiled (params_host, l4" in out
