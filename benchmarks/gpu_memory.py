@@ -42,6 +42,38 @@ SLICES = 4  # the bound: params + gradients + this many slices
 MODES = ("plain", "streamed", "host")
 
 
+def planned(params, mode: str, master: bool, chunk_bytes: int, fused: bool) -> int | None:
+  """The planner's device bytes for `mode` (``streamed`` or ``host``), on a device sized for it.
+
+  `offlax.plan` returns the first mode that fits, so it is given a device just
+  big enough for that mode (state off the device): its figure is then the one
+  to compare with the compiled step's. None where the planner would not offload.
+  """
+  import jax
+  import optax
+
+  import offlax
+  from offlax._src import planner
+
+  tx = offlax.master_weights(optax.adamw(1e-3)) if master else optax.adamw(1e-3)
+  param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+  need = 2 * param_bytes + 1024  # params, gradients, scalars
+  if mode == "host" and not fused:  # updates of another dtype come back whole
+    need += planner._whole_updates(tx, params, 0, 0)
+  if mode == "streamed":
+    state_bytes = sum(
+      x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(tx.init, params))
+    )
+    need += planner.SLICES_ON_DEVICE * chunk_bytes
+    need += 0 if fused else planner._whole_updates(tx, params, state_bytes, chunk_bytes)
+  device = int(need / (1 - planner.DEVICE_RESERVE)) + 1
+  p = offlax.plan(params, tx, device_bytes=device, host_bytes=2**50, chunk_bytes=chunk_bytes,
+                  fused=fused)  # fmt: skip
+  if p.mode != {"streamed": "host", "host": "host_compute"}[mode]:
+    return None  # a model so small that its slices outweigh its state: no offload planned
+  return p.bytes["device"]
+
+
 def measure(
   n_params: float, mode: str, master: bool, target: str, chunk_bytes: int, layers: int,
   fused: bool = False,
@@ -50,7 +82,10 @@ def measure(
 
   from offlax._src import gpu_compile
 
-  n = sum(x.size for x in jax.tree.leaves(gpu_compile.transformer_params(n_params, layers=layers)))
+  params = gpu_compile.transformer_params(
+    n_params, layers=layers, dtype="bfloat16" if master else "float32"
+  )
+  n = sum(x.size for x in jax.tree.leaves(params))
   param_bytes = n * (2 if master else 4)
   # Params + gradients + 4 slices; with master_weights + its fp32 updates, which a
   # leaf streamed in pieces has written whole before `optax.apply_updates`.
@@ -65,7 +100,7 @@ def measure(
     n_params, mode=mode, master=master, chunk_bytes=chunk_bytes, layers=layers,
     target=target, device_memory_size=memory, fused=fused,
   )  # fmt: skip
-  return {
+  result = {
     "params": n,
     "mode": mode,
     "master": master,
@@ -84,8 +119,13 @@ def measure(
     # Slices-worth of bytes beyond params, gradients (and fp32 updates).
     "slices_used": (m.device_peak - bound) / chunk_bytes + SLICES,
     "within_bound": None if mode == "plain" else m.device_peak <= bound,
+    # The planner's figure for this mode, and how far the compiled peak is from it.
+    "planned": None if mode == "plain" else planned(params, mode, master, chunk_bytes, fused),
     "host_temp_ok": None if mode != "host" else m.host["temp"] <= SLICES * chunk_bytes,
   }
+  if result["planned"] is not None:
+    result["plan_error"] = result["planned"] / m.device_peak - 1
+  return result
 
 
 def plot(result: dict[str, Any], path) -> None:
@@ -116,14 +156,9 @@ def plot(result: dict[str, Any], path) -> None:
 
 
 def summary_table(result: dict[str, Any]) -> str:
-  head = (
-    ("params", 8),
-    ("master", 6),
-    ("mode", 9),
-    ("fused", 5),
-    ("device B/p", 10),
-  )
-  head += ("host B/p", 9), ("bound B/p", 9), ("ok", 4), ("slices", 6), ("converted", 9)
+  head = [("params", 8), ("master", 6), ("mode", 9), ("fused", 5), ("device B/p", 10)]
+  head += [("host B/p", 9), ("bound B/p", 9), ("ok", 4), ("slices", 6), ("converted", 9)]
+  head += [("plan B/p", 8), ("plan err", 8)]
   lines = [" ".join(f"{name:>{width}}" for name, width in head)]
   for r in result["runs"]:
     ok = {None: "-", True: "yes", False: "NO"}[r["within_bound"]]
@@ -131,7 +166,12 @@ def summary_table(result: dict[str, Any]) -> str:
       f"{r['params'] / 1e9:>7.2f}B {str(r['master']):>6} {r['mode']:>9} {str(r['fused']):>5} "
       f"{r['device_per_param']:>10.2f} {r['host_per_param']:>9.2f} "
       f"{r['bound'] / r['params']:>9.2f} {ok:>4} {r['slices_used']:>6.1f} "
-      f"{len(r['host_compute']):>9}"
+      f"{len(r['host_compute']):>9} "
+      + (
+        f"{r['planned'] / r['params']:>8.2f} {r['plan_error']:>+8.1%}"
+        if r["planned"] is not None
+        else f"{'-':>8} {'-':>8}"
+      )
     )
   return "\n".join(lines)
 

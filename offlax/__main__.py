@@ -31,6 +31,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     "--layers", type=int, default=None,
     help="stacked layers: lets the plan keep params and gradients in host memory too",
   )  # fmt: skip
+  p.add_argument(
+    "--fused", action="store_true",
+    help="the step applies with offlax.update_and_apply (no updates kept on the device)",
+  )  # fmt: skip
   p.add_argument("--bus-gbps", type=float, help="host<->device GB/s each way (25)")
   p.add_argument("--disk-gbps", type=float, help="disk GB/s (3)")
   p.add_argument("--host-adam-gps", type=float, help="host optimizer step, G params/s (1.2)")
@@ -131,7 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     "adafactor": lambda: optax.adafactor(1e-3),
   }[args.optimizer]()
   tx = offlax.master_weights(inner) if args.master else inner
-  result = offlax.plan(shapes, tx, **sizes, **rates, layers=args.layers)
+  result = offlax.plan(shapes, tx, **sizes, **rates, layers=args.layers, fused=args.fused)
   print(result.table())
   mode = {"device": "plain", "host": "streamed", "host_compute": "host"}.get(result.mode)
   if args.compile and result.mode == "params_host":
@@ -140,8 +144,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"--compile: nothing to compile for mode {result.mode!r}", file=sys.stderr)
   if args.compile and mode is not None:
     m = _compiled(
-      n, mode, args.master, sizes["chunk_bytes"], 16, args.compile, None, result.fraction
-    )
+      n, mode, args.master, sizes["chunk_bytes"], 16, args.compile, None, result.fraction,
+      fused=args.fused,
+    )  # fmt: skip
     if m is None:
       return 2
     planned = result.bytes["device"] / n

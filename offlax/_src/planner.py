@@ -116,6 +116,7 @@ def plan(
   disk_bytes_per_s: float = DISK_BYTES_PER_S,
   host_adam_params_per_s: float = HOST_ADAM_PARAMS_PER_S,
   layers: int | None = None,
+  fused: bool = False,
 ) -> Plan:
   """Chooses where the state of `tx` should live for `params`, and estimates the cost.
 
@@ -145,6 +146,9 @@ def plan(
     host_adam_params_per_s: host compute speed of the optimizer step.
     layers: the number of layers the params stack (`offlax.scan_layers`);
       None: params stay on the device.
+    fused: the step applies with `offlax.update_and_apply`, which keeps no
+      updates (without it, `master_weights`' fp32 updates of a leaf streamed
+      in pieces are written whole before `optax.apply_updates`).
 
   Returns:
     A `Plan`.
@@ -172,7 +176,9 @@ def plan(
   small = state - sum(b for _, b in big)
   fixed = 2 * param_bytes + activation_bytes  # params and gradients
   usable = int(device_bytes * (1 - DEVICE_RESERVE))
-  slices = SLICES_ON_DEVICE * chunk_bytes + _whole_updates(tx, params, state, chunk_bytes)
+  slices = SLICES_ON_DEVICE * chunk_bytes
+  if not fused:
+    slices += _whole_updates(tx, params, state, chunk_bytes)
   assumptions = {
     "params": n_params,
     "param_bytes": param_bytes,
@@ -225,12 +231,14 @@ def plan(
       "host", True, placement, fixed + slices + small + on_device, host, 0,
       2 * host, 0, 2 * host / bus_bytes_per_s, advice, fraction,
     )  # fmt: skip
-  # Host compute: no state slices on the device, gradients out, updates back.
-  if fixed <= usable and state <= host_bytes:
+  # Host compute: no state slices on the device, gradients out, updates back (into
+  # the gradients' buffer, or a new one where their dtype differs: master_weights').
+  fixed_host = fixed + (0 if fused else _whole_updates(tx, params, state, 0))
+  if fixed_host <= usable and state <= host_bytes:
     bus = 2 * param_bytes
     overhead = bus / bus_bytes_per_s + n_params / host_adam_params_per_s
     return make(
-      "host_compute", True, everywhere("host"), fixed, state, 0, bus, 0, overhead,
+      "host_compute", True, everywhere("host"), fixed_host, state, 0, bus, 0, overhead,
       ["the device cannot hold three slices beside params and gradients: compute on the host"]
       if room < 0 else [],
     )  # fmt: skip
