@@ -96,6 +96,7 @@ def offload(
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
+    boxed = flax_glue.has_variables(params)
     params = flax_glue.unbox(params)
     spec = _spec_of(params, "params")
     if _RECORDING.offloading:
@@ -133,6 +134,8 @@ def offload(
         mesh = sharding_lib.one_device_target(params, device)
         state = sharding_lib.on_one_device(state, mesh, device)
       _check_config(state, tier, devices)
+      if boxed and isinstance(tier, HostTier):
+        state = state._replace(inner_state=flax_glue.rebox(state.inner_state))
     return state
 
   def update_fn(updates, state, params=None, **extra_args):
@@ -148,6 +151,8 @@ def offload(
       raise errors.TreeMismatchError(
         f"offload.update expects the OffloadState returned by init, got {type(state).__name__}."
       )
+    # State from `init` on NNX Variables, used as is (`nnx.Optimizer` unboxes it).
+    state = state._replace(inner_state=flax_glue.unbox(state.inner_state))
     spec = state.spec
     if spec.placeholder and jax.tree.leaves(updates):
       spec = _respec(state, updates, params)
