@@ -98,6 +98,8 @@ def moment_specs(trainer):
 
 def _canonical(sharding):
   """A sharding's spec without axes of size 1 and trailing Nones: equal when the layout is."""
+  if not isinstance(sharding, jax.sharding.NamedSharding):  # one device: nothing sharded
+    return "[]"
   sizes = dict(zip(sharding.mesh.axis_names, sharding.mesh.devices.shape, strict=True))
   entries = []
   for entry in sharding.spec:
