@@ -1,5 +1,6 @@
 """offlax: optimizer state off the accelerator, as an optax wrapper."""
 
+from offlax._src import donation as _donation  # noqa: F401  (installs the donation fix)
 from offlax._src.apply import apply_updates, update_and_apply
 from offlax._src.checkpoint import (
   NVMeStoreRestore,

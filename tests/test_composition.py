@@ -183,27 +183,3 @@ def test_donating_params_and_state(opts, dtype):
     assert all(x.is_deleted() for x in old if x.size)
   assert_trees_equal(p, want[0])
   assert_trees_equal(s, want[1])
-
-
-def test_donating_the_state_alone_aborts_in_jax_0_10(tmp_path):
-  """Pins a JAX limitation that README "Donation" warns about.
-
-  Without `out_shardings` JAX pairs donated buffers with outputs by shape and
-  dtype alone, so in `jit(tx.update, donate_argnums=1)` the updates (device)
-  take the buffers of the state (pinned_host) and the process aborts. If this
-  starts passing, JAX fixed it: update the README.
-  """
-  import subprocess
-  import sys
-
-  script = tmp_path / "donate.py"
-  script.write_text(
-    "import jax, jax.numpy as jnp, optax, offlax\n"
-    "p = {'w': jnp.ones(1000)}\n"
-    "tx = offlax.offload(optax.adam(1e-3))\n"
-    "update = jax.jit(tx.update, donate_argnums=1)\n"
-    "jax.block_until_ready(update(p, tx.init(p), p))\n"
-  )
-  run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
-  assert run.returncode != 0
-  assert "memory kind does not match" in run.stderr

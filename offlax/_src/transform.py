@@ -96,6 +96,7 @@ def offload(
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
+    boxed = flax_glue.has_variables(params)
     params = flax_glue.unbox(params)
     spec = _spec_of(params, "params")
     if _RECORDING.offloading:
@@ -135,6 +136,8 @@ def offload(
       _check_config(state, tier, devices)
       for platform in {d.platform for d in devices}:
         telemetry.check_committed(params, platform)
+      if boxed and isinstance(tier, HostTier):
+        state = state._replace(inner_state=flax_glue.rebox(state.inner_state))
     return state
 
   def update_fn(updates, state, params=None, **extra_args):
@@ -150,6 +153,8 @@ def offload(
       raise errors.TreeMismatchError(
         f"offload.update expects the OffloadState returned by init, got {type(state).__name__}."
       )
+    # State from `init` on NNX Variables, used as is (`nnx.Optimizer` unboxes it).
+    state = state._replace(inner_state=flax_glue.unbox(state.inner_state))
     spec = state.spec
     if spec.placeholder and jax.tree.leaves(updates):
       spec = _respec(state, updates, params)

@@ -1,0 +1,94 @@
+"""Jitted steps that donate offloaded state, in any pattern: exact, in place, never an abort.
+
+JAX 0.10 pairs donated buffers with outputs by shape and dtype alone when a
+jit has no `out_shardings`, and hands a `pinned_host` state buffer to a device
+output: the process aborts (one device) or the step fails (a mesh). offlax
+makes the pairing memory-kind aware (`offlax._src.donation`); the patterns run
+in a subprocess (`donation_run.py`), where a regression is a failed test, not
+a crashed session.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from offlax._src import donation
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PATTERNS = (
+  "state_alone",
+  "state_first",
+  "state_and_updates",
+  "update_alone",
+  "params_alone",
+  "params_and_state",
+)
+
+
+def _run(code: str) -> subprocess.CompletedProcess:
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE])}
+  return subprocess.run(
+    [sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env
+  )
+
+
+@pytest.fixture(scope="module")
+def results():
+  out = _run("import donation_run; donation_run.main()")
+  lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+  started = [line for line in out.stdout.splitlines() if line.startswith("PATTERN ")]
+  assert out.returncode == 0 and lines, (
+    f"exit {out.returncode} in {started[-1:] or 'set-up'}: {out.stderr[-3000:]}"
+  )
+  return json.loads(lines[-1][len("RESULT ") :])
+
+
+def test_installed_for_this_jax():
+  assert donation.INSTALLED
+  assert donation.install()  # idempotent: wraps once
+  from jax._src.interpreters import mlir
+
+  assert not getattr(mlir._set_up_aliases.__wrapped__, "offlax_memory_kind_aware", False)
+
+
+@pytest.mark.parametrize("where", ["one_device", "mesh"])
+@pytest.mark.parametrize("mode", ["device", "host"])
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_donated_step_is_exact_and_in_place(results, pattern, mode, where):
+  r = results[f"{pattern}-{mode}-{where}"]
+  assert r["exact"], "donated steps differ from undonated ones"
+  assert r["kinds"] == ["pinned_host"], "the state left host memory"
+  assert r["reused"], "a donated state buffer was not reused in place"
+
+
+def test_programs_in_one_memory_kind_are_untouched():
+  """Without host memory the wrapper hands JAX's own arguments through."""
+  import jax
+  import jax.numpy as jnp
+  from jax._src import core
+  from jax._src.interpreters import mlir
+
+  a = core.ShapedArray((4, 3), jnp.float32)
+  b = core.ShapedArray((3,), jnp.float32)
+  args = ([None, None], [a, b], [b, a], [True, True], None, None, None, None, None)
+  assert mlir._set_up_aliases(*args) == mlir._set_up_aliases.__wrapped__(*args)
+  host = core.ShapedArray((4, 3), jnp.float32, memory_space=jax.memory.Space.Host)
+  # A host buffer and a device output of its shape: JAX pairs them, the wrapper does not.
+  args = ([None], [host], [a], [True], None, None, None, None, None)
+  assert mlir._set_up_aliases.__wrapped__(*args)[0] == [0]
+  assert mlir._set_up_aliases(*args)[0] == [None]
+
+
+def test_jax_still_needs_the_fix():
+  """Without the wrapper the Tunix pattern aborts; if this fails, JAX fixed it: drop the fix."""
+  out = _run(
+    "import donation_run as d\n"
+    "from jax._src.interpreters import mlir\n"
+    "mlir._set_up_aliases = mlir._set_up_aliases.__wrapped__\n"
+    "d.run_pattern('state_alone', 'device', None)\n"
+  )
+  assert out.returncode != 0
+  assert "memory kind does not match" in out.stderr
