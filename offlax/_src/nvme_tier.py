@@ -844,7 +844,7 @@ class NVMeTier:
   def close(self) -> None:
     """Waits for steps in flight (`jax.effects_barrier`) and releases the store's lock."""
     try:
-      jax.effects_barrier()  # a dispatched step's callbacks have yet to run
+      _wait_for_dispatched_steps()
     except jax.errors.JaxRuntimeError:
       pass  # a failed step's error: its own outputs raise it, not closing the store
     for shard in self.shards.values():
@@ -905,7 +905,7 @@ class NVMeTier:
     run it between steps (an orbax save of `offlax.NVMeStoreSave(tier)` does).
     On a mesh each process copies its own shards' stores, then the mesh record.
     """
-    jax.effects_barrier()
+    _wait_for_dispatched_steps()
     if self.store._lock_fd is None or not self.store.exists():
       raise errors.StoreError(f"{self.path}: snapshot needs an open store (init it first).")
     dest = os.fspath(dest)
@@ -2061,6 +2061,22 @@ class _Reader:
       self._futures.clear()
       self._consumed.clear()
       self._in_use.clear()
+
+
+def _wait_for_dispatched_steps() -> None:
+  """Waits until every step dispatched so far has run, its commit included.
+
+  A step's commit is an unordered callback, which `jax.effects_barrier` does
+  not wait for; a step dispatched but not yet started (a busy machine) would
+  commit after a snapshot copied the store. Every live array is some
+  program's output: once all are ready, every dispatched step has run.
+  """
+  for x in jax.live_arrays():
+    try:
+      x.block_until_ready()
+    except RuntimeError:  # deleted since it was listed (donated by another thread)
+      pass
+  jax.effects_barrier()
 
 
 _DEFERRED_INTERRUPT = threading.Event()
