@@ -188,6 +188,8 @@ _SLOW = {
   # way), the planner's compiled agreement (test_planner.py checks its figures).
   "test_examples_and_benchmarks.py::test_lm_example_with_params_on_host",
   "test_gpu_compile.py::test_plan_params_host_agrees_with_the_compiled_host_bytes",
+  # Tunix's PeftTrainer (2 minutes: installs in CI, runs with -m slow).
+  "test_tunix.py::test_peft_trainer_one_device",
 }
 _KEEP = {
   "test_bad_input.py::test_nan_and_inf_gradients_propagate_like_optax": {"host/host"},
@@ -212,6 +214,19 @@ _KEEP = {
     "outside-host",
   },
   "test_flax.py::test_linen_train_state": {"host"},
+  # Donation on one device by default (the mesh's run, a second subprocess, is slow).
+  "test_donation.py::test_donated_step_is_exact_and_in_place": {
+    f"{p}-{m}-one_device"
+    for p in (
+      "state_alone",
+      "state_first",
+      "state_and_updates",
+      "update_alone",
+      "params_alone",
+      "params_and_state",
+    )
+    for m in ("device", "host")
+  },  # fmt: skip
   "test_params_on_host.py::test_training_off_device_equals_plain": {"True-host", "False-device"},
   "test_params_on_host.py::test_coupled_update_inside_offload_equals_optax": {"host"},
   "test_params_on_host.py::test_layer_gradients_equal_plain_scan": {

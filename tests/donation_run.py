@@ -128,10 +128,13 @@ def run_pattern(name, mode, mesh):
   return {"exact": same(p, want_p) and same(s, want_s), "kinds": kinds, "reused": reused}
 
 
-def main():
+def main(only=None):
+  """Runs every pattern, one device and a mesh (or `only` one of the two)."""
   mesh = jax.make_mesh((1, 2), ("fsdp", "tp"))
   out = {}
   for where, m in (("one_device", None), ("mesh", mesh)):
+    if only not in (None, where):
+      continue
     for name in PATTERNS:
       for mode in MODES:
         key = f"{name}-{mode}-{where}"

@@ -35,15 +35,20 @@ def _run(code: str) -> subprocess.CompletedProcess:
   )
 
 
-@pytest.fixture(scope="module")
-def results():
-  out = _run("import donation_run; donation_run.main()")
-  lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
-  started = [line for line in out.stdout.splitlines() if line.startswith("PATTERN ")]
-  assert out.returncode == 0 and lines, (
-    f"exit {out.returncode} in {started[-1:] or 'set-up'}: {out.stderr[-3000:]}"
-  )
-  return json.loads(lines[-1][len("RESULT ") :])
+_RESULTS: dict[str, dict] = {}
+
+
+def _results(where: str) -> dict:
+  """The patterns' results on one device or the mesh, run once per module in a subprocess."""
+  if where not in _RESULTS:
+    out = _run(f"import donation_run; donation_run.main({where!r})")
+    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    started = [line for line in out.stdout.splitlines() if line.startswith("PATTERN ")]
+    assert out.returncode == 0 and lines, (
+      f"exit {out.returncode} in {started[-1:] or 'set-up'}: {out.stderr[-3000:]}"
+    )
+    _RESULTS[where] = json.loads(lines[-1][len("RESULT ") :])
+  return _RESULTS[where]
 
 
 def test_installed_for_this_jax():
@@ -57,8 +62,8 @@ def test_installed_for_this_jax():
 @pytest.mark.parametrize("where", ["one_device", "mesh"])
 @pytest.mark.parametrize("mode", ["device", "host"])
 @pytest.mark.parametrize("pattern", PATTERNS)
-def test_donated_step_is_exact_and_in_place(results, pattern, mode, where):
-  r = results[f"{pattern}-{mode}-{where}"]
+def test_donated_step_is_exact_and_in_place(pattern, mode, where):
+  r = _results(where)[f"{pattern}-{mode}-{where}"]
   assert r["exact"], "donated steps differ from undonated ones"
   assert r["kinds"] == ["pinned_host"], "the state left host memory"
   assert r["reused"], "a donated state buffer was not reused in place"
