@@ -126,7 +126,7 @@ def params():
 
 # Scripts the tests run in subprocesses (8 devices, 2 processes, donation patterns that
 # aborted): not test modules, and importing one here would start its run.
-collect_ignore = ["sharded_run.py", "multiprocess_worker.py", "donation_run.py"]
+collect_ignore = ["sharded_run.py", "multiprocess_worker.py", "donation_run.py", "tunix_run.py"]
 
 
 def scale_by_highest_dtype(factor):
