@@ -176,3 +176,15 @@ def test_cli_compile_and_plan_params_host(capsys):
   assert cli([*plan, "--layers", "4", "--compile", "l4"]) == 0
   out = capsys.readouterr().out
   assert "mode: params_host (fits)" in out and "compiled (params_host, l4" in out
+
+
+def test_apply_updates_on_host_params_converts_nothing(monkeypatch):
+  from offlax._src import apply as apply_lib
+
+  monkeypatch.setattr(apply_lib, "APPLY_CHUNK_BYTES", 2**20)
+  host = gpu_compile._one_device("pinned_host")
+  p = jax.ShapeDtypeStruct((1000, 1024), jnp.float32, sharding=host)  # 3 slices and a tail
+  step = jax.jit(offlax.apply_updates, donate_argnums=0)
+  m = offlax.compile_for_gpu(step, {"w": p}, {"w": p}, target="l4")  # updates in host memory
+  assert m.host_compute == () and "while" in m.hlo
+  assert m.host["temp"] <= 2 * 2**20  # slices, not a second copy of the params

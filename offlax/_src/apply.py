@@ -117,8 +117,12 @@ def _apply(p: Any, u: Any) -> Any:
 
   n = p.shape[0] // rows
   p = jax.lax.fori_loop(0, n, body, p)
-  if n * rows < p.shape[0]:  # the rows left over
-    tail = add(p[n * rows :], u[n * rows :])
+  if n * rows < p.shape[0]:  # the rows left over (sliced inside the host computation)
+    tail = compute_on(
+      lambda p, u: _add(p[n * rows :], u[n * rows :]),
+      compute_type="device_host",
+      out_memory_spaces=jax.memory.Space.Host,
+    )(p, u)
     p = jax.lax.dynamic_update_slice_in_dim(p, tail, n * rows, 0)
   return p
 
