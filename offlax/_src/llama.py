@@ -95,6 +95,12 @@ def block(m: Llama, h, w):
 
 
 def loss_fn(m: Llama, offload_activations: bool = True):
+  """Next-token cross-entropy of `m`; params in host memory are fetched where used.
+
+  For params on the device `fetch` does nothing and `scan_layers` is a
+  rematerialised `jax.lax.scan`: the plain step's loss.
+  """
+
   def loss(params, tokens):
     h = fetch(params["embed"])[tokens]
     layer = lambda h, w: (block(m, h, w), None)
@@ -107,7 +113,7 @@ def loss_fn(m: Llama, offload_activations: bool = True):
 
 def train_step(m: Llama, tx, *, offloaded: bool = True):
   """``(params, state, tokens) -> (params, state, loss)``; jit with params and state donated."""
-  loss = loss_fn(m) if offloaded else _plain_loss(m)
+  loss = loss_fn(m, offload_activations=offloaded)
 
   def step(params, state, tokens):
     value, grads = jax.value_and_grad(loss)(params, tokens)
@@ -121,18 +127,13 @@ def train_step(m: Llama, tx, *, offloaded: bool = True):
   return step
 
 
-def _plain_loss(m: Llama):
-  def loss(params, tokens):
-    h = params["embed"][tokens]
-    layer = jax.checkpoint(lambda h, w: (block(m, h, w), None))
-    h, _ = jax.lax.scan(layer, h, params["layers"])
-    logits = (_rms(h, params["norm"]) @ params["head"]).astype(jnp.float32)
-    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, None], -1))
-
-  return loss
-
-
-def compile_step(m: Llama, target: str, *, offloaded: bool = True, chunk_bytes: int = 256 * 2**20):
+def compile_step(
+  m: Llama,
+  target: str | gpu_compile.GpuTarget,
+  *,
+  offloaded: bool = True,
+  chunk_bytes: int = 256 * 2**20,
+):
   """The compiled train step's memory (`offlax.CompiledMemory`)."""
   inner = master_weights(optax.adamw(1e-5))
   params = param_specs(m, "pinned_host" if offloaded else None)
