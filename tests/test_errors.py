@@ -17,6 +17,8 @@ def tx():
 def test_error_hierarchy():
   assert issubclass(offlax.InvalidTierError, offlax.OffloadError)
   assert issubclass(offlax.InvalidTierError, ValueError)
+  assert issubclass(offlax.InvalidOptionError, offlax.OffloadError)
+  assert issubclass(offlax.InvalidOptionError, ValueError)
   assert issubclass(offlax.MemoryKindError, ValueError)
   assert issubclass(offlax.TreeMismatchError, ValueError)
   assert issubclass(offlax.LeafTypeError, TypeError)
