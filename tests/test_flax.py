@@ -101,3 +101,27 @@ def test_linen_train_state(tier, tmp_path):
   assert_trees_equal(got.params, want.params)
   assert int(got.step) == 4
   _check_placed(jax.tree.leaves(got.opt_state), made)
+
+
+def test_nnx_state_keeps_its_memory_kind_where_frameworks_place_it_by_specs():
+  """What Tunix does with an optimizer's state: both keep pinned_host (flax_glue's two fixes).
+
+  A JAX or Flax release that changes either function makes this fail here, in
+  the default run, rather than in Tunix's slow end-to-end test.
+  """
+  from flax import nnx
+  from jax.sharding import PartitionSpec as P
+
+  model = nnx.Linear(4, 8, rngs=nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, offlax.offload(optax.adam(1e-3)), wrt=nnx.Param)
+  mu = optimizer.opt_state.inner_state[0].mu["kernel"]
+  assert mu.get_metadata()["memory_kind"] == "pinned_host"
+  mesh = jax.make_mesh((1,), ("d",))
+  # Tunix's restore target: shardings from the state's metadata.
+  shardings = nnx.get_named_sharding(nnx.state(optimizer.opt_state), mesh)
+  kinds = {s.memory_kind for s in jax.tree.leaves(shardings) if s.memory_kind}
+  assert kinds == {"pinned_host", "device"}  # the moments, and the step count
+  # Tunix's _shard_optimizer: an eager constraint by partition spec.
+  with mesh:  # as Tunix enters its mesh
+    moved = jax.lax.with_sharding_constraint(mu[...], P())
+  assert moved.sharding.memory_kind == "pinned_host"
