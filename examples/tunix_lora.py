@@ -106,15 +106,15 @@ def main(argv: list[str] | None = None) -> dict:
 
   # A new process would do the same: a fresh model and trainer on the directory.
   second = trainer(directory, args.steps, args.compute)
-  restored = memory_kinds(second)
-  print(f"restored step {second.train_steps} into {restored} memory")
+  restored, restored_step = memory_kinds(second), second.train_steps
+  print(f"restored step {restored_step} into {restored} memory")
   second.train(batches(args.steps))
   print(f"steps {half + 1}-{args.steps}: loss -> {losses(second)[-1]:.4f}")
   print(f"optimizer state in {memory_kinds(second)} memory")
   return {
     "first": losses(first),
     "second": losses(second),
-    "restored_step": second.train_steps,
+    "restored_step": restored_step,
     "restored_kinds": restored,
     "kinds": memory_kinds(second),
   }
