@@ -204,6 +204,11 @@ _SLOW = {
   # (test_flax.py trains Linen), a dtype change in a store with a cache (without one runs).
   "test_examples_and_benchmarks.py::test_linen_example",
   "test_checkpoint.py::test_host_tier_checkpoint_into_an_nvme_store_and_back",
+  # A fresh CI venv (the native library built anew) took 40 s more than a warm one; these
+  # keep it near 5 minutes: a store refusing a dtype change (the property tests' find),
+  # L-BFGS's value/grad/value_fn through offload (test_composition.py passes an extra
+  # argument by default), NNX with host layers (test_params_on_host.py runs the mode).
+  "test_composition.py::test_extra_args_reach_the_inner_update",
 }
 _KEEP = {
   "test_bad_input.py::test_nan_and_inf_gradients_propagate_like_optax": {"host/host"},
@@ -228,7 +233,7 @@ _KEEP = {
     "outside-host",
   },
   "test_flax.py::test_linen_train_state": {"host"},
-  "test_bad_input.py::test_update_that_changes_a_state_dtype": {"0"},
+  "test_bad_input.py::test_update_that_changes_a_state_dtype": set(),
   # Each mode's tighter bound (update_and_apply) and optax's apply in the other.
   "test_gpu_compile.py::test_offloaded_step_bounds_device_memory": {
     "device-fp32-optax-apply",
@@ -236,14 +241,14 @@ _KEEP = {
     "host-fp32-update_and_apply",
     "host-bf16-master-optax-apply",
   },
-  "test_params_on_host.py::test_training_off_device_equals_plain": {"True-host", "False-device"},
+  "test_params_on_host.py::test_training_off_device_equals_plain": {"True-host"},
   "test_params_on_host.py::test_unfused_update_keeps_host_updates_on_host": {"host"},
   "test_params_on_host.py::test_layer_gradients_equal_plain_scan": {
     "True-True-True",  # remat, offloaded layer inputs, reversed
     "False-False-True",  # no remat, reversed
   },
   "test_params_on_host.py::test_step_exports_for_cuda": {"host"},
-  "test_params_on_host_nnx.py::test_stacked_decoder_with_host_layers_equals_plain": {"True"},
+  "test_params_on_host_nnx.py::test_stacked_decoder_with_host_layers_equals_plain": set(),
   "test_sharding.py::*": {"auto"},  # any parametrized test: its Auto-axes mesh case
   "test_usage.py::test_every_optax_alias_works_with_every_tier": {
     *(f"nvme-{n}" for n in ("sign_sgd", "polyak_sgd", "noisy_sgd", "sm3")),
