@@ -27,12 +27,9 @@ def unbox(tree: Any) -> Any:
   see them; the state it returns then holds plain arrays too, which NNX wraps
   in its own `OptState` variables as it does for any optax state.
   """
-  nnx = sys.modules.get("flax.nnx")
-  if nnx is None:  # Flax not imported: no Variables to unbox
+  if not has_variables(tree):  # (Flax not imported: none)
     return tree
-  is_variable = lambda x: isinstance(x, nnx.Variable)
-  if not any(is_variable(x) for x in jax.tree.leaves(tree, is_leaf=is_variable)):
-    return tree
+  is_variable = lambda x: isinstance(x, sys.modules["flax.nnx"].Variable)
   return jax.tree.map(lambda x: x.get_value() if is_variable(x) else x, tree, is_leaf=is_variable)
 
 
