@@ -33,6 +33,7 @@ _FLAGS = ["-std=c++17", "-O3", "-march=native", "-ffp-contract=off", "-fno-math-
 TARGETS = {
   "offlax_adam_f32": "OfflaxAdamF32",
   "offlax_adam_moments_f32": "OfflaxAdamMomentsF32",
+  "offlax_adam_step": "OfflaxAdamStep",
   "offlax_to_slice": "OfflaxToSlice",
   "offlax_from_slice": "OfflaxFromSlice",
 }

@@ -13,6 +13,21 @@ XLA fuses it into `apply_updates` and rounds it as it rounds optax's program.
 With `native_update=True` the kernel writes the update too (24 bytes): the
 host's share of a step whose update leaves the host (`HostTier(compute="host")`).
 
+The whole step in one pass (`offlax.update_and_apply`, and
+`offlax.master_weights` around these factories): the kernel reads the
+gradient (float32 or bfloat16), both moments and the param (or its fp32
+master) and writes them back in place, and with a master also the new
+low-precision param (`update_and_apply`: 28 bytes per bf16 param, against 34
+for DeepSpeedCPUAdam on the master plus the copy into the bf16 param) or its
+exact fp32 update (`update`). Its update is optax's expression as written:
+bit-identical to optax when XLA evaluates as written, to rounding under XLA's
+defaults (tests/test_host_adam.py states the tolerances).
+
+Threads: each call splits its arrays into 256 KiB chunks shared by the calling
+thread and XLA:CPU's intra-op pool (one thread per core the process may run
+on); ``OFFLAX_NATIVE_THREADS=n`` caps them (e.g. to leave cores to a data
+loader).
+
 On other platforms (a GPU program outside its host computation, which JAX
 lowers for the CPU) and for leaves the kernel does not cover, the same
 arithmetic runs as plain JAX, or optax itself runs. The
@@ -36,6 +51,11 @@ from offlax._src import ffi
 
 _TARGET = "offlax_adam_f32"
 _MOMENTS = "offlax_adam_moments_f32"
+_WHOLE_STEP = "offlax_adam_step"
+
+# What the whole step writes besides the state (native/adam.cc `Out`).
+OUT_NONE, OUT_DELTA, OUT_PARAM = 0, 1, 2
+_STEP_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
 def adam(
@@ -171,16 +191,9 @@ def _fused(reference, learning_rate, betas, weight_decay, mask, nesterov, mu_dty
     isinstance(weight_decay, (int, float)) and weight_decay == 0.0
   )
 
-  def update_fn(updates, state, params=None, **extra_args):
-    del extra_args
+  def hyperparameters(state):
+    """(new count, new schedule state, `_Hyper`) of this step, as optax computes them."""
     adam_state, lr_state = state[0], state[-1]
-    if decays and params is None:
-      raise ValueError("offlax.adamw: update needs params (the weight decay reads them).")
-    flags = _decay_flags(updates, mask) if decays else None
-    leaves, treedef = jax.tree.flatten(updates)
-    fused = leaves and fusable and flags is not False
-    if not (fused and _all_f32(leaves, adam_state.mu, adam_state.nu)):
-      return reference.update(updates, state, params)
     count_inc = numerics.safe_increment(adam_state.count)
     if callable(learning_rate):
       step_size = -1 * learning_rate(lr_state.count)
@@ -198,6 +211,19 @@ def _fused(reference, learning_rate, betas, weight_decay, mask, nesterov, mu_dty
       callable(learning_rate),
       weight_decay if decays else 0.0,
     )
+    return count_inc, lr_state, hyper
+
+  def update_fn(updates, state, params=None, **extra_args):
+    del extra_args
+    adam_state = state[0]
+    if decays and params is None:
+      raise ValueError("offlax.adamw: update needs params (the weight decay reads them).")
+    flags = _decay_flags(updates, mask) if decays else None
+    leaves, treedef = jax.tree.flatten(updates)
+    fused = leaves and fusable and flags is not False
+    if not (fused and _all_f32(leaves, adam_state.mu, adam_state.nu)):
+      return reference.update(updates, state, params)
+    count_inc, lr_state, hyper = hyperparameters(state)
     vector = hyper.vector(moments_only=not native_update)
     p_leaves = jax.tree.leaves(params) if decays else [None] * len(leaves)
     out = [
@@ -215,6 +241,57 @@ def _fused(reference, learning_rate, betas, weight_decay, mask, nesterov, mu_dty
     new_adam = adam_state._replace(count=count_inc, mu=mu, nu=nu)
     return new_u, (new_adam, *state[1:-1], lr_state)
 
+  def whole_step(grads, state, weights, low=None, *, out=OUT_NONE):
+    """The whole step of `weights` in one native pass, or None where it does not apply.
+
+    `weights`: the params (``out=OUT_NONE``: returns the new params), or a
+    float32 master of the params `low` (``OUT_DELTA``: returns the rounded
+    new master minus `low`, as `master_weights` does; ``OUT_PARAM``: the new
+    params, the new master rounded). Returns ``(result, new_state,
+    new_weights)``.
+    """
+    adam_state = state[0]
+    flags = _decay_flags(grads, mask) if decays else None
+    leaves, treedef = jax.tree.flatten(grads)
+    w_leaves = jax.tree.leaves(weights)
+    low_leaves = w_leaves if low is None else jax.tree.leaves(low)
+    if not (
+      leaves
+      and fusable
+      and flags is not False
+      and ffi.available()
+      and _step_dtypes(leaves, adam_state.mu, adam_state.nu, w_leaves, low_leaves)
+    ):
+      return None
+    count_inc, lr_state, hyper = hyperparameters(state)
+    vector = hyper.vector(moments_only=False)
+    new = [
+      _whole_step(g, m, v, w, lo, hyper, vector, d, out)
+      for g, m, v, w, lo, d in zip(
+        leaves,
+        jax.tree.leaves(adam_state.mu),
+        jax.tree.leaves(adam_state.nu),
+        w_leaves,
+        low_leaves,
+        flags or [False] * len(leaves),
+        strict=True,
+      )
+    ]
+    result, mu, nu, w = (treedef.unflatten(list(x)) for x in zip(*new, strict=True))
+    new_adam = adam_state._replace(count=count_inc, mu=mu, nu=nu)
+    return result, (new_adam, *state[1:-1], lr_state), w
+
+  def update_and_apply_fn(grads, state, params, **extra_args):
+    """`offlax.update_and_apply` of this transformation: the whole step in one pass."""
+    done = whole_step(grads, state, params)
+    if done is None:
+      updates, state = update_fn(grads, state, params, **extra_args)
+      return optax.apply_updates(params, updates), state
+    new_params, state, _ = done
+    return new_params, state
+
+  update_fn.offlax_whole_step = whole_step  # type: ignore[attr-defined]
+  update_fn.offlax_update_and_apply = update_and_apply_fn  # type: ignore[attr-defined]
   return optax.GradientTransformationExtraArgs(reference.init, update_fn)
 
 
@@ -229,6 +306,17 @@ def _all_f32(leaves, mu, nu) -> bool:
   return len(others) == 2 * len(leaves) and all(
     isinstance(x, jax.Array | jax.ShapeDtypeStruct | np.ndarray) and x.dtype == jnp.float32
     for x in leaves + others
+  )
+
+
+def _step_dtypes(grads, mu, nu, weights, low) -> bool:
+  """Whether the whole-step kernel covers these leaves (float32 state, f32/bf16 in and out)."""
+  f32 = [*jax.tree.leaves(mu), *jax.tree.leaves(nu), *weights]
+  if not len(f32) == 3 * len(grads) == 3 * len(low):
+    return False
+  arrays = (jax.Array, jax.ShapeDtypeStruct, np.ndarray)
+  return all(isinstance(x, arrays) and x.dtype == jnp.float32 for x in f32) and all(
+    isinstance(x, arrays) and x.dtype in _STEP_DTYPES for x in (*grads, *low)
   )
 
 
@@ -272,6 +360,22 @@ class _Hyper(NamedTuple):
     return jnp.stack([jnp.asarray(x, jnp.float32) for x in values])
 
 
+def _moments(g, m, v, hyper: _Hyper):
+  return (1 - hyper.b1) * g + hyper.b1 * m, (1 - hyper.b2) * (g * g) + hyper.b2 * v
+
+
+def _adam(g, m, v, p, hyper: _Hyper, decay: bool, moments=None):
+  """(update, m, v) of one leaf in optax's expressions; `moments(g, m, v)`: the moments."""
+  m, v = _moments(g, m, v, hyper) if moments is None else moments(g, m, v)
+  u = (m / hyper.bc1.astype(m.dtype)) / (
+    jnp.sqrt(v / hyper.bc2.astype(v.dtype) + hyper.eps_root) + hyper.eps
+  )
+  if decay:
+    u = u + hyper.weight_decay * p
+  step_size = jnp.array(hyper.step_size, u.dtype) if hyper.scheduled else hyper.step_size
+  return step_size * u, m, v
+
+
 def _step(g, m, v, p, hyper: _Hyper, vector, decay: bool, native_update: bool):
   """One leaf: moments by the native kernel on XLA:CPU, else by JAX; update by JAX.
 
@@ -280,27 +384,53 @@ def _step(g, m, v, p, hyper: _Hyper, vector, decay: bool, native_update: bool):
   rewrites it exactly as it rewrites optax's program; with `native_update`
   the kernel writes it too.
   """
-
-  def moments(g, m, v, vector):
-    return (1 - hyper.b1) * g + hyper.b1 * m, (1 - hyper.b2) * (g * g) + hyper.b2 * v
-
-  def whole(g, m, v, p, vector, moments=moments):
-    m, v = moments(g, m, v, vector)
-    u = (m / hyper.bc1.astype(m.dtype)) / (
-      jnp.sqrt(v / hyper.bc2.astype(v.dtype) + hyper.eps_root) + hyper.eps
-    )
-    if decay:
-      u = u + hyper.weight_decay * p
-    step_size = jnp.array(hyper.step_size, u.dtype) if hyper.scheduled else hyper.step_size
-    return step_size * u, m, v
-
+  whole = lambda g, m, v, p, vector: _adam(g, m, v, p, hyper, decay)
   if not g.size:
     return whole(g, m, v, p, vector)
   if native_update:
     kernel = functools.partial(fused_update, decay=decay)
     p = vector if p is None else p  # read only with decay; not g, which XLA would copy
     return ffi.on_cpu(kernel, whole, g, m, v, p, vector)
-  return whole(g, m, v, p, vector, moments=functools.partial(ffi.on_cpu, _native_moments, moments))
+  plain = lambda g, m, v, vector: _moments(g, m, v, hyper)
+  moments = lambda g, m, v: ffi.on_cpu(_native_moments, plain, g, m, v, vector)
+  return _adam(g, m, v, p, hyper, decay, moments)
+
+
+def _whole_step(g, m, v, w, low, hyper: _Hyper, vector, decay: bool, out: int):
+  """One leaf's whole step: (result, m, v, w); see `whole_step` in `_fused`.
+
+  Native on XLA:CPU; elsewhere (a GPU program) plain JAX with the same
+  expressions as optax, `optax.apply_updates` and `master_weights`.
+  """
+
+  def plain(g, m, v, w, low, vector):
+    del vector
+    update, m, v = _adam(g.astype(jnp.float32), m, v, w, hyper, decay)
+    new_w = optax.apply_updates(w, update)
+    if out == OUT_NONE:
+      return new_w, m, v, new_w
+    new_low = new_w.astype(low.dtype)
+    result = new_low if out == OUT_PARAM else new_low.astype(w.dtype) - low.astype(w.dtype)
+    return result, m, v, new_w
+
+  if not g.size:
+    return plain(g, m, v, w, low, vector)
+
+  def native(g, m, v, w, low, vector):
+    f32 = jax.ShapeDtypeStruct(g.shape, jnp.float32)
+    result = {
+      OUT_NONE: jax.ShapeDtypeStruct((1,), jnp.float32),  # unused
+      OUT_DELTA: f32,
+      OUT_PARAM: jax.ShapeDtypeStruct(g.shape, low.dtype),
+    }[out]
+    # In place: the state and w into their buffers, new params over the old.
+    aliases = {1: 1, 2: 2, 3: 3} | ({4: 0} if out == OUT_PARAM else {})
+    call = jax.ffi.ffi_call(_WHOLE_STEP, (result, f32, f32, f32), input_output_aliases=aliases)
+    placeholder = vector if out == OUT_NONE else low  # read only with a master
+    r, m, v, new_w = call(g, m, v, w, placeholder, vector, decay=decay, out=np.int32(out))
+    return (new_w if out == OUT_NONE else r), m, v, new_w
+
+  return ffi.on_cpu(native, plain, g, m, v, w, low, vector)
 
 
 def _native_moments(g, m, v, vector):

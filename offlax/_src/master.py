@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import optax
 
 from offlax._src import errors
+from offlax._src.host_adam import OUT_DELTA, OUT_PARAM
 
 
 class MasterWeightsState(NamedTuple):
@@ -40,6 +41,13 @@ def master_weights(
   keeps it in the tier and streams it with the moments (or updates it on the
   host with ``HostTier(compute="host")``). Leaves that are not floating point
   are passed through: their updates are returned as `inner` returns them.
+
+  With `offlax.adam` or `offlax.adamw` as `inner` (float32 master, float32 or
+  bfloat16 params and gradients), the step runs on XLA:CPU as one native pass
+  over memory, in place: moments and master updated, the update (or, with
+  `offlax.update_and_apply`, the new params) written, ZeRO-Offload's host
+  step. Its results are `master_weights(optax.adamw(...))`'s to rounding (see
+  `offlax.adam`).
 
   Args:
     inner: the transformation to run on the master params.
@@ -73,12 +81,24 @@ def master_weights(
     master = jax.tree.map(to_master, params)
     return MasterWeightsState(master, inner.init(master))
 
-  def update_fn(updates, state, params=None, **extra_args):
+  # `offlax.adam`/`adamw` run the whole step (moments, master, new params) in
+  # one native pass on XLA:CPU; None where they cannot (other dtypes, no library).
+  whole_step = getattr(inner.update, "offlax_whole_step", None) if dtype == jnp.float32 else None
+
+  def check_params(params):
     if params is None:
       raise errors.TreeMismatchError(
         "master_weights.update needs params: the updates it returns are the rounded new "
         "master minus the params."
       )
+
+  def update_fn(updates, state, params=None, **extra_args):
+    check_params(params)
+    if whole_step is not None and (
+      done := whole_step(updates, state.inner_state, state.master, params, out=OUT_DELTA)
+    ):
+      delta, inner_state, master = done
+      return delta, MasterWeightsState(master, inner_state)
     grads = jax.tree.map(to_master, updates)
     steps, inner_state = inner.update(grads, state.inner_state, state.master, **extra_args)
     master = optax.apply_updates(state.master, steps)
@@ -93,4 +113,16 @@ def master_weights(
     out = jax.tree.map(delta, master, params, steps)
     return out, MasterWeightsState(master, inner_state)
 
+  def update_and_apply_fn(grads, state, params, **extra_args):
+    """`offlax.update_and_apply`: the new params written by the same pass as the master."""
+    check_params(params)
+    if whole_step is not None and (
+      done := whole_step(grads, state.inner_state, state.master, params, out=OUT_PARAM)
+    ):
+      new_params, inner_state, master = done
+      return new_params, MasterWeightsState(master, inner_state)
+    updates, state = update_fn(grads, state, params, **extra_args)
+    return optax.apply_updates(params, updates), state
+
+  update_fn.offlax_update_and_apply = update_and_apply_fn  # type: ignore[attr-defined]
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -15,14 +15,29 @@
 //   uses for trees of several leaves but with one division per element, not
 //   two, and agrees with optax to rounding (tests/test_host_adam.py states the
 //   tolerance).
+// - OfflaxAdamStep: the whole step of a param (or of its fp32 master copy, for
+//   offlax.master_weights): moments, update and the new param in one pass, in
+//   place; the gradient float32 or bfloat16; with a master, also the new
+//   low-precision param (or its exact update, the rounded new master minus the
+//   param). The update is optax's expression as written,
+//   (m / bc1) / (sqrt(v / bc2 + eps_root) + eps), so with XLA told to evaluate
+//   as written (no algebraic rewrites, no FMA) it is bit-identical to XLA's;
+//   under XLA's defaults it agrees to rounding.
 // Division and square root are IEEE, and vectorise exactly.
+//
+// Threads: each call splits its arrays in 256 KiB chunks over the calling
+// thread and XLA's intra-op pool (one thread per core), capped by
+// OFFLAX_NATIVE_THREADS when set.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <condition_variable>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <mutex>
+#include <type_traits>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -33,18 +48,25 @@ namespace {
 // Hyperparameters, computed by the caller exactly as optax computes them.
 enum { kC1, kB1, kC2, kB2, kBc1, kBc2, kEpsRoot, kEps, kStep, kWd, kNumHyper };
 
-// What a call computes: the moments only, or the moments and the update.
-enum class Mode { kMoments, kAdam, kAdamW };
+struct Job;
+// Updates elements [lo, hi) of a job's arrays.
+using Kernel = void (*)(const Job&, int64_t, int64_t);
 
 struct Job {
-  Mode mode;
-  const float* g;
+  Kernel kernel;
+  const void* g;  // float, or bfloat16 for OfflaxAdamStep
   const float* m;
   const float* v;
-  const float* p;  // kAdamW only
-  float* u;        // not kMoments
+  const float* p;  // OfflaxAdamF32 with decay: the param
+  float* u;        // OfflaxAdamF32: the update
   float* m_out;
   float* v_out;
+  // OfflaxAdamStep: the param (or master) updated in place, and with a master
+  // the low-precision param read (`low`) and its new value or update written (`out`).
+  const float* w;
+  float* w_out;
+  const void* low;
+  void* out;
   float h[kNumHyper];
   int64_t size;
   int64_t chunk;
@@ -67,6 +89,9 @@ inline float MulAdd(float a, float b, float c) {
 #endif
 }
 
+// What a call of OfflaxAdamMomentsF32 or OfflaxAdamF32 computes.
+enum class Mode { kMoments, kAdam, kAdamW };
+
 template <Mode kMode>
 void Update(const Job& j, int64_t lo, int64_t hi) {
   // Locals, so the compiler knows stores to the arrays leave them unchanged,
@@ -76,7 +101,7 @@ void Update(const Job& j, int64_t lo, int64_t hi) {
   const float eps = j.h[kEps], step = j.h[kStep], wd = j.h[kWd];
   // One division per element, not two (see the top of this file).
   const float inv_bc2 = 1.0f / bc2;
-  const float* g_in = j.g + lo;
+  const float* g_in = static_cast<const float*>(j.g) + lo;
   const float* m_in = j.m + lo;
   const float* v_in = j.v + lo;
   const float* p_in = kMode == Mode::kAdamW ? j.p + lo : nullptr;
@@ -114,16 +139,107 @@ void Update(const Job& j, int64_t lo, int64_t hi) {
   }
 }
 
+// bfloat16 <-> float as XLA converts: exact widening; narrowing rounds to
+// nearest even, NaN stays a (quiet) NaN.
+inline float FromBf16(uint16_t b) {
+  const uint32_t x = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &x, sizeof f);
+  return f;
+}
+
+inline uint16_t ToBf16(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, sizeof x);
+  const uint32_t rounded = (x + 0x7fffu + ((x >> 16) & 1u)) >> 16;
+  const bool nan = (x & 0x7fffffffu) > 0x7f800000u;
+  return static_cast<uint16_t>(nan ? (x >> 16) | 0x40u : rounded);
+}
+
+template <typename T>
+inline float Widen(T x) {
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    return FromBf16(x);
+  } else {
+    return x;
+  }
+}
+
+template <typename T>
+inline T Narrow(float x) {
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    return ToBf16(x);
+  } else {
+    return x;
+  }
+}
+
+// What OfflaxAdamStep writes besides the moments and `w`.
+enum class Out {
+  kNone,    // `w` is the param: the step is done
+  kDelta,   // `w` is the master: float32 update of the low-precision param
+  kParam,   // `w` is the master: the new low-precision param (`w` rounded)
+};
+
+// The whole Adam(W) step of one param or master `w`, with gradient type G and
+// low-precision param type P (uint16_t: bfloat16). As optax computes it:
+// u = (m / bc1) / (sqrt(v / bc2 + eps_root) + eps); u += wd * w;
+// w += lr_step * u (optax.apply_updates). With a master the low-precision
+// param becomes w rounded to P, written as itself or as the float32
+// difference (exact: both terms are exact in float32).
+template <typename G, typename P, Out kOut, bool kDecay>
+void FullStep(const Job& j, int64_t lo, int64_t hi) {
+  const float c1 = j.h[kC1], b1 = j.h[kB1], c2 = j.h[kC2], b2 = j.h[kB2];
+  const float bc1 = j.h[kBc1], bc2 = j.h[kBc2], eps_root = j.h[kEpsRoot];
+  const float eps = j.h[kEps], step = j.h[kStep], wd = j.h[kWd];
+  const G* g_in = static_cast<const G*>(j.g) + lo;
+  const float* m_in = j.m + lo;
+  const float* v_in = j.v + lo;
+  const float* w_in = j.w + lo;
+  const P* low_in = kOut == Out::kDelta ? static_cast<const P*>(j.low) + lo : nullptr;
+  float* m_out = j.m_out + lo;
+  float* v_out = j.v_out + lo;
+  float* w_out = j.w_out + lo;
+  float* delta_out = kOut == Out::kDelta ? static_cast<float*>(j.out) + lo : nullptr;
+  P* low_out = kOut == Out::kParam ? static_cast<P*>(j.out) + lo : nullptr;
+  const int64_t n = hi - lo;
+  for (int64_t first = 0; first < n; first += kBlock) {
+    for (int64_t k = first + kAhead; k < std::min(n, first + kAhead + kBlock); k += kLine) {
+      __builtin_prefetch(m_in + k);
+      __builtin_prefetch(v_in + k);
+      __builtin_prefetch(w_in + k);
+      if (k % (kLine * sizeof(float) / sizeof(G)) == 0) __builtin_prefetch(g_in + k);
+      if constexpr (kOut == Out::kDelta) {
+        if (k % (kLine * sizeof(float) / sizeof(P)) == 0) __builtin_prefetch(low_in + k);
+      }
+    }
+    const int64_t end = std::min(n, first + kBlock);
+#pragma GCC ivdep
+    for (int64_t i = first; i < end; ++i) {
+      const float g = Widen(g_in[i]);
+      const float m = MulAdd(c1, g, b1 * m_in[i]);
+      const float v = MulAdd(c2, g * g, b2 * v_in[i]);
+      float u = (m / bc1) / (std::sqrt(v / bc2 + eps_root) + eps);
+      if constexpr (kDecay) u = MulAdd(wd, w_in[i], u);  // add_decayed_weights
+      const float w = MulAdd(step, u, w_in[i]);           // apply_updates(w, step * u)
+      m_out[i] = m;
+      v_out[i] = v;
+      w_out[i] = w;
+      if constexpr (kOut == Out::kDelta) {
+        delta_out[i] = Widen(Narrow<P>(w)) - Widen(low_in[i]);
+      } else if constexpr (kOut == Out::kParam) {
+        low_out[i] = Narrow<P>(w);
+      }
+    }
+  }
+}
+
 // Runs chunks until none is left. A helper that starts late finds none, so the
 // caller waits only for chunks that some running thread has taken.
 void Work(Job& j) {
   for (int64_t c; (c = j.next.fetch_add(1)) < j.num_chunks;) {
     const int64_t lo = c * j.chunk, hi = std::min(j.size, lo + j.chunk);
-    switch (j.mode) {
-      case Mode::kMoments: Update<Mode::kMoments>(j, lo, hi); break;
-      case Mode::kAdam: Update<Mode::kAdam>(j, lo, hi); break;
-      case Mode::kAdamW: Update<Mode::kAdamW>(j, lo, hi); break;
-    }
+    j.kernel(j, lo, hi);
     if (j.done.fetch_add(1) + 1 == j.num_chunks) {
       std::lock_guard<std::mutex> lock(j.mu);
       j.all_done.notify_all();
@@ -131,10 +247,20 @@ void Work(Job& j) {
   }
 }
 
+// Threads a call may use: OFFLAX_NATIVE_THREADS if set (read once), else all of XLA's pool.
+int64_t MaxThreads(int64_t pool_threads) {
+  static const int64_t cap = [] {
+    const char* env = std::getenv("OFFLAX_NATIVE_THREADS");
+    const long value = env == nullptr ? 0 : std::strtol(env, nullptr, 10);
+    return value > 0 ? static_cast<int64_t>(value) : int64_t{0};
+  }();
+  const int64_t threads = std::max<int64_t>(1, pool_threads);
+  return cap > 0 ? std::min(cap, threads) : threads;
+}
+
 // Splits the arrays in chunks over the caller and XLA's intra-op threads.
-ffi::Error Run(ffi::ThreadPool& pool, std::shared_ptr<Job> job, ffi::Buffer<ffi::F32>& hyper) {
-  // The moments read the first four hyperparameters only.
-  const size_t needed = job->mode == Mode::kMoments ? kBc1 : kNumHyper;
+ffi::Error Run(ffi::ThreadPool& pool, std::shared_ptr<Job> job, ffi::Buffer<ffi::F32>& hyper,
+               size_t needed) {
   if (hyper.element_count() != needed) {
     return ffi::Error::InvalidArgument("offlax adam: wrong number of hyperparameters");
   }
@@ -142,7 +268,7 @@ ffi::Error Run(ffi::ThreadPool& pool, std::shared_ptr<Job> job, ffi::Buffer<ffi:
   job->chunk = int64_t{1} << 16;  // 256 KiB of each array: big enough to amortise
   job->num_chunks = (job->size + job->chunk - 1) / job->chunk;
   if (job->num_chunks == 0) return ffi::Error::Success();
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), job->num_chunks) - 1;
+  const int64_t helpers = std::min(MaxThreads(pool.num_threads()), job->num_chunks) - 1;
   for (int64_t t = 0; t < helpers; ++t) pool.Schedule([job] { Work(*job); });
   Work(*job);
   std::unique_lock<std::mutex> lock(job->mu);
@@ -172,8 +298,8 @@ ffi::Error MomentsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> g, ffi::Buffe
     return ffi::Error::InvalidArgument("offlax adam: g, m and v differ in size");
   }
   auto job = MakeJob(g, m, v, m_out, v_out);
-  job->mode = Mode::kMoments;
-  return Run(pool, job, hyper);
+  job->kernel = Update<Mode::kMoments>;
+  return Run(pool, job, hyper, kBc1);  // the first four hyperparameters only
 }
 
 // The moments and the update (into the gradient's buffer when XLA aliases it).
@@ -187,10 +313,67 @@ ffi::Error AdamImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> g, ffi::Buffer<f
     return ffi::Error::InvalidArgument("offlax adam: g, m, v and p differ in size");
   }
   auto job = MakeJob(g, m, v, m_out, v_out);
-  job->mode = decay ? Mode::kAdamW : Mode::kAdam;
+  job->kernel = decay ? Update<Mode::kAdamW> : Update<Mode::kAdam>;
   job->p = p.typed_data();
   job->u = u->typed_data();
-  return Run(pool, job, hyper);
+  return Run(pool, job, hyper, kNumHyper);
+}
+
+template <typename G, typename P, Out kOut>
+Kernel PickDecay(bool decay) {
+  return decay ? FullStep<G, P, kOut, true> : FullStep<G, P, kOut, false>;
+}
+
+template <typename G>
+Kernel PickOut(int32_t out, bool low_bf16, bool decay) {
+  switch (static_cast<Out>(out)) {
+    case Out::kNone: return PickDecay<G, float, Out::kNone>(decay);
+    case Out::kDelta:
+      return low_bf16 ? PickDecay<G, uint16_t, Out::kDelta>(decay)
+                      : PickDecay<G, float, Out::kDelta>(decay);
+    case Out::kParam:
+      return low_bf16 ? PickDecay<G, uint16_t, Out::kParam>(decay)
+                      : PickDecay<G, float, Out::kParam>(decay);
+  }
+  return nullptr;
+}
+
+bool F32OrBf16(ffi::DataType t) { return t == ffi::DataType::F32 || t == ffi::DataType::BF16; }
+
+// The whole step: w (the param, or the master) and the moments in place; with
+// `out` != kNone also the low-precision param `low` updated, written as the new
+// param or its float32 update into `result`. `result` is a placeholder of one
+// element when out == kNone.
+ffi::Error StepImpl(ffi::ThreadPool pool, ffi::AnyBuffer g, ffi::Buffer<ffi::F32> m,
+                    ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> w, ffi::AnyBuffer low,
+                    ffi::Buffer<ffi::F32> hyper, ffi::Result<ffi::AnyBuffer> result,
+                    ffi::ResultBuffer<ffi::F32> m_out, ffi::ResultBuffer<ffi::F32> v_out,
+                    ffi::ResultBuffer<ffi::F32> w_out, bool decay, int32_t out) {
+  const size_t n = g.element_count();
+  if (m.element_count() != n || v.element_count() != n || w.element_count() != n ||
+      (out != 0 && (low.element_count() != n || result->element_count() != n))) {
+    return ffi::Error::InvalidArgument("offlax adam step: g, m, v, w and the param differ in size");
+  }
+  if (!F32OrBf16(g.element_type()) || (out != 0 && !F32OrBf16(low.element_type())) ||
+      out < 0 || out > 2) {
+    return ffi::Error::InvalidArgument("offlax adam step: unsupported dtype or output");
+  }
+  const bool low_bf16 = low.element_type() == ffi::DataType::BF16;
+  auto job = std::make_shared<Job>();
+  job->kernel = g.element_type() == ffi::DataType::BF16
+                    ? PickOut<uint16_t>(out, low_bf16, decay)
+                    : PickOut<float>(out, low_bf16, decay);
+  job->g = g.untyped_data();
+  job->m = m.typed_data();
+  job->v = v.typed_data();
+  job->w = w.typed_data();
+  job->low = low.untyped_data();
+  job->out = result->untyped_data();
+  job->m_out = m_out->typed_data();
+  job->v_out = v_out->typed_data();
+  job->w_out = w_out->typed_data();
+  job->size = static_cast<int64_t>(n);
+  return Run(pool, job, hyper, kNumHyper);
 }
 
 }  // namespace
@@ -217,3 +400,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OfflaxAdamF32, AdamImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()  // m
                                   .Ret<ffi::Buffer<ffi::F32>>()  // v
                                   .Attr<bool>("decay"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OfflaxAdamStep, StepImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()         // g (f32 or bf16)
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // m
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // w: the param or master
+                                  .Arg<ffi::AnyBuffer>()         // the low-precision param
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // hyperparameters
+                                  .Ret<ffi::AnyBuffer>()         // new param or its update
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // m
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // v
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // w
+                                  .Attr<bool>("decay")
+                                  .Attr<int32_t>("out"));
