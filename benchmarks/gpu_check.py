@@ -37,6 +37,7 @@ Writes `<out>/gpu_check.json` and prints a short table last. On a CPU it runs to
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -191,6 +192,33 @@ def native_in_host_compute(jax, np):
     out["runs"] = False
     out["error"] = f"{type(e).__name__}: {str(e)[:500]}"
   return out
+
+
+def host_step_threads(scale: float) -> dict:
+  """The native host step on this machine's CPU, all its cores and one (issue 20).
+
+  `benchmarks/host_adam.py` in a subprocess on the CPU backend (the host step
+  is XLA:CPU code also in a GPU program's host computation), the headline
+  variants only; DeepSpeed joins where `benchmarks/.venv-torch` exists.
+  """
+  import pathlib
+  import subprocess
+
+  script = pathlib.Path(__file__).resolve().parent / "host_adam.py"
+  cores = os.cpu_count() or 1
+  with tempfile.TemporaryDirectory() as out:
+    cmd = [sys.executable, str(script), "--sizes-m", f"{max(1.0, 256 * scale):g}"]
+    cmd += ["--threads", str(cores), "1", "--steps", "5", "--out", out]
+    run = subprocess.run(
+      cmd, capture_output=True, text=True, timeout=1200, env=dict(os.environ, JAX_PLATFORMS="cpu")
+    )
+    if run.returncode != 0:
+      return {"error": run.stderr.strip()[-500:]}
+    result = json.loads(pathlib.Path(out, "host_adam.json").read_text())
+  return {
+    size: {name: s["median"] for name, s in row["params_per_s"].items()}
+    for size, row in result["sizes"].items()
+  }
 
 
 def examples(steps: int) -> dict:
@@ -454,6 +482,7 @@ def main(argv=None) -> dict:
   result["params_on_host"] = params_on_host(offlax, optax, jax, scale, min(args.steps, 5))
   result["time"] = step_times(offlax, optax, jax, 2.5e8 * scale, args.steps, args.warmup)
   result["bandwidth_bytes_per_s"] = bandwidth(jax, int(2**30 * scale) // 4 * 4 or 4096)
+  result["host_step_params_per_s"] = host_step_threads(scale)
 
   # State bytes moved per streamed step: mu and nu in and out (4 x 4 bytes per parameter).
   n = sum(int(np.prod(s.shape)) for s in jax.tree.leaves(_params(2.5e8 * scale)))
@@ -494,6 +523,7 @@ def main(argv=None) -> dict:
       f"device peak, real run vs compile_for_gpu: {r['measured_vs_compiled']}",
       f"params, gradients and state on the host: {r['params_on_host']}",
       f"examples: {r['examples']}",
+      f"native host step (params/s, all cores and one): {r['host_step_params_per_s']}",
     ]
     print("\n".join(lines))
 

@@ -172,6 +172,7 @@ _SLOW = {
   "test_examples_and_benchmarks.py::test_lm_example_trains_checkpoints_and_resumes",
   "test_examples_and_benchmarks.py::test_multi_device_example_with_the_nvme_tier",
   "test_host_adam.py::test_bit_identical_under_default_xla_flags",  # test_default_flags.py
+  "test_host_adam.py::test_whole_step_under_default_xla_flags",  # a subprocess, as the above
   "test_checkpoint.py::test_async_round_trip_resumes_bit_exactly",
   "test_nvme_crash.py::test_sigkill_during_orbax_checkpoints",
   "test_nvme_crash.py::test_sigkill_on_a_mesh_keeps_every_shard_committed",
@@ -220,6 +221,13 @@ _KEEP = {
     "native-adamw_mask-host",
     "plain-adam_schedule-host",
   },
+  "test_host_adam.py::test_master_weights_whole_step_bit_identical": {
+    "native-adamw-update",
+    "native-adamw_mask_schedule-update_and_apply",
+    "plain-adam-update_and_apply",
+  },
+  "test_host_adam.py::test_update_and_apply_is_one_pass": {"native-adamw"},
+  "test_host_adam.py::test_master_weights_whole_step_under_offload": {"host"},
   "test_nvme.py::test_bit_identical_to_inner": {"native-adamw", "plain-clip_chain"},
   # Compositions in the streamed mode; host compute for two (test_export.py lowers all).
   "test_composition.py::*": {"device"},

@@ -32,7 +32,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 
 from offlax._src import coupling as coupling_lib
 from offlax._src import host_params
@@ -41,9 +40,9 @@ from offlax._src import schedule as schedule_lib
 from offlax._src.compat import compute_on
 from offlax._src.schedule import Piece
 
-# The inner update of one slice: (u_slots, inner state, p_slots or None) ->
-# (flat new updates, new inner state).
-Update = Callable[[list[Any], Any, Any], tuple[list[Any], Any]]
+# The inner update of one slice: (u_slots, inner state, p_slots or None, apply)
+# -> (flat new updates, or with `apply` the flat new params; new inner state).
+Update = Callable[[list[Any], Any, Any, bool], tuple[list[Any], Any]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,11 +132,9 @@ class Stream:
       u_slots[p.leaf] = u_in[n]
       if p_slots is not None:
         p_slots[p.leaf] = p_in[n]
-    out_u, out_state = self.update(u_slots, self.layout.merge(slice_items), p_slots)
+    out, out_state = self.update(u_slots, self.layout.merge(slice_items), p_slots, self.apply)
     out_items = self.layout.split(out_state)
-    new = [out_u[p.leaf] for p in pieces]
-    if self.apply:
-      new = [optax.apply_updates(x, u) for x, u in zip(p_in, new, strict=True)]
+    new = [out[p.leaf] for p in pieces]
     return (
       new,
       [out_items[j] for j, _ in keys],

@@ -264,7 +264,7 @@ class _Step:
       io: Any = DiskIO(self.tier, items, offloaded, step, shard)
     else:
       io = _HostIO(self.tier, items, offloaded, mesh_plan)
-    update = lambda u, state, p: self._update(spec, u, state, p, self.extra_args)
+    update = lambda u, state, p, apply: self._update(spec, u, state, p, self.extra_args, apply)
     stream = streaming.Stream(
       update, self.u_slots, self.p_slots, layout, items, io, on_host, apply=apply
     )
@@ -341,11 +341,15 @@ class _Step:
     host = self.tier.host if isinstance(self.tier, NVMeTier) else self.tier
     return sharding_lib.plan(spec, layout.owners, items, offloaded, host.shard_axis)
 
-  def _update(self, spec, u_slots, state, p_slots, extra_args):
+  def _update(self, spec, u_slots, state, p_slots, extra_args, apply=False):
+    """The inner update of flat slots: (updates, state), or with `apply` (new params, state)."""
     updates = spec.treedef.unflatten(u_slots)
     params = None if p_slots is None else spec.treedef.unflatten(p_slots)
-    new_updates, new_state = self.inner.update(updates, state, params, **extra_args)
-    return jax.tree.leaves(new_updates, is_leaf=layout_lib.is_masked), new_state
+    if apply:  # the inner's own fused step where it has one (offlax.adam, master_weights)
+      out, new_state = apply_lib.update_and_apply(self.inner, updates, state, params, **extra_args)
+    else:
+      out, new_state = self.inner.update(updates, state, params, **extra_args)
+    return jax.tree.leaves(out, is_leaf=layout_lib.is_masked), new_state
 
   def _on_host(self, layout, items, spec):
     """The whole inner update in one host computation: host compute on a mesh.
