@@ -153,7 +153,7 @@ def update_times(params: Any, steps: int, warmup: int) -> list[float]:
   tx = offlax.offload(offlax.adam(LR, native_update=True), offlax.HostTier(compute="host"))
   # Gradients donated too, and first: jax 0.10 pairs donated buffers with outputs
   # by shape and dtype, so the updates must take the gradients' buffers, not the
-  # state's (README "Donation").
+  # state's (docs/exactness.md, "Donation").
   update = jax.jit(tx.update, donate_argnums=(0, 1))
   state = tx.init(params)
   times = []
