@@ -4,10 +4,11 @@ Each page's `python` blocks run in order in one namespace that starts with
 `import jax, jax.numpy as jnp, numpy as np, optax, offlax` (as a reader's session would),
 in a temporary working directory; `<!-- docs-test: setup ... -->` comments hold hidden code
 run at their place (small params, a temporary store path), `<!-- docs-test: skip REASON -->`
-before a block leaves it out, and `<!-- docs-test: slow REASON -->` anywhere on a page moves
-its test to `-m slow`. `console` blocks are sessions: each `$ python -m offlax plan ...` line
-runs the command line in this process and its output must be the lines that follow it. Other
-fence languages (bash, text, none) are shown, not run.
+before a block leaves it out, `<!-- docs-test: slow REASON -->` anywhere on a page moves
+its test to `-m slow`, and `<!-- docs-test: devices N -->` runs the page in a subprocess with
+N virtual CPU devices (a mesh's examples). `console` blocks are sessions: each
+`$ python -m offlax plan ...` line runs the command line in this process and its output must be
+the lines that follow it. Other fence languages (bash, text, none) are shown, not run.
 """
 
 from __future__ import annotations
@@ -16,9 +17,12 @@ import ast
 import contextlib
 import dataclasses
 import io
+import os
 import pathlib
 import re
 import shlex
+import subprocess
+import sys
 
 import pytest
 
@@ -27,7 +31,7 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 PRELUDE = "import jax, jax.numpy as jnp, numpy as np, optax, offlax\n"
 
 _FENCE = re.compile(r"^(\s*)(`{3,})\s*([\w-]*)")
-_MARK = re.compile(r"^\s*<!-- docs-test: (setup|skip|slow)\b(.*)$")
+_MARK = re.compile(r"^\s*<!-- docs-test: (setup|skip|slow|devices)\b(.*)$")
 
 
 @dataclasses.dataclass
@@ -38,19 +42,28 @@ class Block:
   skip: bool = False
 
 
-def parse(text: str) -> tuple[list[Block], bool]:
-  """A page's blocks in order, and whether the page is marked slow."""
+@dataclasses.dataclass
+class Page:
+  blocks: list[Block]
+  slow: bool = False
+  devices: int = 1
+
+
+def parse(text: str) -> Page:
+  """A page's blocks in order, and how its test runs."""
   lines = text.split("\n")
-  blocks: list[Block] = []
-  slow, skip_next, i = False, False, 0
+  page = Page([])
+  blocks, skip_next, i = page.blocks, False, 0
   while i < len(lines):
     mark, fence = _MARK.match(lines[i]), _FENCE.match(lines[i])
     if mark and mark.group(1) == "setup":
       end = next(j for j in range(i + 1, len(lines)) if lines[j].strip() == "-->")
       blocks.append(Block("python", "\n".join(lines[i + 1 : end]), i + 2))
       i = end
+    elif mark and mark.group(1) == "devices":
+      page.devices = int(mark.group(2).split()[0])
     elif mark:
-      slow = slow or mark.group(1) == "slow"
+      page.slow = page.slow or mark.group(1) == "slow"
       skip_next = skip_next or mark.group(1) == "skip"
     elif fence:
       indent, ticks, lang = fence.groups()
@@ -59,13 +72,12 @@ def parse(text: str) -> tuple[list[Block], bool]:
       blocks.append(Block(lang, "\n".join(body), i + 2, skip=skip_next))
       skip_next, i = False, end
     i += 1
-  return blocks, slow
+  return page
 
 
 def _page_params():
   for page in PAGES:
-    _, slow = parse(page.read_text())
-    marks = [pytest.mark.slow] if slow else []
+    marks = [pytest.mark.slow] if parse(page.read_text()).slow else []
     yield pytest.param(page, id=str(page.relative_to(ROOT)), marks=marks)
 
 
@@ -88,11 +100,24 @@ def run_console(code: str, where: str) -> int:
 
 @pytest.mark.parametrize("page", list(_page_params()))
 def test_code_blocks_run(page, tmp_path, monkeypatch):
-  blocks, _ = parse(page.read_text())
   monkeypatch.chdir(tmp_path)  # what the blocks write (plots, stores) lands here
+  devices = parse(page.read_text()).devices
+  if devices == 1:
+    run_page(page)
+    return
+  flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"
+  code = f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r}); import test_docs; "
+  code += f"test_docs.run_page(test_docs.ROOT / {str(page.relative_to(ROOT))!r})"
+  env = {**os.environ, "XLA_FLAGS": flags, "PYTHONPATH": str(ROOT)}
+  result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+  assert result.returncode == 0, result.stderr[-4000:]
+
+
+def run_page(page: pathlib.Path) -> None:
+  """Runs a page's blocks in order in one namespace, in the current directory."""
   namespace: dict = {"__name__": "__docs__"}
   exec(PRELUDE, namespace)
-  for block in blocks:
+  for block in parse(page.read_text()).blocks:
     where = f"{page.relative_to(ROOT)}:{block.line}"
     if block.skip:
       continue
@@ -113,9 +138,11 @@ def test_parse_finds_setup_skip_slow_and_console():
     "  ```python\n  raise SystemExit\n  ```\n"
     "```console\n$ python -m offlax plan --help\n```\n"
     "```bash\nrm -rf /\n```\n"
+    "<!-- docs-test: devices 8 -->\n"
   )
-  blocks, slow = parse(text)
-  assert slow
+  page = parse(text)
+  blocks = page.blocks
+  assert page.slow and page.devices == 8
   assert [(b.lang, b.code, b.skip) for b in blocks] == [
     ("python", "x = 1", False),
     ("python", "y = x + 1", False),
@@ -135,7 +162,7 @@ def test_a_console_session_must_match():
 def test_readme_opens_with_the_two_commands():
   """The front page's first block: install and run the quickstart, then CI's test command."""
   readme = (ROOT / "README.md").read_text()
-  first = next(b for b in parse(readme)[0])
+  first = parse(readme).blocks[0]
   install, test = first.code.split("\n")
   assert first.lang == "bash" and readme.index("```") < readme.index("\n## ")
   assert install.endswith("pip install -e . && python examples/quickstart.py")
