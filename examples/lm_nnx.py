@@ -21,7 +21,7 @@ rematerialises each in the backward pass. With `--params-on-host` the layers'
 params live in `pinned_host` memory too: each step fetches one layer at a time,
 their gradients come back to host memory, and `offlax.nnx_update` writes the
 new params over the old on the host (the way a model too big for the device
-trains: see README "Params and gradients off the device").
+trains: see docs/params_off_device.md).
 
 Every `--ckpt-every` steps orbax saves the model and optimizer under
 `--dir/ckpt` (asynchronously; the NVMe tier's store with `offlax.NVMeStoreSave`);

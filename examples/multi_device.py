@@ -18,7 +18,7 @@ shard; the script then prints each store's bytes.
 
 For several hosts, start one process per host with the same script after
 `jax.distributed.initialize(coordinator_address, num_processes, process_id)`
-(see README "Multi-device and multi-host"); nothing else changes.
+(see docs/multi_device.md); nothing else changes.
 """
 
 from __future__ import annotations

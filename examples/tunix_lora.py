@@ -1,7 +1,7 @@
 """LoRA fine-tuning with Tunix's `PeftTrainer`, the AdamW state in host memory, and a resume.
 
 Run from the repository root (needs ``pip install -c constraints google-tunix``
-with jax pinned, see README "Tunix"):
+with jax pinned, see docs/flax.md, "Tunix"):
 
     python examples/tunix_lora.py --steps 20 --dir /tmp/offlax-tunix
 

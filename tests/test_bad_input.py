@@ -97,7 +97,7 @@ def test_checkpoint_arguments_of_wrong_type():
 
 @pytest.mark.parametrize("mode", ["host/host", "nvme"])
 def test_nan_and_inf_gradients_propagate_like_optax(tmp_path, mode):
-  """The README's rule in the tiers test_errors.py does not run: NaN in, NaN out."""
+  """The documented rule (docs/errors.md) in the tiers test_errors.py skips: NaN in, NaN out."""
   params = {"w": jnp.ones(4)}
   grads = {"w": jnp.array([1.0, jnp.nan, jnp.inf, -jnp.inf])}
   for n, inner in enumerate([optax.adam(1e-3), optax.apply_if_finite(optax.adam(1e-3), 3)]):

@@ -81,7 +81,7 @@ def test_inject_hyperparams_readable_and_settable(opts):
 
 
 def test_multi_steps_outside_offload(opts):
-  """Works on the CPU; on a GPU prefer offload(MultiSteps(...)) (see README)."""
+  """Works on the CPU; on a GPU prefer offload(MultiSteps(...)) (docs/exactness.md)."""
   _same_training(
     optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2),
     optax.MultiSteps(offlax.offload(optax.adam(1e-2), **opts), every_k_schedule=2),

@@ -189,7 +189,7 @@ def test_jitted_step_compiles_once(tier, placement, tmp_path):
 
 
 def test_uncommitted_params_cost_one_more_compile_only():
-  """JAX commits what a program that moves memory returns: the params too (README)."""
+  """JAX commits what a program that moves memory returns: the params too (docs/host_tier.md)."""
   assert _compiles(offlax.offload(optax.adam(1e-3)), _params(), calls=4) == 2
 
 

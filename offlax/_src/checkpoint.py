@@ -40,7 +40,7 @@ def abstract_state(
     params: the params, or their `jax.ShapeDtypeStruct`s.
     tier: a `HostTier`; None means the default one (or the one of `inner`
       if `inner` is an `offload` transformation). The NVMe tier keeps its
-      own store, see the README's "Checkpoints".
+      own store, see ``docs/checkpoints.md``.
 
   Returns:
     An `OffloadState` of `jax.ShapeDtypeStruct`s.

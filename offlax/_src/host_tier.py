@@ -29,7 +29,7 @@ class HostTier:
   The state lives in arrays with memory kind ``memory_kind``. With
   ``compute="device"`` each update moves the state to the device in slices of
   at most ``chunk_bytes``, runs the inner update on the slice and moves the new
-  state back (see ``README.md``, "The streaming schedule"). With
+  state back (see ``docs/host_tier.md``, "The streaming schedule"). With
   ``compute="host"`` (ZeRO-Offload style) the state never moves: the gradients
   (and params) go to host memory, the inner update runs on the host CPU
   (``compute_on("device_host")``), and only the updates come back.
@@ -51,7 +51,7 @@ class HostTier:
       offloaded state over as well (ZeRO-1): each device's host memory then
       holds 1/n of the state even where the params are replicated over that
       axis. ``None``: state arrays are sharded as their params are (always the
-      case for params on a mesh; see README "Multi-device and multi-host").
+      case for params on a mesh; see ``docs/multi_device.md``).
 
   Placement rule: a state leaf may live in host memory iff it has at least one
   dimension, at least ``min_offload_bytes`` bytes and ``select`` accepts its

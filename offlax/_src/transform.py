@@ -54,7 +54,7 @@ def offload(
   update on each slice and moves the new state back. Slices follow the data
   dependencies of the inner update (see `offlax._src.coupling`), so the
   arithmetic is that of `inner` (coupled transformations such as a global norm
-  clip inside `inner` run as one slice); README "Exactness" says when XLA
+  clip inside `inner` run as one slice); `docs/exactness.md` says when XLA
   rounds the two programs differently.
 
   Args:

@@ -1,0 +1,188 @@
+"""Every code block of README.md and docs/ runs, as written (the rules: docs/development.md).
+
+Each page's `python` blocks run in order in one namespace that starts with
+`import jax, jax.numpy as jnp, numpy as np, optax, offlax` (as a reader's session would),
+in a temporary working directory; `<!-- docs-test: setup ... -->` comments hold hidden code
+run at their place (small params, a temporary store path), `<!-- docs-test: skip REASON -->`
+before a block leaves it out, `<!-- docs-test: slow REASON -->` anywhere on a page moves
+its test to `-m slow`, and `<!-- docs-test: devices N -->` runs the page in a subprocess with
+N virtual CPU devices (a mesh's examples). `console` blocks are sessions: each
+`$ python -m offlax plan ...` line runs the command line in this process and its output must be
+the lines that follow it. Other fence languages (bash, text, none) are shown, not run.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import dataclasses
+import io
+import os
+import pathlib
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+PRELUDE = "import jax, jax.numpy as jnp, numpy as np, optax, offlax\n"
+
+_FENCE = re.compile(r"^(\s*)(`{3,})\s*([\w-]*)")
+_MARK = re.compile(r"^\s*<!-- docs-test: (setup|skip|slow|devices)\b(.*)$")
+
+
+@dataclasses.dataclass
+class Block:
+  lang: str  # "python" (a block or a hidden setup) or "console"
+  code: str
+  line: int  # of the first line of code in the page, for tracebacks
+  skip: bool = False
+
+
+@dataclasses.dataclass
+class Page:
+  blocks: list[Block]
+  slow: bool = False
+  devices: int = 1
+
+
+def parse(text: str) -> Page:
+  """A page's blocks in order, and how its test runs."""
+  lines = text.split("\n")
+  page = Page([])
+  blocks, skip_next, i = page.blocks, False, 0
+  while i < len(lines):
+    mark, fence = _MARK.match(lines[i]), _FENCE.match(lines[i])
+    if mark and mark.group(1) == "setup":
+      end = next(j for j in range(i + 1, len(lines)) if lines[j].strip() == "-->")
+      blocks.append(Block("python", "\n".join(lines[i + 1 : end]), i + 2))
+      i = end
+    elif mark and mark.group(1) == "devices":
+      page.devices = int(mark.group(2).split()[0])
+    elif mark:
+      page.slow = page.slow or mark.group(1) == "slow"
+      skip_next = skip_next or mark.group(1) == "skip"
+    elif fence:
+      indent, ticks, lang = fence.groups()
+      end = next(j for j in range(i + 1, len(lines)) if lines[j].strip() == ticks)
+      body = [ln[len(indent) :] if ln.startswith(indent) else ln for ln in lines[i + 1 : end]]
+      blocks.append(Block(lang, "\n".join(body), i + 2, skip=skip_next))
+      skip_next, i = False, end
+    i += 1
+  return page
+
+
+def _page_params():
+  for page in PAGES:
+    marks = [pytest.mark.slow] if parse(page.read_text()).slow else []
+    yield pytest.param(page, id=str(page.relative_to(ROOT)), marks=marks)
+
+
+def run_console(code: str, where: str) -> int:
+  """Runs each `$ python -m offlax plan` of a session; returns how many ran."""
+  from offlax.__main__ import main
+
+  ran = 0
+  for command, expected in re.findall(r"^\$ (.*)\n((?:(?!\$ ).*\n?)*)", code, re.M):
+    argv = shlex.split(command)
+    if argv[:4] != ["python", "-m", "offlax", "plan"] or {"--measure", "--compile"} & set(argv):
+      continue  # other commands need a store or a GPU compiler: shown, not run
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+      main(argv[3:])
+    assert out.getvalue().rstrip("\n") == expected.rstrip("\n"), f"{where}: $ {command}"
+    ran += 1
+  return ran
+
+
+@pytest.mark.parametrize("page", list(_page_params()))
+def test_code_blocks_run(page, tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)  # what the blocks write (plots, stores) lands here
+  devices = parse(page.read_text()).devices
+  if devices == 1:
+    run_page(page)
+    return
+  flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"
+  code = f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r}); import test_docs; "
+  code += f"test_docs.run_page(test_docs.ROOT / {str(page.relative_to(ROOT))!r})"
+  env = {**os.environ, "XLA_FLAGS": flags, "PYTHONPATH": str(ROOT)}
+  result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+  assert result.returncode == 0, result.stderr[-4000:]
+
+
+def run_page(page: pathlib.Path) -> None:
+  """Runs a page's blocks in order in one namespace, in the current directory."""
+  namespace: dict = {"__name__": "__docs__"}
+  exec(PRELUDE, namespace)
+  for block in parse(page.read_text()).blocks:
+    where = f"{page.relative_to(ROOT)}:{block.line}"
+    if block.skip:
+      continue
+    if block.lang == "python":
+      tree = ast.parse(block.code, filename=where)
+      ast.increment_lineno(tree, block.line - 1)
+      exec(compile(tree, str(page), "exec"), namespace)
+    elif block.lang == "console":
+      run_console(block.code + "\n", where)
+
+
+def test_parse_finds_setup_skip_slow_and_console():
+  text = (
+    "<!-- docs-test: slow (compiles a lot) -->\n"
+    "<!-- docs-test: setup\nx = 1\n-->\n"
+    "```python\ny = x + 1\n```\n"
+    "<!-- docs-test: skip (needs a GPU) -->\n"
+    "  ```python\n  raise SystemExit\n  ```\n"
+    "```console\n$ python -m offlax plan --help\n```\n"
+    "```bash\nrm -rf /\n```\n"
+    "<!-- docs-test: devices 8 -->\n"
+  )
+  page = parse(text)
+  blocks = page.blocks
+  assert page.slow and page.devices == 8
+  assert [(b.lang, b.code, b.skip) for b in blocks] == [
+    ("python", "x = 1", False),
+    ("python", "y = x + 1", False),
+    ("python", "raise SystemExit", True),
+    ("console", "$ python -m offlax plan --help", False),
+    ("bash", "rm -rf /", False),
+  ]
+  assert [b.line for b in blocks[:2]] == [3, 6]
+
+
+def test_a_console_session_must_match():
+  session = "$ python -m offlax plan --params 1M --device-mem 24GB --host-mem 8GB\nwrong\n"
+  with pytest.raises(AssertionError, match="plan --params 1M"):
+    run_console(session, "here")
+
+
+def test_readme_opens_with_the_two_commands():
+  """The front page's first block: install and run the quickstart, then CI's test command."""
+  readme = (ROOT / "README.md").read_text()
+  first = parse(readme).blocks[0]
+  install, test = first.code.split("\n")
+  assert first.lang == "bash" and readme.index("```") < readme.index("\n## ")
+  assert install.endswith("pip install -e . && python examples/quickstart.py")
+  assert (ROOT / "examples" / "quickstart.py").exists()
+  assert test == "pip install -e '.[test]' && python -m pytest -m \"not slow\" -q"
+  assert 'run -m "not slow" -q' in (ROOT / ".ci" / "run").read_text()  # the same command
+
+
+def test_readme_links_resolve():
+  """mkdocs checks the links of docs/; the README is outside it."""
+  readme = (ROOT / "README.md").read_text()
+  links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", readme)
+  local = [link for link in links if "://" not in link]
+  assert local, "the front page links into docs/"
+  assert [link for link in local if not (ROOT / link).exists()] == []
+
+
+def test_every_public_name_has_an_api_entry():
+  import offlax
+
+  api = (ROOT / "docs" / "api.md").read_text()
+  documented = re.findall(r"^::: offlax\.(\w+)$", api, re.M)
+  assert sorted(documented) == sorted(offlax.__all__)
