@@ -145,6 +145,19 @@ def test_cli_sizes_need_units_params_take_suffixes_and_no_fit_prints_no_costs(ca
     parse_count("lots")
 
 
+def test_no_fit_always_says_what_is_missing(capsys):
+  """Every DOES NOT FIT names what does not fit, and the fix where there is one."""
+  args = ["plan", "--params", "3e9", "--device-mem", "24GB", "--host-mem", "128GB", "--master"]
+  assert cli(args) == 1
+  out = capsys.readouterr().out
+  assert "DOES NOT FIT" in out and "12.0 GB of it for the updates" in out and "--fused" in out
+  assert cli([*args, "--fused"]) == 0
+  no_room = ["--device-mem", "4.3GB", "--host-mem", "1GB", "--nvme", "1TB"]
+  assert cli(["plan", "--params", "1e9", *no_room]) == 1
+  out = capsys.readouterr().out
+  assert "DOES NOT FIT" in out and "\n- " in out
+
+
 def test_params_in_host_memory_when_params_and_gradients_do_not_fit():
   # 13B bf16 params with an fp32 master on a 24 GB device: params and gradients alone are 52 GB.
   shapes = {f"w{i}": jax.ShapeDtypeStruct((2**26,), jnp.bfloat16) for i in range(194)}

@@ -282,6 +282,19 @@ def plan(
       f"{math.ceil(fixed / usable)}+ devices (a jax Mesh), use lower-precision params, "
       "or train fewer of them (LoRA-style adapters)"
     )
+  if not fused and fixed <= usable < fixed_host and state <= host_bytes:
+    advice.append(
+      f"host compute needs {format_bytes(fixed_host)} of device memory ({format_bytes(usable)} "
+      f"usable): {format_bytes(fixed_host - fixed)} of it for the updates it returns; step "
+      "with offlax.update_and_apply (plan --fused), which writes the new params instead"
+    )
+  if not advice and fixed <= usable:
+    advice.append(
+      f"params, gradients and three slices of state need {format_bytes(fixed + slices + small)}"
+      f" of device memory ({format_bytes(usable)} usable), and the state "
+      f"{format_bytes(state)} ({format_bytes(host_bytes)} of host RAM, "
+      f"{format_bytes(nvme_bytes)} of NVMe)"
+    )
   if state > host_bytes and store_bytes > nvme_bytes:
     advice.append(
       f"the optimizer state needs {format_bytes(state)}: add host RAM "
