@@ -62,7 +62,7 @@ import threading
 import time
 import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import crc32c
 import jax
@@ -78,7 +78,8 @@ from offlax._src import layout as layout_lib
 from offlax._src import schedule as schedule_lib
 from offlax._src import sharding as sharding_lib
 from offlax._src import telemetry as telemetry_lib
-from offlax._src.host_tier import HostTier
+from offlax._src import tier as tier_lib
+from offlax._src.host_tier import HostIO, HostTier
 
 DEFAULT_CHUNK = 16 * 2**20
 FORMAT_VERSION = 3  # 2: chunk_bytes recorded; step I/O on chunk files. 3: keep generations
@@ -711,7 +712,7 @@ def _copy_private(src: str, dst: str) -> None:
       os.close(fd)
 
 
-class NVMeTier:
+class NVMeTier(tier_lib.Tier):
   """Keeps optimizer state on a local disk, with small leaves cached in RAM.
 
   Each state array is a tensorstore zarr3 array under `path` (see the module
@@ -763,6 +764,8 @@ class NVMeTier:
     OnDisk(index=1, shape=(4, 3), dtype='float32')
     >>> tier.close()
   """
+
+  per_device: ClassVar[bool] = True  # on a mesh, each device streams its own store
 
   def __init__(
     self,
@@ -841,6 +844,36 @@ class NVMeTier:
   def to_device(self, x: Any) -> Any:
     return self.host.to_device(x)
 
+  def check_devices(self, devices: Any) -> None:
+    """Raises `MemoryKindError` unless every device offers host memory for the cache."""
+    self.host.check_devices(devices)
+
+  def open_io(self, items, offloaded, step, *, mesh_plan=None, shard=None) -> DiskIO:
+    """The callbacks of one step: reads and writes of the store, then the commit."""
+    return DiskIO(self, items, offloaded, step, shard)
+
+  def stats(self, state: Any, *, sync: bool = False) -> telemetry_lib.OffloadStats:
+    """Resident bytes per tier, the committed step, and the last completed step's I/O."""
+    resident = tier_lib.resident(state.inner_state)
+    moved = resident["host"] + resident["nvme"]
+    if sync:
+      jax.effects_barrier()
+    on_disk = sum(r.nbytes for r in self.store.records)
+    last = self.telemetry.last
+    base = telemetry_lib.OffloadStats(
+      self.store.step, resident["device"], resident["host"], on_disk, moved, moved
+    )
+    return base if last is None else base._replace(**last._asdict())
+
+  def check_config(self, state: Any, devices: Any) -> None:
+    """Warns about the slice size, the pinned host pool, and huge pages on the CPU."""
+    s = self.stats(state)
+    telemetry_lib.check_chunk(self.chunk_bytes, DEFAULT_CHUNK, s.h2d_bytes)
+    for platform in {d.platform for d in devices}:
+      telemetry_lib.check_pinned(s.host_bytes, platform)
+      if platform == "cpu":  # (builds the native library)
+        telemetry_lib.check_hugepages(s.nvme_bytes, platform, native=ffi.available())
+
   def close(self) -> None:
     """Waits for steps in flight (`jax.effects_barrier`) and releases the store's lock."""
     try:
@@ -861,6 +894,10 @@ class NVMeTier:
     A new store holds `inner.init(params)`, or `state` (an inner state with its
     values in memory) if given.
     """
+    if spec.placeholder:
+      # A tree without arrays (optax.tree.map_params' placeholder) has no state
+      # to store: the inner state as is, with a step, has the state's structure.
+      return inner.init(params), jnp.zeros((), jnp.int32)
     if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(params)):
       raise errors.InvalidTierError(
         "NVMeTier: init writes the store, so it must run eagerly, not under jax.jit or "
@@ -967,7 +1004,7 @@ class NVMeTier:
     abstract = jax.eval_shape(inner.init, params)
     layout = layout_lib.StateLayout(abstract, spec)
     shapes = layout.split(abstract)
-    specs = item_specs(spec, layout, shapes, _item_paths(abstract, layout))
+    specs = sharding_lib.item_specs(spec, layout, shapes, _item_paths(abstract, layout))
     record = sharding_lib.describe(mesh, spec.specs, spec.paths)
     record["shapes"] = _shapes_record(spec)
     name = os.path.join(self.path, _MESH)
@@ -1004,7 +1041,7 @@ class NVMeTier:
     }
     if self.resume:
       _agree(self.path, shards)
-    local = local_spec(spec)
+    local = sharding_lib.local_spec(spec)
     values = None if state is None else layout.split(state)
     per_shard: dict[int, list[Any]] = {}
     try:
@@ -1228,53 +1265,6 @@ def _shard_dir(i: int) -> str:
   return f"shard_{i:05d}"
 
 
-def item_specs(
-  spec: layout_lib.ParamSpec, layout: layout_lib.StateLayout, items: Sequence[Any], paths=None
-) -> list[P]:
-  """Each state item's PartitionSpec on the params' mesh: its param's, or P() (replicated).
-
-  Raises `InvalidTierError` for an item that the shards of its param cannot
-  split: shaped unlike its sharded param (factored state), or unevenly.
-  """
-  mesh, out = spec.mesh, []
-  for j, (x, o) in enumerate(zip(items, layout.owners, strict=True)):
-    shape = layout_lib.shape_of(x)
-    if o == coupling_lib.GLOBAL or sharding_lib.shards(spec.specs[o], mesh, len(shape)) == 1:
-      out.append(P())
-      continue
-    where = f"state leaf {paths[j]}" if paths else f"state item {j}"
-    param = f"param {spec.paths[o]} {list(spec.shapes[o] or ())} sharded as {spec.specs[o]}"
-    if shape != spec.shapes[o]:
-      raise errors.InvalidTierError(
-        f"NVMeTier on a mesh keeps each device's shard of a state array in its own store, but "
-        f"{where} is shaped {list(shape)}, unlike its {param} (factored state such as "
-        "optax.adafactor's). Replicate that param, or use offlax.HostTier."
-      )
-    axis = sharding_lib.uneven_axis(shape, spec.specs[o], mesh)
-    if axis is not None:
-      raise errors.InvalidTierError(
-        f"NVMeTier on a mesh: {where} of {param}: axis {axis} ({shape[axis]}) is not divisible "
-        f"by its mesh axes {mesh.shape}; every device's shard must have the same shape."
-      )
-    out.append(P(*sharding_lib.padded(spec.specs[o], len(shape))))
-  return out
-
-
-def slot_spec(spec: layout_lib.ParamSpec, i: int) -> P:
-  """Param slot `i`'s PartitionSpec (P() for a leaf on no mesh)."""
-  return P(*sharding_lib.padded(spec.specs[i], len(spec.shapes[i] or ())))
-
-
-def local_spec(spec: layout_lib.ParamSpec) -> layout_lib.ParamSpec:
-  """The ParamSpec of one device's shard of params sharded as `spec` (on no mesh)."""
-  shapes = tuple(
-    None if s is None else sharding_lib.local_shape(s, slot_spec(spec, i), spec.mesh)
-    for i, s in enumerate(spec.shapes)
-  )
-  nbytes = spec.nbytes // max(1, spec.mesh.size)  # for `offlax.stats` only
-  return layout_lib.ParamSpec(spec.treedef, shapes, nbytes)
-
-
 def _shard_on(x: Any, device: Any) -> Any:
   """`device`'s shard of `x` (all of `x` if it has no sharding), on that device."""
   if isinstance(x, jax.Array):
@@ -1416,7 +1406,7 @@ def _read_sharded(path, inner, params, spec, progress) -> tuple[Any, int, dict[s
   except (KeyError, TypeError, ValueError) as e:
     raise errors.StoreCorruptedError(f"{name} is malformed: {e!r}.") from e
   old = dataclasses.replace(spec, mesh=mesh, specs=old_specs)
-  specs = item_specs(old, layout, shapes, paths)
+  specs = sharding_lib.item_specs(old, layout, shapes, paths)
   values = [np.empty(x.shape, x.dtype) for x in shapes]
   steps = set()
   for position in _progress(range(mesh.size), progress, f"offlax: reading {path}"):
@@ -1710,11 +1700,9 @@ class DiskIO:
   loops = False  # its reads are planned per slice (`plan`), in the schedule's order
 
   def __init__(self, tier: NVMeTier, items, offloaded, step, shard=None):
-    from offlax._src.transform import _HostIO  # the moves of cached items
-
     self.tier, self.items, self.offloaded, self.step = tier, items, offloaded, step
     self.shard = () if shard is None else (shard,)
-    self.host = _HostIO(tier.host, items, offloaded)
+    self.host = HostIO(tier.host, items, offloaded)  # the moves of cached items
 
   def plan(self, keys):
     self.keys = keys
@@ -1737,6 +1725,9 @@ class DiskIO:
       self.reader: Any = _ByShard(readers)
     else:
       self.reader = _Reader(self.tier.store, reads, self.tier.readahead)
+
+  def to_host(self, x):
+    return self.host.to_host(x)
 
   def to_device(self, j, x):
     return self.host.to_device(j, x)
