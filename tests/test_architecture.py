@@ -93,7 +93,7 @@ def test_import_graph_has_no_cycle():
 
 
 def test_offload_knows_no_tier():
-  """`transform` talks to tiers through the `Tier` protocol only: no tier internals, no isinstance."""
+  """`transform` talks to tiers through the `Tier` protocol: no tier internals or isinstance."""
   imported = _graph()["offlax._src.transform"]
   tiers = {m for m in imported if "tier" in m.rsplit(".", 1)[-1] or ".nvme" in m}
   # (host_tier: `HostTier()` is the default tier)

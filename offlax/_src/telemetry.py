@@ -19,7 +19,6 @@ from typing import Any, NamedTuple
 import jax
 
 from offlax._src import errors
-from offlax._src import layout as layout_lib
 
 logger = logging.getLogger("offlax")
 

@@ -204,15 +204,19 @@ class Tier(Protocol):
 
   def check_devices(self, devices: Iterable[Any]) -> None:
     """Raises if the tier cannot hold state for params on `devices`."""
+    return None
 
   def check_state(self, inner_state: Any) -> None:
     """Raises if `inner_state`, given to `update`, is not where the tier put it."""
+    return None
 
   def check_config(self, state: OffloadState, devices: Iterable[Any]) -> None:
     """Warns (`PerformanceWarning`) about settings that work but cost speed or memory."""
+    return None
 
   def close(self) -> None:
     """Releases what the tier holds open (files, locks); the default holds nothing."""
+    return None
 
 
 def check(tier: Any) -> None:

@@ -6,7 +6,6 @@ import dataclasses
 import itertools
 import numbers
 import threading
-from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -468,8 +467,9 @@ def _check_per_shard(
   if sharded:
     why = (coupling.reason if not coupling.splittable else None) or "it is not elementwise"
     raise errors.InvalidTierError(
-      f"{type(tier).__name__} on a mesh updates each device's shard of the state by itself, but the inner "
-      f"update of sharded param(s) {', '.join(sharded[:3])} needs the other shards ({why}; "
+      f"{type(tier).__name__} on a mesh updates each device's shard of the state by itself, "
+      f"but the inner update of sharded param(s) {', '.join(sharded[:3])} needs the other "
+      f"shards ({why}; "
       "e.g. optax.clip_by_global_norm needs the norm over all of them). Chain such "
       "transformations outside offload, where they see global arrays: "
       "optax.chain(optax.clip_by_global_norm(1.0), offlax.offload(optax.adamw(...), tier)); "
