@@ -53,8 +53,8 @@ DEFAULT_CHUNK = 16 * 2**20
 class NVMeTier(tier_lib.Tier):
   """Keeps optimizer state on a local disk, with small leaves cached in RAM.
 
-  Each state array is a tensorstore zarr3 array under `path` (see the module
-  docstring for the layout and the commit protocol). Arrays that fit in
+  Each state array is a tensorstore zarr3 array under `path` (see
+  `offlax._src.nvme.format` for the layout and the commit protocol). Arrays that fit in
   `cache_bytes` (smallest first; scalars always) stay in host memory between
   steps, like the host tier; the others are read from disk slice by slice
   inside the jitted step, by `io_callback`s that read `readahead` slices ahead
@@ -63,7 +63,7 @@ class NVMeTier(tier_lib.Tier):
   included, is on disk after it.
 
   With params sharded on a mesh, `path` holds one store per device, each with
-  only that device's shard (module docstring); the options apply to each
+  only that device's shard (`offlax._src.nvme.format`); the options apply to each
   store (`cache_bytes` per device), and `shards` holds this process's.
 
   Args:
