@@ -43,8 +43,8 @@ class OffloadState(NamedTuple):
     inner_state: the inner transformation's state, with the inner structure
       unchanged, so `optax.tree_utils.tree_get(state, "mu")` finds it.
     spec: the parameter tree the state was built for (static, no leaves).
-    step: for the NVMe tier, the last committed step (an int32 scalar); None
-      for the host tier.
+    step: the tier's step (`Tier.init`, then `TierIO.next_step`): for the NVMe
+      tier the last committed step (an int32 scalar); None for the host tier.
   """
 
   inner_state: Any
