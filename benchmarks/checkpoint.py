@@ -88,7 +88,7 @@ class Timings:
 
 
 def flush(path: pathlib.Path) -> None:
-  from offlax._src.nvme_tier import _syncfs
+  from offlax._src.nvme.direct_io import _syncfs
 
   _syncfs(os.fspath(path))
 

@@ -506,7 +506,7 @@ def measure_raw(workdir: pathlib.Path, raw_gib: float, tool: str) -> dict[str, A
 class CallbackTimer:
   """Times (only) the NVMe tier's callbacks and store calls, per step.
 
-  Wraps methods of `offlax._src.nvme_tier._Reader` and of one `Store`; missing
+  Wraps methods of `offlax._src.nvme.pipeline._Reader` and of one `Store`; missing
   names (the tier changed) leave the breakdown empty rather than failing.
   """
 
@@ -535,9 +535,9 @@ class CallbackTimer:
 
   def install(self, store: Any) -> None:
     try:
-      from offlax._src import nvme_tier
+      from offlax._src.nvme import pipeline
 
-      reader = nvme_tier._Reader
+      reader = pipeline._Reader
       for attr in ("_read", "_write_slice", "commit"):
         getattr(reader, attr)
       store.commit  # noqa: B018

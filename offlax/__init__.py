@@ -39,10 +39,12 @@ from offlax._src.inspector import LeafReport, StoreReport, inspect_store
 from offlax._src.layers import scan_layers
 from offlax._src.layout import OnDisk, ParamSpec
 from offlax._src.master import MasterWeightsState, master_weights
-from offlax._src.nvme_tier import NVMeTier, rollback
+from offlax._src.nvme.rollback import rollback
+from offlax._src.nvme.tier import NVMeTier
 from offlax._src.planner import Plan, plan
-from offlax._src.telemetry import OffloadStats, stats
-from offlax._src.transform import OffloadState, offload
+from offlax._src.telemetry import OffloadStats
+from offlax._src.tier import OffloadState, Tier, TierIO, stats
+from offlax._src.transform import offload
 
 __version__ = "0.1.0"
 
@@ -75,6 +77,8 @@ __all__ = [
   "StoreLockedError",
   "StoreMismatchError",
   "StoreReport",
+  "Tier",
+  "TierIO",
   "TransformationTypeError",
   "TreeMismatchError",
   "UnsavableStateError",

@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import offlax  # noqa: E402
 from offlax._src import ffi, sharding  # noqa: E402
-from offlax._src.nvme_tier import Store  # noqa: E402
+from offlax._src.nvme.store import Store  # noqa: E402
 
 TIERS = {
   "stream": lambda: offlax.HostTier(chunk_bytes=512),

@@ -18,8 +18,8 @@ import pytest
 from conftest import assert_trees_equal
 
 import offlax
-from offlax._src import nvme_tier
-from offlax._src.nvme_tier import Store
+from offlax._src.nvme import store as nvme_store
+from offlax._src.nvme.store import Store
 
 PARAMS = {"w": jnp.linspace(-1.0, 1.0, 256).reshape(16, 16), "b": jnp.ones(16)}
 SMALL = dict(chunk_bytes=256, cache_bytes=0, progress=False, fsync=False)
@@ -163,7 +163,7 @@ def test_read_only_directory_without_root(tmp_path):
 
 def _enospc_after(monkeypatch, n):
   """Makes every chunk write after the first `n` fail as on a full disk."""
-  write, calls = nvme_tier._pwrite_all, []
+  write, calls = nvme_store._pwrite_all, []
 
   def full(fd, parts, offset):
     calls.append(fd)
@@ -171,7 +171,7 @@ def _enospc_after(monkeypatch, n):
       raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     return write(fd, parts, offset)
 
-  monkeypatch.setattr(nvme_tier, "_pwrite_all", full)
+  monkeypatch.setattr(nvme_store, "_pwrite_all", full)
 
 
 @pytest.mark.parametrize("where", ["chunk", "commit"])
@@ -191,7 +191,7 @@ def test_full_disk_keeps_the_last_commit(tmp_path, monkeypatch, where):
     def full(directory, meta, *, fsync):
       raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(nvme_tier, "_write_metadata", full)
+    monkeypatch.setattr(nvme_store, "_write_metadata", full)
     match = r"cannot commit step 2 to .*offlax.json.*No space left"
   with pytest.raises(Exception, match=match):
     jax.block_until_ready(_steps(tx, state, 1, start=1))

@@ -181,4 +181,4 @@ def test_nvme_store_in_an_orbax_checkpoint(tmp_path):
   tier.close()
   assert_trees_equal(got, want)
   with pytest.raises(offlax.StoreExistsError, match="already holds"):
-    offlax._src.nvme_tier.copy_store(str(tmp_path / "store"), str(tmp_path / "restored"))
+    offlax._src.nvme.copies.copy_store(str(tmp_path / "store"), str(tmp_path / "restored"))

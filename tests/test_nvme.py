@@ -18,7 +18,7 @@ from conftest import assert_trees_equal, grads_like, model_params
 import offlax
 from offlax._src import ffi
 from offlax._src.layout import StateLayout
-from offlax._src.nvme_tier import Store
+from offlax._src.nvme.store import Store
 from offlax._src.transform import _spec_of
 
 SMALL = dict(chunk_bytes=3000, cache_bytes=600, progress=False, fsync=False)
@@ -365,11 +365,11 @@ def test_failed_step_then_a_different_step(tmp_path, monkeypatch):
 
 def test_direct_io(tmp_path, monkeypatch):
   """Whole, block-aligned chunks bypass the page cache; the rest do not; both exact."""
-  from offlax._src import nvme_tier
+  from offlax._src.nvme import store as nvme_store
 
   direct = []
-  clear_direct = nvme_tier._clear_direct
-  monkeypatch.setattr(nvme_tier, "_clear_direct", lambda fd: direct.append(fd) or clear_direct(fd))
+  clear_direct = nvme_store._clear_direct
+  monkeypatch.setattr(nvme_store, "_clear_direct", lambda fd: direct.append(fd) or clear_direct(fd))
   # Chunks of 8 KiB: "a" two whole ones; "b" a whole one and a short one of one
   # block (read directly, written directly with its block of padding); "c" a
   # short one of 1 KiB (page cache both ways).

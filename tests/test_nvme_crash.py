@@ -24,7 +24,7 @@ import optax
 from conftest import assert_trees_equal, long_profile
 
 from offlax._src.layout import StateLayout
-from offlax._src.nvme_tier import Store
+from offlax._src.nvme.store import Store
 from offlax._src.transform import _spec_of
 
 KEEP = 3  # the children's orbax max_to_keep

@@ -17,7 +17,7 @@ from conftest import assert_trees_equal, grads_like, model_params
 
 import offlax
 from offlax._src import telemetry
-from offlax._src.nvme_tier import Store
+from offlax._src.nvme.store import Store
 
 SMALL = dict(chunk_bytes=3000, cache_bytes=600, progress=False, fsync=False)
 PARAMS = {"w": jnp.ones((256, 256)), "b": jnp.zeros(256)}

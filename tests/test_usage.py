@@ -335,10 +335,10 @@ def test_ctrl_c_in_a_callback_surfaces_as_keyboard_interrupt_after_the_commit(
   import signal
   import time
 
-  from offlax._src import nvme_tier
+  from offlax._src.nvme import store as nvme_store
 
   tier, tx, train, params, state = _nvme_run(str(tmp_path), 1)
-  read, calls = nvme_tier.Store.read, []
+  read, calls = nvme_store.Store.read, []
 
   def interrupted_read(self, *args, **kwargs):
     calls.append(1)
@@ -346,7 +346,7 @@ def test_ctrl_c_in_a_callback_surfaces_as_keyboard_interrupt_after_the_commit(
       signal.raise_signal(signal.SIGINT)
     return read(self, *args, **kwargs)
 
-  monkeypatch.setattr(nvme_tier.Store, "read", interrupted_read)
+  monkeypatch.setattr(nvme_store.Store, "read", interrupted_read)
   returned = None
   with pytest.raises(KeyboardInterrupt):
     returned = train(params, state, _grads(params, 1))
@@ -423,7 +423,7 @@ def test_store_locked_by_another_process_names_its_pid(tmp_path):
   path = str(tmp_path)
   holder = subprocess.Popen(
     [sys.executable, "-c", f"import offlax, sys, time\n"
-     f"from offlax._src.nvme_tier import Store\n"
+     f"from offlax._src.nvme.store import Store\n"
      f"s = Store({path!r}, fsync=False); s.lock(); print('locked', flush=True); time.sleep(60)"],
     stdout=subprocess.PIPE, text=True,
   )  # fmt: skip

@@ -13,12 +13,14 @@ import optax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from offlax._src import errors, flax_glue, nvme_tier
+from offlax._src import errors, flax_glue
 from offlax._src import layout as layout_lib
 from offlax._src import sharding as sharding_lib
 from offlax._src import transform as transform_lib
 from offlax._src.host_tier import HostTier
-from offlax._src.nvme_tier import NVMeTier
+from offlax._src.nvme import copies, sharded
+from offlax._src.nvme.format import is_sharded
+from offlax._src.nvme.tier import NVMeTier
 from offlax._src.transform import OffloadState, _devices_of, _spec_of
 
 
@@ -277,7 +279,7 @@ def reshard(
   src, dest = os.fspath(src), os.fspath(dest)
   progress = tier_options.get("progress", True)
   spec = _spec_of(params, "params")
-  state, step, options = nvme_tier.read_sharded(src, inner, params, spec, progress=progress)
+  state, step, options = sharded.read_sharded(src, inner, params, spec, progress=progress)
   tier = NVMeTier(dest, **{**options, **tier_options})
   retier(state, inner, params, tier)
   tier.close()
@@ -347,9 +349,9 @@ class _NVMeStoreHandler(ocp.handlers.CheckpointHandler):
 
   def restore(self, directory: epath.Path, args: NVMeStoreRestore) -> int:
     src, dest = os.fspath(directory), os.fspath(args.path)
-    if nvme_tier.is_sharded(src):  # each process restores its own shards' stores
-      return nvme_tier.copy_sharded(src, dest, progress=args.progress)
-    return nvme_tier.copy_store(src, dest, progress=args.progress)
+    if is_sharded(src):  # each process restores its own shards' stores
+      return copies.copy_sharded(src, dest, progress=args.progress)
+    return copies.copy_store(src, dest, progress=args.progress)
 
 
 @ocp.args.register_with_handler(_NVMeStoreHandler, for_save=True)

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, ClassVar
 
 import jax
 import numpy as np
 
-from offlax._src import errors
+from offlax._src import errors, host_params, telemetry
 from offlax._src import layout as layout_lib
 from offlax._src import sharding as sharding_lib
+from offlax._src import tier as tier_lib
 
 # Inside `jit`, JAX 0.10 types exactly one host memory space, `pinned_host`
 # (`jax.memory.Space.Host`); `unpinned_host` buffers are typed as device memory,
@@ -23,7 +24,7 @@ _COMPUTE = ("device", "host")
 
 
 @dataclasses.dataclass(frozen=True)
-class HostTier:
+class HostTier(tier_lib.Tier):
   """Keeps optimizer state in host memory; updates it on the device or the host.
 
   The state lives in arrays with memory kind ``memory_kind``. With
@@ -77,6 +78,8 @@ class HostTier:
   fraction: float = 1.0
   select: str | Callable[[str], bool] | None = None
   shard_axis: str | None = None
+
+  boxes_state: ClassVar[bool] = True
 
   def __post_init__(self):
     for name in ("chunk_bytes", "min_offload_bytes"):
@@ -205,3 +208,107 @@ class HostTier:
   def to_device(x: jax.Array) -> jax.Array:
     """Moves `x` to device memory; valid inside and outside jit."""
     return jax.device_put(x, jax.memory.Space.Device)
+
+  # -- the `Tier` protocol ---------------------------------------------------
+
+  def init(self, inner: Any, params: Any, spec: layout_lib.ParamSpec) -> tuple[Any, None]:
+    """The inner state of `params`, each leaf where `placement` puts it; no step."""
+    sharding_lib.check_axis(spec.mesh, self.shard_axis)
+    return self.place(host_params.init(inner.init, params), spec), None
+
+  def open_io(self, items, offloaded, step, *, mesh_plan=None, shard=None) -> HostIO:
+    """The moves of one step's slices between host memory and the device."""
+    return HostIO(self, items, offloaded, mesh_plan)
+
+  def stats(self, state: tier_lib.OffloadState, *, sync: bool = False) -> telemetry.OffloadStats:
+    """Resident bytes per memory, and what a step moves each way."""
+    resident = tier_lib.resident(state.inner_state)
+    moved = state.spec.nbytes if self.compute == "host" else resident["host"] + resident["nvme"]
+    return telemetry.OffloadStats(None, resident["device"], resident["host"], 0, moved, moved)
+
+  def check_state(self, inner_state: Any) -> None:
+    """Refuses state whose offloaded leaves arrive typed as device arrays.
+
+    The step would run, keep them on the device and return them there: the state
+    would leave its tier without a word.
+    """
+    flat = jax.tree_util.tree_flatten_with_path(inner_state)[0]
+    wanted = jax.tree.leaves(self.placement(inner_state))
+    for (path, x), host in zip(flat, wanted, strict=True):
+      if host and not tier_lib.is_offloaded(x):
+        raise errors.MemoryKindError(
+          f"state leaf {jax.tree_util.keystr(path)} is typed as device memory "
+          f"({jax.typeof(x)}), but the tier keeps it in {self.memory_kind}. Restored state "
+          "and jax.ShapeDtypeStruct specs need offlax.placed(tree) (JAX types a "
+          "SingleDeviceSharding in host memory as device memory; a NamedSharding keeps it), "
+          "or restore into offlax.abstract_state(...); jax.eval_shape keeps no memory kinds: "
+          "build specs with offlax.abstract_state. State moved by hand must stay where init "
+          "put it."
+        )
+
+  def check_config(self, state: tier_lib.OffloadState, devices: Iterable[Any]) -> None:
+    """Warns about a slice size far from the default, or a full pinned host pool."""
+    s = self.stats(state)
+    if self.compute == "device":
+      telemetry.check_chunk(self.chunk_bytes, DEFAULT_CHUNK_BYTES, s.h2d_bytes)
+    for platform in {d.platform for d in devices}:
+      telemetry.check_pinned(s.host_bytes, platform)
+
+  def close(self) -> None:
+    """Nothing to release: the state's arrays are the caller's."""
+
+
+class HostIO:
+  """Moves slices between the host tier and the device inside the jitted step."""
+
+  loops = True  # slices may be taken at traced offsets (see `streaming.Stream.loop`)
+
+  def __init__(
+    self,
+    tier: HostTier,
+    items: Sequence[Any],
+    offloaded: Sequence[bool],
+    mesh_plan: sharding_lib.MeshPlan | None = None,
+  ):
+    self.tier, self.items, self.offloaded = tier, items, offloaded
+    self.mesh_plan = mesh_plan
+
+  def to_host(self, x):
+    """A value (a piece of a device item, a gradient) moved into the host computation."""
+    return self.tier.to_host(x)
+
+  def plan(self, keys):
+    self.keys = keys
+
+  def to_device(self, j, x):
+    if not self.offloaded[j]:
+      return x
+    if self.mesh_plan is not None:  # each device moves its own shard of the piece
+      return self.mesh_plan.put(j, x, "device")
+    return self.tier.to_device(x)
+
+  def to_tier(self, j, x):
+    if not self.offloaded[j]:
+      return x
+    if self.mesh_plan is not None:
+      return self.mesh_plan.put(j, x, self.tier.memory_kind)
+    return self.tier.to_host(x)
+
+  def fetch(self, keys, after):
+    """Moves the given (item, piece) pairs to the device, not before `after` exists."""
+    pieces = [p.take(self.items[j]) for j, p in keys]
+    if after is not None:
+      _, pieces = jax.lax.optimization_barrier((after, pieces))
+    return [self.to_device(j, x) for (j, _), x in zip(keys, pieces, strict=True)]
+
+  def load(self, k, after):
+    return self.fetch(self.keys[k], after)
+
+  def store(self, k, values):
+    return [self.to_tier(j, x) for (j, _), x in zip(self.keys[k], values, strict=True)]
+
+  def finish(self, items):
+    return items
+
+  def next_step(self):
+    return None

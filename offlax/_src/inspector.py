@@ -15,7 +15,9 @@ import numpy as np
 
 from offlax._src import errors
 from offlax._src import layout as layout_lib
-from offlax._src import nvme_tier as nvme_lib
+from offlax._src.nvme import direct_io
+from offlax._src.nvme import format as store_format
+from offlax._src.nvme import store as store_lib
 from offlax._src.telemetry import format_bytes
 
 _TMP_MARK = ".orbax-checkpoint-tmp"
@@ -136,7 +138,7 @@ def inspect_store(
   root = os.path.abspath(os.fspath(path))
   if not os.path.isdir(root):
     raise errors.StoreError(f"inspect: {root} is not a directory.")
-  if os.path.exists(os.path.join(root, nvme_lib._METADATA)):
+  if os.path.exists(os.path.join(root, store_format._METADATA)):
     return [_inspect_nvme(root, verify, progress)]
   reports = []
   for directory, dirs, files in os.walk(root):
@@ -147,7 +149,7 @@ def inspect_store(
     if _TMP_MARK in os.path.basename(directory):
       dirs.clear()  # an unfinished save: orbax ignores it, and so do we
       continue
-    if nvme_lib._METADATA in files:
+    if store_format._METADATA in files:
       reports.append(_inspect_nvme(directory, verify, progress))
       dirs.clear()
     elif "_METADATA" in files:
@@ -155,7 +157,7 @@ def inspect_store(
       dirs.clear()
   if not reports:
     raise errors.StoreError(
-      f"inspect: {root} holds no offlax store (no {nvme_lib._METADATA}) and no orbax "
+      f"inspect: {root} holds no offlax store (no {store_format._METADATA}) and no orbax "
       "checkpoint item (no _METADATA)."
     )
   return reports
@@ -175,7 +177,7 @@ def _skipped(directory: str) -> bool:
 
 
 def _inspect_nvme(path: str, verify: bool, progress: bool) -> StoreReport:
-  store = nvme_lib.Store(path, fsync=False)
+  store = store_lib.Store(path, fsync=False)
   report = StoreReport(path, "nvme", verified=verify)
   try:
     store.read_metadata()
@@ -194,7 +196,7 @@ def _inspect_nvme(path: str, verify: bool, progress: bool) -> StoreReport:
   pairs = list(zip(report.leaves, store.records, strict=True))
   work = [(leaf, r, s, g) for s, g in store.kept for leaf, r in pairs]
   desc = f"offlax: verifying {path}"
-  for leaf, r, step, gen in nvme_lib._progress(work, progress and verify, desc):
+  for leaf, r, step, gen in store_lib._progress(work, progress and verify, desc):
     problem = _check_item(store, r, gen, verify)
     if problem is not None:
       report.problems.append(f"step {step}: {problem}")
@@ -208,11 +210,11 @@ def _inspect_nvme(path: str, verify: bool, progress: bool) -> StoreReport:
   return report
 
 
-def _check_item(store: nvme_lib.Store, r: nvme_lib.LeafRecord, gen: int, verify: bool):
+def _check_item(store: store_lib.Store, r: store_format.LeafRecord, gen: int, verify: bool):
   """The first problem of item `r` in generation `gen`, or None."""
   if not verify:
     return store.check_files(r, gen)
-  buffer = nvme_lib._aligned_empty(r.chunk_nbytes)
+  buffer = direct_io._aligned_empty(r.chunk_nbytes)
   for c, first, end in store._chunks(r, 0, r.size):
     try:
       store._read_chunk(r, gen, c, buffer[: (end - first) * np.dtype(r.dtype).itemsize])
@@ -223,7 +225,7 @@ def _check_item(store: nvme_lib.Store, r: nvme_lib.LeafRecord, gen: int, verify:
 
 def _locked(path: str) -> bool:
   try:
-    fd = os.open(os.path.join(path, nvme_lib._LOCK), os.O_RDONLY | os.O_NOFOLLOW)
+    fd = os.open(os.path.join(path, store_format._LOCK), os.O_RDONLY | os.O_NOFOLLOW)
   except OSError:
     return False
   try:

@@ -37,7 +37,7 @@ def bus(nbytes: int) -> float:
 
 def disk(directory: str | None, nbytes: int) -> float:
   """Sequential write then read of `nbytes` with direct I/O where the filesystem allows."""
-  from offlax._src.nvme_tier import _O_DIRECT, _aligned_empty, _pread_into, _pwrite_all
+  from offlax._src.nvme.direct_io import _O_DIRECT, _aligned_empty, _pread_into, _pwrite_all
 
   data = _aligned_empty(nbytes)
   data[:] = 1

@@ -11,7 +11,8 @@ import jax
 import numpy as np
 import optax
 
-from offlax._src import errors, flax_glue, nvme_tier
+from offlax._src import errors, flax_glue
+from offlax._src.nvme.format import DEFAULT_KEEP
 from offlax._src.telemetry import format_bytes
 
 GB = 10**9
@@ -246,7 +247,7 @@ def plan(
   cache = max(0, int(host_bytes * 0.75) - 8 * chunk_bytes)
   on_disk = max(0, state - small - cache)
   # The store holds all of the state (cached arrays too) once per generation.
-  store_bytes = (nvme_tier.DEFAULT_KEEP + 1) * (state - small)
+  store_bytes = (DEFAULT_KEEP + 1) * (state - small)
   nvme_fits = fixed + slices + small <= usable and 0 < on_disk and store_bytes <= nvme_bytes
   if nvme_fits:
     placement = everywhere("device")
@@ -299,7 +300,7 @@ def plan(
     advice.append(
       f"the optimizer state needs {format_bytes(state)}: add host RAM "
       f"({format_bytes(state - host_bytes)} more than the host has) or NVMe (a store keeps "
-      f"{nvme_tier.DEFAULT_KEEP + 1} copies: {format_bytes(store_bytes)})"
+      f"{DEFAULT_KEEP + 1} copies: {format_bytes(store_bytes)})"
     )
   return make(
     "none", False, everywhere("host"), fixed, state, 0, 2 * param_bytes, 0, math.inf, advice
@@ -344,7 +345,7 @@ def _params_on_host(
       bus / bus_bytes_per_s + compute, [why],
     )  # fmt: skip
   cache = max(0, int((host_bytes - 2 * param_bytes) * 0.75) - 8 * chunk_bytes)
-  store_bytes = (nvme_tier.DEFAULT_KEEP + 1) * (state - small)
+  store_bytes = (DEFAULT_KEEP + 1) * (state - small)
   if cache <= 0 or store_bytes > nvme_bytes:
     return None
   disk = 2 * max(0, state - small - cache) + min(cache, state - small) + small

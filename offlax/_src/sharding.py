@@ -18,8 +18,11 @@ from typing import Any
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import PartitionSpec as P
 
+from offlax._src import coupling as coupling_lib
 from offlax._src import errors
+from offlax._src import layout as layout_lib
 
 
 def mesh_of(
@@ -300,9 +303,6 @@ def plan(
   spec: Any, owners: Sequence[int], items: Sequence[Any], offloaded: Sequence[bool], shard_axis
 ) -> MeshPlan:
   """The `MeshPlan` of a state whose params (`spec`) are sharded on `spec.mesh`."""
-  from offlax._src import coupling as coupling_lib
-  from offlax._src import layout as layout_lib
-
   mesh, n = spec.mesh, len(spec.shapes)
   item_specs: list[PartitionSpec] = []
   by_slot: list[list[PartitionSpec]] = [[] for _ in range(n)]
@@ -337,3 +337,50 @@ def like_params(spec: Any, slots: list[Any]) -> list[Any]:
   return [
     x if s is None else place(x, spec.mesh, s) for x, s in zip(slots, spec.specs, strict=True)
   ]
+
+
+def item_specs(
+  spec: layout_lib.ParamSpec, layout: layout_lib.StateLayout, items: Sequence[Any], paths=None
+) -> list[P]:
+  """Each state item's PartitionSpec on the params' mesh: its param's, or P() (replicated).
+
+  Raises `InvalidTierError` for an item that the shards of its param cannot
+  split: shaped unlike its sharded param (factored state), or unevenly.
+  """
+  mesh, out = spec.mesh, []
+  for j, (x, o) in enumerate(zip(items, layout.owners, strict=True)):
+    shape = layout_lib.shape_of(x)
+    if o == coupling_lib.GLOBAL or shards(spec.specs[o], mesh, len(shape)) == 1:
+      out.append(P())
+      continue
+    where = f"state leaf {paths[j]}" if paths else f"state item {j}"
+    param = f"param {spec.paths[o]} {list(spec.shapes[o] or ())} sharded as {spec.specs[o]}"
+    if shape != spec.shapes[o]:
+      raise errors.InvalidTierError(
+        f"NVMeTier on a mesh keeps each device's shard of a state array in its own store, but "
+        f"{where} is shaped {list(shape)}, unlike its {param} (factored state such as "
+        "optax.adafactor's). Replicate that param, or use offlax.HostTier."
+      )
+    axis = uneven_axis(shape, spec.specs[o], mesh)
+    if axis is not None:
+      raise errors.InvalidTierError(
+        f"NVMeTier on a mesh: {where} of {param}: axis {axis} ({shape[axis]}) is not divisible "
+        f"by its mesh axes {mesh.shape}; every device's shard must have the same shape."
+      )
+    out.append(P(*padded(spec.specs[o], len(shape))))
+  return out
+
+
+def slot_spec(spec: layout_lib.ParamSpec, i: int) -> P:
+  """Param slot `i`'s PartitionSpec (P() for a leaf on no mesh)."""
+  return P(*padded(spec.specs[i], len(spec.shapes[i] or ())))
+
+
+def local_spec(spec: layout_lib.ParamSpec) -> layout_lib.ParamSpec:
+  """The ParamSpec of one device's shard of params sharded as `spec` (on no mesh)."""
+  shapes = tuple(
+    None if s is None else local_shape(s, slot_spec(spec, i), spec.mesh)
+    for i, s in enumerate(spec.shapes)
+  )
+  nbytes = spec.nbytes // max(1, spec.mesh.size)  # for `offlax.stats` only
+  return layout_lib.ParamSpec(spec.treedef, shapes, nbytes)

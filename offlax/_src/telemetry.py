@@ -1,7 +1,7 @@
 """What the offload costs: bytes per tier and per step, the NVMe pipeline's I/O, warnings.
 
-`stats` reads the sizes from the state's structure (no device sync) and the
-NVMe tier's counters of its last completed step, which the step's callbacks
+`offlax.stats` (`tier.stats`) reads the sizes from the state's structure (no
+device sync) and the NVMe tier's counters of its last completed step, which the step's callbacks
 keep on the Python side (`DiskTelemetry`), so leaving them on costs a few
 clock reads and additions per slice.
 """
@@ -19,7 +19,6 @@ from typing import Any, NamedTuple
 import jax
 
 from offlax._src import errors
-from offlax._src import layout as layout_lib
 
 logger = logging.getLogger("offlax")
 
@@ -95,79 +94,6 @@ def _io_line(s: Any) -> str:
     f"waited on I/O {s.io_wait_s:.3g} s of {s.step_s:.3g} s ({share:.0%}); "
     f"cache hits {format_bytes(s.cache_hit_bytes)}, misses {format_bytes(s.cache_miss_bytes)}"
   )
-
-
-def stats(state: Any, tier: Any, *, sync: bool = False) -> OffloadStats:
-  """Bytes per tier and per step of an `offload` state, and the NVMe tier's last step.
-
-  Cheap enough to call every step: it reads shapes and memory kinds, not
-  values, and never waits for the device unless `sync` is set.
-
-  Args:
-    state: the `OffloadState` returned by `offload(...).init` or `update` (or
-      an abstract one, e.g. from `jax.eval_shape`), or a state holding exactly
-      one (e.g. that of ``optax.chain(clip, offload(...))``).
-    tier: the tier passed to `offload` (a `HostTier` or an `NVMeTier`).
-    sync: wait for dispatched steps first (`jax.effects_barrier`), so the NVMe
-      figures are those of the step that produced `state`; otherwise they are
-      those of the last step that has completed.
-
-  Returns:
-    An `OffloadStats`.
-
-  Example:
-    >>> import jax.numpy as jnp, optax, offlax
-    >>> tier = offlax.HostTier()
-    >>> state = offlax.offload(optax.adam(1e-3), tier).init({"w": jnp.ones((256, 256))})
-    >>> s = offlax.stats(state, tier)
-    >>> s.host_bytes, s.h2d_bytes  # mu and nu, fp32
-    (524288, 524288)
-  """
-  from offlax._src.host_tier import HostTier
-  from offlax._src.nvme_tier import NVMeTier
-  from offlax._src.transform import OffloadState
-
-  if not isinstance(state, OffloadState):
-    # A chain's state (optax.chain(clip, offload(...))): the OffloadState inside it.
-    found = [
-      x
-      for x in jax.tree.leaves(state, is_leaf=lambda n: isinstance(n, OffloadState))
-      if isinstance(x, OffloadState)
-    ]
-    if len(found) != 1:
-      got = f"{len(found)} of them" if found else "none"
-      raise errors.TreeMismatchError(
-        f"offlax.stats expects the OffloadState of offlax.offload, or a state holding one "
-        f"(a chain's), got a {type(state).__name__} holding {got}; pass the OffloadState itself."
-      )
-    state = found[0]
-  if not isinstance(tier, (HostTier, NVMeTier)):
-    raise errors.InvalidTierError(
-      f"offlax.stats: tier must be the HostTier or NVMeTier of offload, got {type(tier).__name__}."
-    )
-  resident = {"device": 0, "host": 0, "nvme": 0}
-  for x in jax.tree.leaves(state.inner_state, is_leaf=layout_lib.is_slot):
-    if isinstance(x, layout_lib.OnDisk):
-      resident["nvme"] += layout_lib.nbytes(x)
-    elif hasattr(x, "shape") and hasattr(x, "dtype"):
-      resident[_kind(x)] += layout_lib.nbytes(x)
-  moved = resident["host"] + resident["nvme"]
-  if isinstance(tier, HostTier) and tier.compute == "host":
-    moved = state.spec.nbytes
-  if not isinstance(tier, NVMeTier):
-    return OffloadStats(None, resident["device"], resident["host"], 0, moved, moved)
-  if sync:
-    jax.effects_barrier()
-  on_disk = sum(r.nbytes for r in tier.store.records)
-  last = tier.telemetry.last
-  base = OffloadStats(tier.store.step, resident["device"], resident["host"], on_disk, moved, moved)
-  return base if last is None else base._replace(**last._asdict())
-
-
-def _kind(x: Any) -> str:
-  concrete = isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) and not isinstance(x, jax.core.Tracer)
-  kind = getattr(x.sharding, "memory_kind", None) if concrete else None
-  return "host" if kind in ("pinned_host", "unpinned_host") else "device"
 
 
 class StepIO(NamedTuple):

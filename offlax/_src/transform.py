@@ -6,8 +6,7 @@ import dataclasses
 import itertools
 import numbers
 import threading
-from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import numpy as np
@@ -16,35 +15,20 @@ from jax.sharding import PartitionSpec as P
 
 from offlax._src import apply as apply_lib
 from offlax._src import coupling as coupling_lib
-from offlax._src import errors, ffi, flax_glue, host_params, nvme_tier, streaming, telemetry
+from offlax._src import errors, flax_glue, streaming, telemetry
 from offlax._src import layout as layout_lib
 from offlax._src import schedule as schedule_lib
 from offlax._src import sharding as sharding_lib
+from offlax._src import tier as tier_lib
 from offlax._src.compat import compute_on
-from offlax._src.host_tier import DEFAULT_CHUNK_BYTES, HostTier
+from offlax._src.host_tier import HostTier
 from offlax._src.layout import ParamSpec
-from offlax._src.nvme_tier import DiskIO, NVMeTier
-
-
-class OffloadState(NamedTuple):
-  """State of `offload`: the inner state, placed in the tier.
-
-  Attributes:
-    inner_state: the inner transformation's state, with the inner structure
-      unchanged, so `optax.tree_utils.tree_get(state, "mu")` finds it.
-    spec: the parameter tree the state was built for (static, no leaves).
-    step: for the NVMe tier, the last committed step (an int32 scalar); None
-      for the host tier.
-  """
-
-  inner_state: Any
-  spec: ParamSpec
-  step: Any = None
+from offlax._src.tier import OffloadState, Tier
 
 
 def offload(
   inner: optax.GradientTransformation,
-  tier: HostTier | NVMeTier | None = None,
+  tier: Tier | None = None,
   **tier_options: Any,
 ) -> optax.GradientTransformationExtraArgs:
   """Keeps the state of `inner` in a memory tier off the accelerator.
@@ -59,7 +43,8 @@ def offload(
 
   Args:
     inner: the transformation whose state is offloaded.
-    tier: where the state lives; `None` means `HostTier(**tier_options)`.
+    tier: where the state lives (any `offlax.Tier`: `HostTier`, `NVMeTier`,
+      or your own); `None` means `HostTier(**tier_options)`.
     **tier_options: options of the default `HostTier` when `tier` is None.
 
   Returns:
@@ -89,10 +74,7 @@ def offload(
       f"offload got both a tier and tier options {sorted(tier_options)}; "
       "set the options on the tier."
     )
-  if not isinstance(tier, (HostTier, NVMeTier)):
-    raise errors.InvalidTierError(
-      f"tier must be an offlax.HostTier or offlax.NVMeTier, got {type(tier).__name__}."
-    )
+  tier_lib.check(tier)
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
@@ -111,21 +93,12 @@ def offload(
       )
       _RECORDING.calls[id(spec)] = (inner, tier, shapes)
       return OffloadState(inner.init(params), spec)
-    if isinstance(tier, NVMeTier) and spec.placeholder:
-      # A tree without arrays (optax.tree.map_params' placeholder) has no state
-      # to store: the inner state as is, with a step, has the state's structure.
-      return OffloadState(inner.init(params), spec, jax.numpy.zeros((), jax.numpy.int32))
     devices = _devices_of(params)
     _RECORDING.offloading = True
     try:
-      if isinstance(tier, NVMeTier):
-        tier.host.check_devices(devices)
-        inner_state, step = tier.init(inner, params, spec)
-        state = OffloadState(inner_state, spec, step)
-      else:
-        tier.check_devices(devices)
-        sharding_lib.check_axis(spec.mesh, tier.shard_axis)
-        state = OffloadState(tier.place(host_params.init(inner.init, params), spec), spec)
+      tier.check_devices(devices)
+      inner_state, step = tier.init(inner, params, spec)
+      state = OffloadState(inner_state, spec, step)
     finally:
       _RECORDING.offloading = False
     if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(params)):
@@ -133,10 +106,10 @@ def offload(
         device = next(iter(devices))
         mesh = sharding_lib.one_device_target(params, device)
         state = sharding_lib.on_one_device(state, mesh, device)
-      _check_config(state, tier, devices)
+      tier.check_config(state, devices)
       for platform in {d.platform for d in devices}:
         telemetry.check_committed(params, platform)
-      if boxed and isinstance(tier, HostTier):
+      if boxed and tier.boxes_state:
         state = state._replace(inner_state=flax_glue.rebox(state.inner_state))
     return state
 
@@ -216,12 +189,11 @@ class _Step:
     """(updates, state), or with `apply` (new params, state)."""
     layout = layout_lib.StateLayout(self.inner_state, spec)
     items = layout.split(self.inner_state)
-    if isinstance(self.tier, HostTier):
-      _check_placement(self.tier, self.inner_state)
+    self.tier.check_state(self.inner_state)
     if spec.mesh is not None:
-      if isinstance(self.tier, HostTier) and self.tier.compute == "host":
+      if self.tier.compute == "host":
         updates, state = self._on_host(layout, items, spec)
-      elif isinstance(self.tier, NVMeTier):
+      elif self.tier.per_device:
         updates, state = self._on_shards(layout, items, spec, step)
       else:
         return self._streamed(layout, items, spec, step, apply=apply)
@@ -234,7 +206,7 @@ class _Step:
   def _streamed(
     self, layout, items, spec: ParamSpec, step: Any, shard: Any = None, coupling=None, apply=False
   ):
-    """The streamed update (`_stream`) of `items`; `shard`: see `DiskIO`.
+    """The streamed update (`streaming.Stream`) of `items`; `shard`: see `Tier.open_io`.
 
     `coupling`: the whole tree's, when the caller has it (`_on_shards`).
     `apply`: return the new params instead of the updates.
@@ -244,7 +216,10 @@ class _Step:
     if coupling is None:
       coupling = self._analyze(layout, items, leaves, shapes)
     offloaded = [_offloaded(x) for x in items]
-    mesh_plan = self._mesh_plan(spec, layout, items, offloaded)
+    mesh_plan = None
+    if spec.mesh is not None:
+      mesh_plan = sharding_lib.plan(spec, layout.owners, items, offloaded, self.tier.shard_axis)
+    io = self.tier.open_io(items, offloaded, step, mesh_plan=mesh_plan, shard=shard)
     if mesh_plan is None:
       per_slot = layout_lib.leaf_bytes(items, layout.owners, len(spec.shapes), _offloaded)
       cut_axes = None
@@ -252,18 +227,15 @@ class _Step:
       per_slot = list(mesh_plan.slot_bytes)
       cut_axes = [mesh_plan.cut_axes[i] for i in leaves]
     leaf_bytes = [per_slot[i] for i in leaves]
-    on_host = isinstance(self.tier, HostTier) and self.tier.compute == "host"
+    on_host = self.tier.compute == "host"
+    # Equal pieces for a tier whose slices `Stream` takes itself: its runs loop.
     built = schedule_lib.build(
       coupling, shapes, leaf_bytes, self.tier.chunk_bytes, cut_axes,
-      even=isinstance(self.tier, HostTier), min_pieces=2 if on_host else 1,
+      even=io.loops, min_pieces=2 if on_host else 1,
     )  # fmt: skip
     slices = [
       tuple(dataclasses.replace(p, leaf=leaves[p.leaf]) for p in pieces) for pieces in built
     ]
-    if isinstance(self.tier, NVMeTier):
-      io: Any = DiskIO(self.tier, items, offloaded, step, shard)
-    else:
-      io = _HostIO(self.tier, items, offloaded, mesh_plan)
     update = lambda u, state, p, apply: self._update(spec, u, state, p, self.extra_args, apply)
     stream = streaming.Stream(
       update, self.u_slots, self.p_slots, layout, items, io, on_host, apply=apply
@@ -275,7 +247,7 @@ class _Step:
     return spec.treedef.unflatten(out_u_slots), new_state
 
   def _on_shards(self, layout, items, spec: ParamSpec, step: Any):
-    """The NVMe tier on a mesh: the streamed update per device, inside `jax.shard_map`.
+    """A `per_device` tier on a mesh: the streamed update per device, inside `jax.shard_map`.
 
     A callback in an SPMD program runs once, not per device; inside
     `shard_map` each device runs its own, with its shard of every array, and
@@ -286,11 +258,11 @@ class _Step:
     mesh = spec.mesh
     leaves = [i for i, s in enumerate(spec.shapes) if s is not None]
     coupling = self._analyze(layout, items, leaves, [spec.shapes[i] for i in leaves])
-    _check_per_shard(coupling, spec, leaves)
-    slot_specs = [nvme_tier.slot_spec(spec, i) for i in leaves]
-    item_specs = nvme_tier.item_specs(spec, layout, items)
+    _check_per_shard(self.tier, coupling, spec, leaves)
+    slot_specs = [sharding_lib.slot_spec(spec, i) for i in leaves]
+    item_specs = sharding_lib.item_specs(spec, layout, items)
     hot = [j for j, x in enumerate(items) if not isinstance(x, layout_lib.OnDisk)]
-    local = nvme_tier.local_spec(spec)
+    local = sharding_lib.local_spec(spec)
     local_items: list[Any] = [
       layout_lib.OnDisk(x.index, sharding_lib.local_shape(x.shape, s, mesh), x.dtype)
       if isinstance(x, layout_lib.OnDisk)
@@ -335,12 +307,6 @@ class _Step:
     out_u = spec.treedef.unflatten(_fill(self.u_slots, leaves, new_u))
     return out_u, OffloadState(layout.merge(out_items), spec, new_step)
 
-  def _mesh_plan(self, spec, layout, items, offloaded) -> sharding_lib.MeshPlan | None:
-    if spec.mesh is None:
-      return None
-    host = self.tier.host if isinstance(self.tier, NVMeTier) else self.tier
-    return sharding_lib.plan(spec, layout.owners, items, offloaded, host.shard_axis)
-
   def _update(self, spec, u_slots, state, p_slots, extra_args, apply=False):
     """The inner update of flat slots: (updates, state), or with `apply` (new params, state)."""
     updates = spec.treedef.unflatten(u_slots)
@@ -366,7 +332,7 @@ class _Step:
     def update(*args):
       # Typed as device values inside the host computation: the inner update
       # makes constants (device-typed), and ops need one memory space.
-      u, s, p, e = jax.tree.map(HostTier.to_device, args)
+      u, s, p, e = jax.tree.map(_to_device, args)
       extra_args = jax.tree.unflatten(extra_def, _fill(extra_leaves, arrays, e))
       p_slots = None if p is None else _fill(self.p_slots, leaves, p)
       new_u, new_state = self._update(
@@ -383,12 +349,11 @@ class _Step:
       None if self.p_slots is None else to_host([self.p_slots[i] for i in leaves]),
       to_host([extra_leaves[i] for i in arrays]),
     )
-    out_u = _fill(self.u_slots, leaves, [HostTier.to_device(x) for x in new_u])
+    out_u = _fill(self.u_slots, leaves, [_to_device(x) for x in new_u])
     out_u = sharding_lib.like_params(spec, out_u)
     # Items that were on the device (scalars, partial offload) go back there.
     out_items = [
-      x if _offloaded(old) else HostTier.to_device(x)
-      for old, x in zip(items, new_items, strict=True)
+      x if _offloaded(old) else _to_device(x) for old, x in zip(items, new_items, strict=True)
     ]
     return spec.treedef.unflatten(out_u), OffloadState(layout.merge(out_items), spec)
 
@@ -486,94 +451,12 @@ def _dtype_dependence(restricted, leaves, u_args, jaxpr) -> str | None:
   return None
 
 
-class _HostIO:
-  """Moves slices between the host tier and the device inside the jitted step."""
-
-  loops = True  # slices may be taken at traced offsets (see `streaming.Stream.loop`)
-
-  def __init__(
-    self,
-    tier: HostTier,
-    items: Sequence[Any],
-    offloaded: Sequence[bool],
-    mesh_plan: sharding_lib.MeshPlan | None = None,
-  ):
-    self.tier, self.items, self.offloaded = tier, items, offloaded
-    self.mesh_plan = mesh_plan
-
-  def to_host(self, x):
-    """A value (a piece of a device item, a gradient) moved into the host computation."""
-    return self.tier.to_host(x)
-
-  def plan(self, keys):
-    self.keys = keys
-
-  def to_device(self, j, x):
-    if not self.offloaded[j]:
-      return x
-    if self.mesh_plan is not None:  # each device moves its own shard of the piece
-      return self.mesh_plan.put(j, x, "device")
-    return self.tier.to_device(x)
-
-  def to_tier(self, j, x):
-    if not self.offloaded[j]:
-      return x
-    if self.mesh_plan is not None:
-      return self.mesh_plan.put(j, x, self.tier.memory_kind)
-    return self.tier.to_host(x)
-
-  def fetch(self, keys, after):
-    """Moves the given (item, piece) pairs to the device, not before `after` exists."""
-    pieces = [p.take(self.items[j]) for j, p in keys]
-    if after is not None:
-      _, pieces = jax.lax.optimization_barrier((after, pieces))
-    return [self.to_device(j, x) for (j, _), x in zip(keys, pieces, strict=True)]
-
-  def finish(self, items):
-    return items
-
-  def next_step(self):
-    return None
-
-
-def _check_config(state: OffloadState, tier: HostTier | NVMeTier, devices: set[Any]) -> None:
-  """Warns about settings that work but cost speed or memory (see `PerformanceWarning`)."""
-  s = telemetry.stats(state, tier)
-  host = tier.host if isinstance(tier, NVMeTier) else tier
-  recommended = nvme_tier.DEFAULT_CHUNK if isinstance(tier, NVMeTier) else DEFAULT_CHUNK_BYTES
-  if host.compute == "device":
-    telemetry.check_chunk(tier.chunk_bytes, recommended, s.h2d_bytes)
-  for platform in {d.platform for d in devices}:
-    telemetry.check_pinned(s.host_bytes, platform)
-    if isinstance(tier, NVMeTier) and platform == "cpu":  # (builds the native library)
-      telemetry.check_hugepages(s.nvme_bytes, platform, native=ffi.available())
-
-
-def _check_placement(tier: HostTier, state: Any) -> None:
-  """Refuses host-tier state whose offloaded leaves arrive typed as device arrays.
-
-  The step would run, keep them on the device and return them there: the state
-  would leave its tier without a word.
-  """
-  flat = jax.tree_util.tree_flatten_with_path(state)[0]
-  wanted = jax.tree.leaves(tier.placement(state))
-  for (path, x), host in zip(flat, wanted, strict=True):
-    if host and not _offloaded(x):
-      raise errors.MemoryKindError(
-        f"state leaf {jax.tree_util.keystr(path)} is typed as device memory "
-        f"({jax.typeof(x)}), but the tier keeps it in {tier.memory_kind}. Restored state "
-        "and jax.ShapeDtypeStruct specs need offlax.placed(tree) (JAX types a "
-        "SingleDeviceSharding in host memory as device memory; a NamedSharding keeps it), "
-        "or restore into offlax.abstract_state(...); jax.eval_shape keeps no memory kinds: "
-        "build specs with offlax.abstract_state. State moved by hand must stay where init "
-        "put it."
-      )
-
-
-def _check_per_shard(coupling: coupling_lib.Coupling, spec: ParamSpec, leaves: list[int]) -> None:
+def _check_per_shard(
+  tier: Tier, coupling: coupling_lib.Coupling, spec: ParamSpec, leaves: list[int]
+) -> None:
   """Raises `InvalidTierError` if the update of a sharded param needs other shards.
 
-  The NVMe tier on a mesh updates each device's shard by itself, which is
+  A `per_device` tier (the NVMe tier) on a mesh updates each device's shard by itself, which is
   exact for elementwise updates (adam, sgd, ...) and for replicated params.
   """
   paths, mesh = spec.paths, spec.mesh
@@ -588,8 +471,9 @@ def _check_per_shard(coupling: coupling_lib.Coupling, spec: ParamSpec, leaves: l
   if sharded:
     why = (coupling.reason if not coupling.splittable else None) or "it is not elementwise"
     raise errors.InvalidTierError(
-      f"NVMeTier on a mesh updates each device's shard of the state by itself, but the inner "
-      f"update of sharded param(s) {', '.join(sharded[:3])} needs the other shards ({why}; "
+      f"{type(tier).__name__} on a mesh updates each device's shard of the state by itself, "
+      f"but the inner update of sharded param(s) {', '.join(sharded[:3])} needs the other "
+      f"shards ({why}; "
       "e.g. optax.clip_by_global_norm needs the norm over all of them). Chain such "
       "transformations outside offload, where they see global arrays: "
       "optax.chain(optax.clip_by_global_norm(1.0), offlax.offload(optax.adamw(...), tier)); "
@@ -597,11 +481,11 @@ def _check_per_shard(coupling: coupling_lib.Coupling, spec: ParamSpec, leaves: l
     )
 
 
-def _offloaded(x: Any) -> bool:
-  """Whether a state item lives off the device (where init put it)."""
-  if isinstance(x, layout_lib.OnDisk):
-    return True
-  return getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
+_offloaded = tier_lib.is_offloaded
+
+
+def _to_device(x: Any) -> Any:
+  return jax.device_put(x, jax.memory.Space.Device)
 
 
 def _fill(slots, leaves, values):

@@ -1,0 +1,1 @@
+"""The NVMe tier: optimizer state on a local disk (`tier.NVMeTier`), one concern per module."""

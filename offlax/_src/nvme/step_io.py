@@ -1,0 +1,185 @@
+"""The NVMe tier's `TierIO` (`DiskIO`): a step's slices via `io_callback`s and native copies."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import io_callback
+
+from offlax._src import errors, ffi
+from offlax._src import layout as layout_lib
+from offlax._src.host_tier import HostIO
+from offlax._src.nvme.format import _is_key, _key_data, _key_impl
+from offlax._src.nvme.pipeline import _ByShard, _Reader
+
+
+class DiskIO:
+  """Moves slices between the NVMe tier and the device inside the jitted step.
+
+  Cached items move like the host tier's. Items on disk are read by one
+  `io_callback` per slice, which returns slice k (prefetched by the previous
+  call) and starts reading the next ones; new values go back by a callback that
+  writes them and returns a ticket. The callbacks are unordered
+  (JAX 0.10 cannot lower ordered callbacks beside host-memory outputs), so
+  data dependencies order them: the read of slice k takes the ticket of slice
+  k-2, and the last callback, which writes the cached items and commits, takes
+  every ticket.
+
+  On XLA:CPU (with offlax's native library) the values do not cross the
+  callbacks: the read callback returns where slice k lies (its buffer's
+  address and size), `offlax_from_slice` copies it into XLA's arrays, and
+  `offlax_to_slice` copies the new values back into the same buffer before the
+  write callback (`submit`) hands it to the I/O threads (`native/slices.cc`).
+
+  On a mesh the step runs per device inside `jax.shard_map`, `items` are one
+  device's shards and `shard` is the device's mesh position (traced): every
+  callback gets it first, and `_ByShard` hands it to that shard's store.
+  """
+
+  loops = False  # its reads are planned per slice (`plan`), in the schedule's order
+
+  def __init__(self, tier: Any, items, offloaded, step, shard=None):
+    self.tier, self.items, self.offloaded, self.step = tier, items, offloaded, step
+    self.shard = () if shard is None else (shard,)
+    self.host = HostIO(tier.host, items, offloaded)  # the moves of cached items
+
+  def plan(self, keys):
+    self.keys = keys
+    self.tickets: list[tuple[int, Any]] = []  # (slice, write callback's result)
+    self.copied: dict[int, Any] = {}  # slice -> (where, ticket) of its native read
+    self.host.plan(keys)
+    self.cold = [
+      [n for n, (j, _) in enumerate(ks) if isinstance(self.items[j], layout_lib.OnDisk)]
+      for ks in keys
+    ]
+    reads = []
+    for ks, cold in zip(keys, self.cold, strict=True):
+      reads.append(
+        [(self.items[ks[n][0]].index, *_flat_range(self.items[ks[n][0]], ks[n][1])) for n in cold]
+      )
+    if self.shard:
+      readers = {
+        i: _Reader(t.store, reads, self.tier.readahead) for i, t in self.tier.shards.items()
+      }
+      self.reader: Any = _ByShard(readers)
+    else:
+      self.reader = _Reader(self.tier.store, reads, self.tier.readahead)
+
+  def to_host(self, x):
+    return self.host.to_host(x)
+
+  def to_device(self, j, x):
+    return self.host.to_device(j, x)
+
+  def to_tier(self, j, x):
+    return self.host.to_tier(j, x)
+
+  def load(self, k, after):
+    hot = [n for n in range(len(self.keys[k])) if n not in self.cold[k]]
+    out: list[Any] = [None] * len(self.keys[k])
+    if hot:
+      loaded = self.host.fetch([self.keys[k][n] for n in hot], after)
+      for n, x in zip(hot, loaded, strict=True):
+        out[n] = x
+    if self.cold[k]:
+      avals = [
+        jax.ShapeDtypeStruct(shape, self.items[self.keys[k][n][0]].dtype)
+        for n, (_, _, _, shape) in zip(self.cold[k], self.reader.reads[k], strict=True)
+      ]
+      # Reading slice k waits for slice k-2's write callback: XLA would otherwise
+      # be free to run every read first and hold the whole state in memory.
+      earlier = [t for i, t in self.tickets if i <= k - 2]
+      dep = earlier[-1] if earlier else self.step
+      values, self.copied[k] = self._fetch(k, avals, dep)
+      for n, x in zip(self.cold[k], values, strict=True):
+        out[n] = x
+    return out
+
+  def _fetch(self, k, avals, dep):
+    """Slice k's values, and (where, ticket) for `_put` on XLA:CPU with the native library."""
+    read = functools.partial(self.reader.read, k)
+    via_callback = lambda shard, step, dep: (
+      io_callback(read, avals, *shard, step, dep),
+      (jnp.zeros(4, jnp.uint32), jnp.int32(0)),
+    )
+
+    def native(shard, step, dep):
+      locate = functools.partial(self.reader.locate, k)
+      where = io_callback(locate, jax.ShapeDtypeStruct((4,), jnp.uint32), *shard, step, dep)
+      out = (*avals, jax.ShapeDtypeStruct((), jnp.int32))
+      copy = jax.ffi.ffi_call("offlax_from_slice", out, has_side_effect=True)
+      *values, ticket = copy(where, offsets=self.reader.offsets[k])
+      return values, (where, ticket)
+
+    return ffi.on_cpu(native, via_callback, self.shard, self.step, dep)
+
+  def store(self, k, values):
+    out = [
+      None if n in self.cold[k] else self.host.to_tier(j, values[n])
+      for n, (j, _) in enumerate(self.keys[k])
+    ]
+    if self.cold[k]:
+      cold = [self._same_dtype(self.keys[k][n][0], values[n]) for n in self.cold[k]]
+      self.tickets.append((k, self._put(k, cold)))
+    return out
+
+  def _put(self, k, cold):
+    """Writes slice k's new values (the other end of `_fetch`); a ticket."""
+    ticket = jax.ShapeDtypeStruct((), jnp.int32)
+    write = functools.partial(self.reader.write, k)
+    via_callback = lambda shard, copied, cold: io_callback(write, ticket, *shard, *cold)
+
+    def native(shard, copied, cold):
+      where, after = copied
+      copy = jax.ffi.ffi_call("offlax_to_slice", ticket, has_side_effect=True)
+      copied = copy(where, after, *cold, offsets=self.reader.offsets[k])
+      return io_callback(functools.partial(self.reader.submit, k), ticket, *shard, copied)
+
+    return ffi.on_cpu(native, via_callback, self.shard, self.copied[k], cold)
+
+  def finish(self, items):
+    items = [self.items[j] if x is None else x for j, x in enumerate(items)]
+    hot = [j for j, x in enumerate(items) if not isinstance(x, layout_lib.OnDisk)]
+    for j in hot:
+      self._same_dtype(j, items[j])
+    # The write tickets make the commit wait for every write callback.
+    commit = functools.partial(self.reader.commit, hot, len(self.tickets))
+    tickets = [t for _, t in self.tickets]
+    values = [_key_data(items[j]) for j in hot]  # (a callback takes no PRNG key)
+    io_callback(commit, None, *self.shard, self.step, *tickets, *values)
+    return items
+
+  def next_step(self):
+    return self.step + 1
+
+  def _same_dtype(self, j: int, x: Any) -> Any:
+    """`x`, the new value of item `j`, if it has the item's stored dtype (checked when traced).
+
+    A store keeps each array's dtype; bytes of another would be written into
+    its chunks, torn, and committed.
+    """
+    r = self.tier.store.records[j]
+    if r.key is not None and _key_impl(x) == r.key:
+      return x
+    if _is_key(x) or np.dtype(x.dtype) != np.dtype(r.dtype):
+      raise errors.StoreMismatchError(
+        f"the inner update returns state leaf {r.path} as {x.dtype}, but "
+        f"{self.tier.path} stores it as {r.dtype}, as init made it: the NVMe tier cannot change "
+        "a state array's dtype. (optax.inject_hyperparams, for one, promotes low-precision "
+        "moments to float32 with its float32 hyperparameters; give the moments a fixed dtype.)"
+      )
+    return x
+
+
+def _flat_range(item: layout_lib.OnDisk, piece) -> tuple[int, int, tuple[int, ...]]:
+  size = int(np.prod(item.shape, dtype=np.int64))
+  if piece.start is None:
+    return 0, size, item.shape
+  if piece.flat:
+    return piece.start, piece.stop, (piece.stop - piece.start,)
+  row = size // item.shape[0]
+  return piece.start * row, piece.stop * row, (piece.stop - piece.start, *item.shape[1:])
