@@ -40,6 +40,7 @@ from offlax._src.layers import scan_layers
 from offlax._src.layout import OnDisk, ParamSpec
 from offlax._src.master import MasterWeightsState, master_weights
 from offlax._src.nvme_tier import NVMeTier, rollback
+from offlax._src.orbax_options import checkpoint_handler
 from offlax._src.planner import Plan, plan
 from offlax._src.telemetry import OffloadStats, stats
 from offlax._src.transform import OffloadState, offload
@@ -82,6 +83,7 @@ __all__ = [
   "adam",
   "adamw",
   "apply_updates",
+  "checkpoint_handler",
   "compile_for_gpu",
   "fetch",
   "gpu_compile_available",

@@ -56,7 +56,6 @@ import functools
 import json
 import logging
 import os
-import shutil
 import signal
 import threading
 import time
@@ -73,7 +72,7 @@ from jax.experimental import io_callback
 from jax.sharding import PartitionSpec as P
 
 from offlax._src import coupling as coupling_lib
-from offlax._src import errors, ffi, host_params
+from offlax._src import direct_copy, errors, ffi, host_params
 from offlax._src import layout as layout_lib
 from offlax._src import schedule as schedule_lib
 from offlax._src import sharding as sharding_lib
@@ -664,10 +663,11 @@ def _rollback_shards(path: str, step: int) -> int:
 def copy_store(src: str, dest: str, *, progress: bool = True) -> int:
   """Copies the committed step of the store at `src` into a new store at `dest`.
 
-  File by file in the kernel (`sendfile`, into owner-only files: no state in
-  this process's RAM): the committed generation's arrays, the other
-  generations' array metadata, then `offlax.json` last and atomically, after a
-  flush of `dest`, so a crash leaves no store at `dest` rather than a torn one.
+  File by file by direct I/O in bounded buffers (`direct_copy.copy_files`, into
+  owner-only files: nothing staged whole in RAM or in the page cache): the
+  committed generation's arrays, the other generations' array metadata, then
+  `offlax.json` last and atomically, after a flush of `dest`, so a crash
+  leaves no store at `dest` rather than a torn one.
   The copy keeps only the committed step. The caller keeps `src` from changing
   (holds its lock, between steps). Returns the step.
   """
@@ -680,35 +680,22 @@ def copy_store(src: str, dest: str, *, progress: bool = True) -> int:
     os.makedirs(dest, mode=0o700, exist_ok=True)
     for g in range(store.generations):
       os.makedirs(os.path.join(dest, f"gen{g}"), mode=0o700, exist_ok=True)
-    for r in _progress(store.records, progress, f"offlax: copying {src} -> {dest}"):
+    pairs = []
+    for r in store.records:
       for g in range(store.generations):
         source = store._array_path(r.index, g)
         target = os.path.join(dest, os.path.relpath(source, store.path))
         if g == gen:
-          shutil.copytree(source, target, copy_function=_copy_private)
+          pairs += direct_copy.tree_pairs(source, target)
         else:  # only the array's metadata: its chunks belong to no step the copy keeps
           os.makedirs(target, mode=0o700)
-          _copy_private(os.path.join(source, "zarr.json"), os.path.join(target, "zarr.json"))
+          pairs.append((os.path.join(source, "zarr.json"), os.path.join(target, "zarr.json")))
+    direct_copy.copy_files(pairs, progress=progress, desc=f"offlax: copying {src} -> {dest}")
     _syncfs(dest)
     _write_metadata(dest, store.metadata(store.step, gen, [(store.step, gen)]), fsync=True)
   except OSError as e:
     raise errors.StoreError(f"cannot copy the store {src} to {dest}: {e}") from e
   return store.step
-
-
-def _copy_private(src: str, dst: str) -> None:
-  """Copies a file in the kernel (`sendfile`, as `shutil.copyfile`) into a new owner-only file."""
-  with open(src, "rb") as f:
-    fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    try:
-      offset, size = 0, os.fstat(f.fileno()).st_size
-      while offset < size:
-        n = os.sendfile(fd, f.fileno(), offset, size - offset)
-        if n == 0:
-          raise OSError(f"{src} ended after {offset} of {size} bytes")
-        offset += n
-    finally:
-      os.close(fd)
 
 
 class NVMeTier:
