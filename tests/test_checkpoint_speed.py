@@ -97,10 +97,10 @@ def _digest(path):
 
 @pytest.mark.parametrize(
   "size",
-  [0, 5, 4096, direct_copy.DIRECT_MIN_BYTES + 3, direct_copy.BLOCK_BYTES,
-   2 * direct_copy.BLOCK_BYTES + 4097],
+  [0, 5, 4096, (1 << 20) + 3, direct_copy.BLOCK_BYTES, 2 * direct_copy.BLOCK_BYTES + 4097],
 )  # fmt: skip
-def test_copy_file_is_exact_and_owner_only(tmp_path, size):
+def test_copy_file_is_exact_and_owner_only(tmp_path, monkeypatch, size):
+  monkeypatch.setattr(direct_copy, "DIRECT_MIN_BYTES", 1 << 20)  # direct I/O from 1 MiB
   src, dst = tmp_path / "src", tmp_path / "dst"
   src.write_bytes(np.random.default_rng(size).integers(0, 256, size, np.uint8).tobytes())
   old = os.umask(0o022)
@@ -134,7 +134,7 @@ def _status_bytes(field):
 
 def test_copy_files_memory_is_bounded(tmp_path):
   """Copying 192 MiB of files raises the peak RSS by the buffers only, not by the bytes."""
-  pairs = []
+  pairs = []  # 32 MiB files: direct I/O (DIRECT_MIN_BYTES)
   for i in range(6):
     src = tmp_path / f"src{i}"
     with open(src, "wb") as f:

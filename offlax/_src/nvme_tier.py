@@ -663,11 +663,12 @@ def _rollback_shards(path: str, step: int) -> int:
 def copy_store(src: str, dest: str, *, progress: bool = True) -> int:
   """Copies the committed step of the store at `src` into a new store at `dest`.
 
-  File by file by direct I/O in bounded buffers (`direct_copy.copy_files`, into
-  owner-only files: nothing staged whole in RAM or in the page cache): the
-  committed generation's arrays, the other generations' array metadata, then
-  `offlax.json` last and atomically, after a flush of `dest`, so a crash
-  leaves no store at `dest` rather than a torn one.
+  Several files at once, in the kernel or by direct I/O in bounded buffers
+  (`direct_copy.copy_files`, into owner-only files: no state staged in this
+  process's RAM), with a progress bar in bytes: the committed generation's
+  arrays, the other generations' array metadata, then `offlax.json` last and
+  atomically, after a flush of `dest`, so a crash leaves no store at `dest`
+  rather than a torn one.
   The copy keeps only the committed step. The caller keeps `src` from changing
   (holds its lock, between steps). Returns the step.
   """
