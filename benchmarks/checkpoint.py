@@ -268,16 +268,17 @@ def summary_table(result: dict[str, Any]) -> str:
     f"{result['loadavg_start'][0]:.1f} at the start, {result['loadavg_end'][0]:.1f} at the end",
   ]
   header = (
-    f"{'operation':<34}{'GB/s med':>9}{'min':>7}{'max':>7}{'s med':>7}{'vs raw':>8}"
-    f"{'disk GB':>8}{'RSS+ MiB':>9}{'goal':>9}"
+    f"{'operation':<40}{'GB/s med':>9}{'min':>7}{'max':>7}{'s med':>7}{'vs raw':>8}"
+    f"{'disk GB':>8}{'RSS+ MiB':>9}{'goal':>10}"
   )
   lines += [header, "-" * len(header)]
   if raw.get("error"):
     lines.append(f"raw disk: FAILED: {raw['error']}")
   else:
     for rw in ("write", "read"):
+      name = f"raw {rw} ({raw['tool'].split(',')[0]})"
       lines.append(
-        f"{'raw ' + rw + ' (' + raw['tool'] + ')':<34}{raw[f'{rw}_bytes_per_s'] / GB:>9.2f}"
+        f"{name:<40}{raw[f'{rw}_bytes_per_s'] / GB:>9.2f}"
         f"{raw[f'{rw}_bytes_per_s_min'] / GB:>7.2f}{raw[f'{rw}_bytes_per_s_max'] / GB:>7.2f}"
       )
   for key, label, _, goal in OPERATIONS:
@@ -288,10 +289,10 @@ def summary_table(result: dict[str, Any]) -> str:
     verdict = "-" if goal is None else f">={goal}x " + ("ok" if op["meets_goal"] else "NO")
     ratio = f"{r['median']:.2f}x" if r else "-"
     lines.append(
-      f"{label:<34}{g['median']:>9.2f}{g['min']:>7.2f}{g['max']:>7.2f}"
+      f"{label:<40}{g['median']:>9.2f}{g['min']:>7.2f}{g['max']:>7.2f}"
       f"{op['time_s']['median']:>7.2f}{ratio:>8}"
       + (f"{op['disk_bytes'] / GB:>8.2f}" if "disk_bytes" in op else f"{'-':>8}")
-      + f"{op['peak_rss_rise_bytes'] / MiB:>9,.0f}{verdict:>9}"
+      + f"{op['peak_rss_rise_bytes'] / MiB:>9,.0f}{verdict:>10}"
     )
   for key in ("host_save", "fast_save"):
     save = result["operations"].get(key)
@@ -312,9 +313,10 @@ def plot(result: dict[str, Any], path: pathlib.Path) -> None:
     op = result["operations"].get(key)
     if op is not None:
       color = colors[key.split("_")[0]]
-      bars.append(nvme.stats_bar(label.replace(": ", "\n"), op["gb_per_s"],
+      text = label.replace(": ", "\n").replace(" save", "\nsave").replace(" restore", "\nrestore")
+      bars.append(nvme.stats_bar(text, op["gb_per_s"],
                                  op.get("ratio_vs_raw"), color))  # fmt: skip
-  fig, ax = plt.subplots(figsize=(10, 5.5), dpi=120)
+  fig, ax = plt.subplots(figsize=(12, 6), dpi=120)
   nvme.draw_bars(ax, bars, headroom=1.25)
   ax.set_ylabel("GB/s of Adam state (1 GB = 1e9 bytes)")
   ax.set_xlabel("bar: median, whiskers: min to max; raw: sequential direct I/O, same filesystem")
@@ -322,13 +324,14 @@ def plot(result: dict[str, Any], path: pathlib.Path) -> None:
     f"offlax checkpoints through orbax: Adam state of {result['params'] / 1e6:.0f}M params "
     f"({result['state_bytes'] / GB:.2f} GB), timed rounds: {result['steps']}\n"
     f"{result['filesystem'].get('fstype', '?')} on {result['filesystem'].get('device', '?')}, "
-    f"{result['cpu_count']} CPUs, orbax {result['orbax_version']} ({result['date'][:10]})",
+    f"{result['cpu_count']} CPUs (load average {result['loadavg_start'][0]:.1f} to "
+    f"{result['loadavg_end'][0]:.1f}), orbax {result['orbax_version']} ({result['date'][:10]})",
     fontsize=10,
   )
   ax.grid(axis="y", alpha=0.3)
   handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in ("tab:gray", *colors.values())]
   ax.legend(handles, ["raw disk", "host tier (orbax defaults)",
-                     "host tier (offlax.checkpoint_handler)", "NVMe store (direct-I/O copy)"],
+                     "host tier (offlax.checkpoint_handler)", "NVMe store (file copy)"],
             fontsize=8, loc="upper right")  # fmt: skip
   fig.tight_layout()
   _common.save_png(fig, path)
