@@ -146,8 +146,10 @@ def rows_scaling(r: dict[str, Any]) -> list[Row]:
 
 def rows_checkpoint(r: dict[str, Any]) -> list[Row]:
   labels = {
-    "host_save": "host tier orbax save",
-    "host_restore": "host tier orbax restore",
+    "host_save": "host tier orbax save (orbax defaults)",
+    "host_restore": "host tier orbax restore (orbax defaults)",
+    "fast_save": "host tier orbax save (offlax.checkpoint_handler)",
+    "fast_restore": "host tier orbax restore (offlax.checkpoint_handler)",
     "nvme_save": "NVMe store NVMeStoreSave",
     "nvme_restore": "NVMe store NVMeStoreRestore",
   }
@@ -157,8 +159,10 @@ def rows_checkpoint(r: dict[str, Any]) -> list[Row]:
     measured = _span(op["gb_per_s"], ".2f", " GB/s") + (
       f" = {ratio['median']:.2f}x raw" if ratio else ""
     )
+    goal = op.get("goal_ratio")
     rows.append(_row("checkpoint", f"{labels[key]} GB/s vs raw disk ({r['state_bytes'] / 1e9:.2f}"
-                     " GB)", "none set (report)", measured, None))  # fmt: skip
+                     " GB)", "report" if goal is None else f">= {goal}x", measured,
+                     None if goal is None else op["meets_goal"]))  # fmt: skip
   return rows
 
 

@@ -41,6 +41,7 @@ from offlax._src.layout import OnDisk, ParamSpec
 from offlax._src.master import MasterWeightsState, master_weights
 from offlax._src.nvme.rollback import rollback
 from offlax._src.nvme.tier import NVMeTier
+from offlax._src.orbax_options import checkpoint_handler
 from offlax._src.planner import Plan, plan
 from offlax._src.telemetry import OffloadStats
 from offlax._src.tier import OffloadState, Tier, TierIO, stats
@@ -86,6 +87,7 @@ __all__ = [
   "adam",
   "adamw",
   "apply_updates",
+  "checkpoint_handler",
   "compile_for_gpu",
   "fetch",
   "gpu_compile_available",

@@ -166,12 +166,18 @@ def test_checkpoint_benchmark_runs(tmp_path):
   result = json.loads((out / "checkpoint.json").read_text())
   assert (out / "checkpoint.png").stat().st_size > 10_000
   ops = result["operations"]
-  assert set(ops) == {"host_save", "host_restore", "nvme_save", "nvme_restore"}
+  assert set(ops) == {"host_save", "host_restore", "fast_save", "fast_restore", "nvme_save",
+                      "nvme_restore"}  # fmt: skip
   for op in ops.values():
     assert op["gb_per_s"]["median"] > 0 and op["ratio_vs_raw"]["median"] > 0
+  assert ops["fast_save"]["goal_ratio"] == 0.8 and ops["nvme_save"]["goal_ratio"] == 0.9
+  assert isinstance(ops["fast_restore"]["meets_goal"], bool)
+  assert "goal_ratio" not in ops["host_save"]
+  # orbax's defaults compress; checkpoint_handler writes the state's bytes as they are
+  assert ops["fast_save"]["disk_bytes"] >= result["state_bytes"]
   assert ops["host_save"]["disk_bytes"] > 0 and ops["host_save"]["blocking_s"]["median"] > 0
   assert ops["nvme_restore"]["disk_bytes"] >= result["state_bytes"]  # the whole store
-  assert len(_summary_rows("checkpoint", result)) == 4
+  assert len(_summary_rows("checkpoint", result)) == 6
   assert list(tmp_path.glob("offlax-ckpt-bench-*")) == []  # its files are removed
 
 
@@ -193,7 +199,7 @@ def test_entry_point_quick(tmp_path):
   assert runs["checkpoint"]["peak_rss_bytes"] > 0
   assert runs["scaling"]["status"] == "not run (--only)"
   assert runs["gpu_check"]["status"].startswith("needs GPU: not run")
-  assert [r["benchmark"] for r in summary["rows"]] == ["checkpoint"] * 4 + ["gpu_check"]
+  assert [r["benchmark"] for r in summary["rows"]] == ["checkpoint"] * 6 + ["gpu_check"]
   assert "=== summary" in proc.stdout and "needs GPU: not run" in proc.stdout
 
 

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import os
-import shutil
 
 import jax
 
 from offlax._src import errors
+from offlax._src.nvme import direct_copy
 from offlax._src.nvme.direct_io import _syncfs
 from offlax._src.nvme.format import (
   _MESH,
@@ -17,16 +17,18 @@ from offlax._src.nvme.format import (
   _write_json,
   _write_metadata,
 )
-from offlax._src.nvme.store import Store, _progress
+from offlax._src.nvme.store import Store
 
 
 def copy_store(src: str, dest: str, *, progress: bool = True) -> int:
   """Copies the committed step of the store at `src` into a new store at `dest`.
 
-  File by file in the kernel (`sendfile`, into owner-only files: no state in
-  this process's RAM): the committed generation's arrays, the other
-  generations' array metadata, then `offlax.json` last and atomically, after a
-  flush of `dest`, so a crash leaves no store at `dest` rather than a torn one.
+  Several files at once, in the kernel or by direct I/O in bounded buffers
+  (`direct_copy.copy_files`, into owner-only files: no state staged in this
+  process's RAM), with a progress bar in bytes: the committed generation's
+  arrays, the other generations' array metadata, then `offlax.json` last and
+  atomically, after a flush of `dest`, so a crash leaves no store at `dest`
+  rather than a torn one.
   The copy keeps only the committed step. The caller keeps `src` from changing
   (holds its lock, between steps). Returns the step.
   """
@@ -39,35 +41,22 @@ def copy_store(src: str, dest: str, *, progress: bool = True) -> int:
     os.makedirs(dest, mode=0o700, exist_ok=True)
     for g in range(store.generations):
       os.makedirs(os.path.join(dest, f"gen{g}"), mode=0o700, exist_ok=True)
-    for r in _progress(store.records, progress, f"offlax: copying {src} -> {dest}"):
+    pairs = []
+    for r in store.records:
       for g in range(store.generations):
         source = store._array_path(r.index, g)
         target = os.path.join(dest, os.path.relpath(source, store.path))
         if g == gen:
-          shutil.copytree(source, target, copy_function=_copy_private)
+          pairs += direct_copy.tree_pairs(source, target)
         else:  # only the array's metadata: its chunks belong to no step the copy keeps
           os.makedirs(target, mode=0o700)
-          _copy_private(os.path.join(source, "zarr.json"), os.path.join(target, "zarr.json"))
+          pairs.append((os.path.join(source, "zarr.json"), os.path.join(target, "zarr.json")))
+    direct_copy.copy_files(pairs, progress=progress, desc=f"offlax: copying {src} -> {dest}")
     _syncfs(dest)
     _write_metadata(dest, store.metadata(store.step, gen, [(store.step, gen)]), fsync=True)
   except OSError as e:
     raise errors.StoreError(f"cannot copy the store {src} to {dest}: {e}") from e
   return store.step
-
-
-def _copy_private(src: str, dst: str) -> None:
-  """Copies a file in the kernel (`sendfile`, as `shutil.copyfile`) into a new owner-only file."""
-  with open(src, "rb") as f:
-    fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    try:
-      offset, size = 0, os.fstat(f.fileno()).st_size
-      while offset < size:
-        n = os.sendfile(fd, f.fileno(), offset, size - offset)
-        if n == 0:
-          raise OSError(f"{src} ended after {offset} of {size} bytes")
-        offset += n
-    finally:
-      os.close(fd)
 
 
 def copy_sharded(src: str, dest: str, *, progress: bool = True) -> int:
