@@ -71,7 +71,7 @@ def abstract_state(
   if not isinstance(tier, HostTier):
     raise errors.InvalidTierError(
       f"abstract_state takes a HostTier, got {type(tier).__name__}: an NVMeTier's state is "
-      "its store (see the README's Checkpoints)."
+      "its store (see docs/checkpoints.md)."
     )
   params = flax_glue.unbox(params)
   spec = _spec_of(params, "params")
