@@ -19,7 +19,7 @@ def checkpoint_handler(
   Orbax's default compresses every array with zstd (one thread per array) and
   packs them into OCDBT data files; on optimizer moments, which zstd barely
   shrinks (by 8%), compressing made saves several times slower than the disk
-  (see docs/checkpoints_speed.md). This handler writes each array uncompressed
+  (see docs/checkpoint_speed.md). This handler writes each array uncompressed
   (zarr, one directory of chunk files per array); arrays in host memory are
   written from where they lie, without a staging copy. Use it with
   `ocp.args.StandardSave` and `ocp.args.StandardRestore` as the default
