@@ -12,7 +12,7 @@ import pytest
 from conftest import assert_trees_equal, grads_like, model_params
 
 import offlax
-from offlax._src import direct_copy
+from offlax._src.nvme import copies, direct_copy
 
 
 def _state():
@@ -160,7 +160,7 @@ def test_copy_store_shows_a_progress_bar_in_bytes(tmp_path, capsys):
   _, state = jax.jit(lambda p, s, g: tx.update(g, s, p))(params, state, grads_like(params, 0))
   want = tier.read_state(state)
   capsys.readouterr()
-  offlax._src.nvme_tier.copy_store(str(tmp_path / "store"), str(tmp_path / "copy"), progress=True)
+  copies.copy_store(str(tmp_path / "store"), str(tmp_path / "copy"), progress=True)
   err = capsys.readouterr().err
   assert "offlax: copying" in err and "B/s" in err
   tier.close()
