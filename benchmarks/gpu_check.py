@@ -114,6 +114,7 @@ def _correctness(offlax, optax, jax, np, nvme):
     ("host_compute", host, inner),
     ("host_compute_offlax_adamw", host, offlax.adamw(1e-3)),
     ("host_compute_native_update", host, offlax.adamw(1e-3, native_update=True)),
+    ("host_compute_whole_step", host, offlax.master_weights(offlax.adamw(1e-3))),
     ("nvme", nvme, inner),
   ):
     txs = {"plain": inner, "offlax": offlax.offload(offloaded, tier)}
@@ -140,10 +141,13 @@ def native_in_host_compute(jax, np):
   """Whether offlax's native Adam kernel runs inside a GPU program's host computation.
 
   JAX lowers a `compute_on("device_host")` region for the CPU platform, so
-  `offlax.adam` in `HostTier(compute="host")` puts its kernel (an FFI call
-  registered for the CPU) in the GPU program's host computation; whether
-  XLA:GPU's host offloader runs it is tried here on the bare kernel, with
-  errors recorded and both times (`check_correctness` runs it through offlax).
+  `offlax.adam` in `HostTier(compute="host")` puts its kernel (an FFI call) in
+  the GPU program's host computation, which the CUDA plugin compiles with its
+  own XLA:CPU; offlax registers the kernels there (`offlax/_src/plugin_ffi.py`;
+  compiling without a GPU proves only that they are found). Tried here on the
+  bare kernel, with errors recorded and both times (`check_correctness` runs
+  it through offlax); the kernel runs on one thread if the plugin gives its
+  host computations no intra-op pool, which the times show.
   """
   import jax.numpy as jnp
   from jax.experimental.compute_on import compute_on2

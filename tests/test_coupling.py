@@ -6,7 +6,8 @@ import optax
 import pytest
 from conftest import scale_by_highest_dtype
 
-from offlax._src import coupling, schedule
+import offlax
+from offlax._src import coupling, ffi, schedule
 from offlax._src.layout import ParamSpec
 from offlax._src.transform import _Step
 
@@ -42,6 +43,37 @@ def test_elementwise_optimizers_are_separable_and_splittable(inner):
   c = _analyze(inner)
   assert c.groups == ((0,), (1,), (2,)) and c.reason is None
   assert c.splittable == {0, 1, 2}
+
+
+@pytest.mark.parametrize(
+  "inner",
+  [
+    offlax.adamw(1e-3),
+    offlax.adam(1e-3, native_update=True),
+    offlax.master_weights(offlax.adamw(1e-3)),
+  ],
+  ids=["moments-kernel", "update-kernel", "whole-step-kernel"],
+)
+def test_offlax_native_kernels_are_splittable(inner):
+  """A `platform_dependent` choice of an elementwise FFI kernel or its JAX twin is elementwise."""
+  assert ffi.available()
+  tree = {"a": jnp.ones(4)}
+  jaxpr = str(jax.make_jaxpr(inner.update)(tree, inner.init(tree), tree))
+  assert "platform_index" in jaxpr and "ffi_call" in jaxpr
+  c = _analyze(inner)
+  assert c.groups == ((0,), (1,), (2,)) and c.splittable == {0, 1, 2}
+
+
+def test_an_unknown_ffi_call_couples_its_operands():
+  def update(u, state, params=None):
+    del params
+    out = jax.ShapeDtypeStruct((20,), jnp.float32)
+    flat = jnp.concatenate([u["a"].ravel(), u["b"].ravel(), u["c"].ravel()[:-7]])
+    mixed = jax.ffi.ffi_call("offlax_to_slice", out)(flat)  # not in ffi.ELEMENTWISE
+    return {k: x + mixed[0] for k, x in u.items()}, state
+
+  c = _analyze(optax.GradientTransformation(lambda p: optax.EmptyState(), update))
+  assert c.groups == ((0, 1, 2),) and not c.splittable
 
 
 def test_per_leaf_reductions_are_separable_not_splittable():

@@ -11,7 +11,7 @@ import optax
 import pytest
 
 import offlax
-from offlax._src import gpu_compile, llama
+from offlax._src import ffi, gpu_compile, llama
 
 pytestmark = pytest.mark.skipif(
   not offlax.gpu_compile_available(), reason="needs offlax[gpu-compile] (jax-cuda12-plugin)"
@@ -76,14 +76,22 @@ def test_targets_and_overrides():
 @pytest.mark.parametrize("fused", [False, True], ids=["optax-apply", "update_and_apply"])
 @pytest.mark.parametrize("master", [False, True], ids=["fp32", "bf16-master"])
 @pytest.mark.parametrize("compute", ["device", "host"])
-def test_offloaded_step_bounds_device_memory(compute, master, fused):
-  """Split leaves (16 x 1 MiB slices each) run as loops: params + grads + 4 slices at most."""
+@pytest.mark.parametrize("adamw", [optax.adamw, offlax.adamw], ids=["optax", "offlax"])
+def test_offloaded_step_bounds_device_memory(adamw, compute, master, fused):
+  """Split leaves (16 x 1 MiB slices each) run as loops: params + grads + 4 slices at most.
+
+  `offlax.adamw` under host compute puts its native kernel in the GPU
+  program's host computation (registered with the plugin: `plugin_ffi.py`;
+  the compiler aborted the process before) and slices as optax's does.
+  """
   dtype = "bfloat16" if master else "float32"
   params = gpu_compile.transformer_params(4e6, layers=2, dtype=dtype)
-  inner = optax.adamw(1e-3)
+  inner = adamw(1e-3)
   inner = offlax.master_weights(inner) if master else inner
   tx = offlax.offload(inner, chunk_bytes=CHUNK, compute=compute)
   m = compiled(tx, params, dtype, fused)
+  native = adamw is offlax.adamw and compute == "host" and ffi.available()
+  assert ('custom_call_target="offlax_adam' in m.hlo) == native
   assert m.host_compute == (), m.host_compute
   assert m.device_peak <= bound(params, master and not fused), m.table()
   state_bytes = (12 if master else 8) * m.n_params

@@ -241,6 +241,31 @@ def test_a_failed_build_falls_back_to_jax(tmp_path, monkeypatch, caplog):
   assert_trees_equal(_train(offlax.adam(1e-3), params), _train(optax.adam(1e-3), params))
 
 
+def test_a_plugin_that_refuses_the_handlers_turns_the_kernel_off(monkeypatch, caplog):
+  """A GPU plugin whose host computations could not find the kernels: plain JAX everywhere.
+
+  (A GPU program naming a target its host computation lacks aborts the process.)
+  """
+  import ctypes
+
+  from jax._src import xla_bridge
+
+  fake_api = (ctypes.c_size_t * 2)(16, 0)  # PJRT_Api {struct_size, extension_start = NULL}
+  make = ctypes.pythonapi.PyCapsule_New
+  make.restype = ctypes.py_object
+  make.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+  capsule = make(ctypes.addressof(fake_api), b"pjrt_c_api", None)
+  monkeypatch.setattr(xla_bridge, "register_plugin_callbacks", lambda cb: cb(c_api=capsule))
+  monkeypatch.setattr(ffi, "_registered", None)
+  with caplog.at_level(logging.WARNING, logger="offlax"):
+    assert not host_adam.native_available()
+  assert "the PJRT plugin has no FFI extension" in caplog.text
+  tx = offlax.adam(1e-3)
+  params = _f32_params()
+  text = jax.jit(lambda p, s: tx.update(p, s, p)).lower(params, tx.init(params)).as_text()
+  assert "offlax_adam" not in text
+
+
 DEFAULT_FLAGS = textwrap.dedent(
   """
     import json, jax, jax.numpy as jnp, numpy as np, optax, offlax

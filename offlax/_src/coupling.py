@@ -30,6 +30,8 @@ import jax
 import jax.extend.core as jex
 import numpy as np
 
+from offlax._src import ffi
+
 GLOBAL = -1  # owner of a state leaf that belongs to no parameter (e.g. count)
 
 _ELEMENTWISE = frozenset(
@@ -196,6 +198,12 @@ def _eqn(eqn: jex.JaxprEqn, ins: list[_Val]) -> list[_Val]:
   if sub is not None:
     body, consts = sub
     return _run(body, consts, ins)
+  if name == "cond" and ins[0].uniform:  # e.g. `jax.lax.platform_dependent`
+    return _branches(eqn.params["branches"], ins[1:])
+  if name == "platform_index":  # the platform compiled for: one value for every slice
+    return [_UNIFORM] * n_out
+  if name == "ffi_call" and eqn.params.get("target_name") in ffi.ELEMENTWISE:
+    return _elementwise_call(eqn, ins, deps, random)
   if name in _ELEMENTWISE:
     varying = [v for v in ins if not v.uniform]
     if not varying:
@@ -241,6 +249,34 @@ def signatures(jaxpr: jex.ClosedJaxpr) -> collections.Counter:
 
   walk(jaxpr.jaxpr)
   return out
+
+
+def _branches(branches: Sequence[jex.ClosedJaxpr], ins: list[_Val]) -> list[_Val]:
+  """A conditional whose branch is the same for every slice: what every branch agrees on."""
+  outs = [_run(b.jaxpr, [_const(c) for c in b.consts], ins) for b in branches]
+  return [
+    vals[0]
+    if all(v == vals[0] for v in vals)
+    else _Val(frozenset().union(*(v.deps for v in vals)), random=any(v.random for v in vals))
+    for vals in zip(*outs, strict=True)
+  ]
+
+
+def _elementwise_call(eqn: jex.JaxprEqn, ins: list[_Val], deps, random) -> list[_Val]:
+  """A native kernel elementwise in its leading operands (`ffi.ELEMENTWISE`).
+
+  Its other operands (hyperparameters) must not depend on the leaves; its
+  results of its first operand's shape are then elementwise in the same leaf.
+  """
+  n = ffi.ELEMENTWISE[eqn.params["target_name"]]
+  elems = {v.elem for v in ins[:n] if not v.uniform}
+  if any(v.deps for v in ins[n:]) or len(elems) != 1 or None in elems:
+    return [_Val(deps, random=random)] * len(eqn.outvars)
+  elem, shape = elems.pop(), _shape(eqn.invars[0])
+  return [
+    _Val(deps, elem, random=random) if _shape(v) == shape else _Val(deps, random=random)
+    for v in eqn.outvars
+  ]
 
 
 def _shape(var: Any) -> tuple[int, ...]:

@@ -5,8 +5,10 @@ NVMe tier's copies between XLA's buffers and its slice buffers) are compiled
 into one shared library with the system C++ compiler, cached in
 ``$OFFLAX_CACHE_DIR`` (default ``~/.cache/offlax``) under a name keyed by the
 sources, the flags, the jaxlib headers and the CPU, and registered with XLA
-for the CPU platform. If the build fails, or ``OFFLAX_NATIVE=0``, `available()`
-is False and every user falls back to plain JAX, with the same results.
+for the CPU platform and for the host computations of GPU programs
+(`plugin_ffi.py`). If the build or a registration fails, or ``OFFLAX_NATIVE=0``,
+`available()` is False and every user falls back to plain JAX, with the same
+results.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import threading
 
 import jax
 
+from offlax._src import plugin_ffi
+
 _LOG = logging.getLogger("offlax")
 _NATIVE = pathlib.Path(__file__).parent / "native"
 _SOURCES = ("adam.cc", "slices.cc")
@@ -37,6 +41,11 @@ TARGETS = {
   "offlax_to_slice": "OfflaxToSlice",
   "offlax_from_slice": "OfflaxFromSlice",
 }
+
+# Targets elementwise in their first n operands (placeholders among them are
+# constants), the rest being hyperparameters: the offload schedule may cut
+# their leaves into slices (`coupling.py`).
+ELEMENTWISE = {"offlax_adam_moments_f32": 3, "offlax_adam_f32": 4, "offlax_adam_step": 5}
 
 _lock = threading.Lock()
 _registered: bool | None = None
@@ -68,11 +77,17 @@ def _register() -> bool:
     return False
   try:
     library = ctypes.CDLL(str(_build()))
-    for name, symbol in TARGETS.items():
-      jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
+    handlers = {name: getattr(library, symbol) for name, symbol in TARGETS.items()}
   except (OSError, subprocess.SubprocessError, AttributeError) as e:
     _LOG.warning("offlax: native library unavailable, using plain JAX: %s", e)
     return False
+  # The plugins first: a GPU program that names a target its host computation
+  # cannot find aborts the process, so no registration at all if one fails.
+  addresses = {name: ctypes.cast(fn, ctypes.c_void_p).value or 0 for name, fn in handlers.items()}
+  if not plugin_ffi.register_for_plugin_hosts(addresses):
+    return False
+  for name, fn in handlers.items():
+    jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(fn), platform="cpu")
   return True
 
 

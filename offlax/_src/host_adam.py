@@ -389,7 +389,7 @@ def _step(g, m, v, p, hyper: _Hyper, vector, decay: bool, native_update: bool):
     return whole(g, m, v, p, vector)
   if native_update:
     kernel = functools.partial(fused_update, decay=decay)
-    p = vector if p is None else p  # read only with decay; not g, which XLA would copy
+    p = _placeholder() if p is None else p  # read only with decay; not g, which XLA would copy
     return ffi.on_cpu(kernel, whole, g, m, v, p, vector)
   plain = lambda g, m, v, vector: _moments(g, m, v, hyper)
   moments = lambda g, m, v: ffi.on_cpu(_native_moments, plain, g, m, v, vector)
@@ -426,11 +426,16 @@ def _whole_step(g, m, v, w, low, hyper: _Hyper, vector, decay: bool, out: int):
     # In place: the state and w into their buffers, new params over the old.
     aliases = {1: 1, 2: 2, 3: 3} | ({4: 0} if out == OUT_PARAM else {})
     call = jax.ffi.ffi_call(_WHOLE_STEP, (result, f32, f32, f32), input_output_aliases=aliases)
-    placeholder = vector if out == OUT_NONE else low  # read only with a master
+    placeholder = _placeholder() if out == OUT_NONE else low  # read only with a master
     r, m, v, new_w = call(g, m, v, w, placeholder, vector, decay=decay, out=np.int32(out))
     return (new_w if out == OUT_NONE else r), m, v, new_w
 
   return ffi.on_cpu(native, plain, g, m, v, w, low, vector)
+
+
+def _placeholder() -> jax.Array:
+  """An operand the kernel does not read: a constant, so slicing its leaf is plainly safe."""
+  return jnp.zeros((1,), jnp.float32)
 
 
 def _native_moments(g, m, v, vector):
