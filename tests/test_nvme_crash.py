@@ -181,7 +181,7 @@ def _trials(default: int) -> int:
 
 
 def test_sigkill_keeps_the_last_committed_state(tmp_path):
-  figures = run_trials(tmp_path / "store", trials=_trials(3), seed=0)
+  figures = run_trials(tmp_path / "store", trials=_trials(2), seed=0)
   print(figures)
   steps = figures["committed_steps"]
   # Kills land at random points of the steps that follow compilation (2 per child).
