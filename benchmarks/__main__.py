@@ -162,7 +162,7 @@ def rows_checkpoint(r: dict[str, Any]) -> list[Row]:
   for key, op in r["operations"].items():
     ratio = op.get("ratio_vs_raw")
     measured = _span(op["gb_per_s"], ".2f", " GB/s") + (
-      f" = {ratio['median']:.2f}x raw" if ratio else ""
+      f" = {ratio['median']:.2f}x raw (paired)" if ratio else ""
     )
     goal = op.get("goal_ratio")
     rows.append(_row("checkpoint", f"{labels[key]} GB/s vs raw disk ({r['state_bytes'] / 1e9:.2f}"

@@ -22,7 +22,11 @@ What is measured, in one run and on one filesystem (a fresh directory under `--d
 
 GB/s = Adam state bytes (8 per param; the on-disk size is reported too) / time, median of
 `--steps` rounds after `--warmup`, with min and max. Ratio to the raw disk: the raw disk's time for
-the same bytes (writes for a save, reads for a restore) / the measured time. Goals (issue 20):
+the same bytes (writes for a save, reads for a restore) / the measured time. The virtual disk of
+the development machine drifts by 2x within a minute (raw writes of 1.4 to 3.3 GB/s in one run),
+so the disk is measured again just before each timed round (`--raw-gib`, 4 streams) and each
+round is divided by its own raw figure ("vs raw", the goal's figure: the median of these paired
+ratios); "vs best" divides by the best raw pass of the run instead. Goals (issue 20):
 >= 0.8x for `checkpoint_handler`'s save and restore, >= 0.9x for the NVMe store's; orbax's
 defaults are reported without one. Peak RSS above the RSS before each phase is recorded (orbax's
 default save stages compressed copies of the state; restoring builds a new state). The load
@@ -78,6 +82,8 @@ class Timings:
   disk_bytes: list[int] = dataclasses.field(default_factory=list)
   peak_rss_rise_bytes: list[int] = dataclasses.field(default_factory=list)
   blocking_s: list[float] = dataclasses.field(default_factory=list)
+  # The raw disk's write and read bytes/s, measured just before each round (see `rounds`).
+  raw: list[dict[str, float]] = dataclasses.field(default_factory=list)
 
   def timed(self, fn: Callable[[], Any], record: bool) -> Any:
     """Runs `fn` with a fresh peak-RSS mark; records its time and RSS rise if `record`."""
@@ -118,21 +124,42 @@ def rounds(
   args: argparse.Namespace,
   directory: pathlib.Path,
   body: Callable[[Any, pathlib.Path, bool], None],
+  timings: Sequence[Timings],
   handlers: Any = None,
 ) -> None:
   """Calls `body(manager, round_dir, record)` for `warmup + steps` rounds.
 
   Each round has its own `CheckpointManager` (with `item_handlers=handlers`) in a new directory,
   removed after it: deleting the previous step through the manager would run beside the next
-  save and be timed with it.
+  save and be timed with it. Before each timed round the raw disk writes and reads
+  `--raw-gib` (4 direct-I/O streams, nvme_throughput.py's code) and each of `timings` records
+  it: the virtual disk here drifts by 2x within a minute, so each round is compared with the
+  disk as it was at that moment (the paired ratio), as well as with its best pass.
   """
   import orbax.checkpoint as ocp
 
   for i in range(args.warmup + args.steps):
+    record = i >= args.warmup
+    if record and not args.no_paired_raw:
+      raw = paired_raw(directory.parent, args.raw_gib)
+      for t in timings:
+        t.raw.append(raw)
     round_dir = directory / f"round_{i}"
     with ocp.CheckpointManager(round_dir / "ckpt", item_handlers=handlers) as mngr:
-      body(mngr, round_dir, i >= args.warmup)
+      body(mngr, round_dir, record)
     shutil.rmtree(round_dir)
+
+
+def paired_raw(workdir: pathlib.Path, raw_gib: float) -> dict[str, float]:
+  """The raw disk's write and read bytes/s now (a file of `raw_gib` GiB, removed after)."""
+  path = workdir / "paired_raw.bin"
+  try:
+    # At least a block per stream (a smoke run's --raw-gib is smaller).
+    nbytes = max(int(raw_gib * nvme.GiB), 4 * nvme.RAW_BLOCK_BYTES)
+    raw = nvme.raw_python(path, nbytes, streams=4)
+  finally:
+    path.unlink(missing_ok=True)
+  return {k: raw[k] for k in ("write_bytes_per_s", "read_bytes_per_s")}
 
 
 def save_and_flush(mngr: Any, item: Any, directory: pathlib.Path) -> float:
@@ -178,7 +205,7 @@ def host_rounds(
       save.blocking_s.append(blocking)
       save.disk_bytes.append(nvme.tree_bytes(round_dir))
 
-  rounds(args, directory, body, offlax.checkpoint_handler() if fast else None)
+  rounds(args, directory, body, (save, restore), offlax.checkpoint_handler() if fast else None)
   prefix = "fast" if fast else "host"
   return {f"{prefix}_save": save, f"{prefix}_restore": restore}
 
@@ -224,7 +251,7 @@ def nvme_rounds(
 
   try:
     offlax.retier(state.inner_state, inner, params, tier)  # writes the store
-    rounds(args, workdir / "nvme_ckpt", body)
+    rounds(args, workdir / "nvme_ckpt", body, (save, restore))
   finally:
     tier.close()
   return {"nvme_save": save, "nvme_restore": restore}
@@ -248,13 +275,20 @@ def summarize(
     s["disk_bytes"] = max(timings.disk_bytes)
   if timings.blocking_s:
     s["blocking_s"] = _common.stats_of(timings.blocking_s)
+  raw_s = lambda r: sum(state_bytes / r[f"{d}_bytes_per_s"] for d in directions)  # noqa: E731
   if raw is not None:
-    raw_s = sum(state_bytes / raw[f"{d}_bytes_per_s"] for d in directions)
-    s["raw_equivalent_s"] = raw_s
-    s["ratio_vs_raw"] = _common.stats_of([raw_s / t for t in timings.times_s])
+    s["raw_equivalent_s"] = raw_s(raw)
+    s["ratio_vs_best_raw"] = _common.stats_of([raw_s(raw) / t for t in timings.times_s])
+  if timings.raw:
+    s["paired_raw"] = timings.raw
+    s["ratio_vs_paired_raw"] = _common.stats_of(
+      [raw_s(r) / t for r, t in zip(timings.raw, timings.times_s, strict=True)]
+    )
+  # The goal is judged on the paired ratio where there is one (see `rounds`).
+  s["ratio_vs_raw"] = s.get("ratio_vs_paired_raw", s.get("ratio_vs_best_raw"))
   if goal is not None:
     s["goal_ratio"] = goal
-    s["meets_goal"] = raw is not None and s["ratio_vs_raw"]["median"] >= goal
+    s["meets_goal"] = s["ratio_vs_raw"] is not None and s["ratio_vs_raw"]["median"] >= goal
   return s
 
 
@@ -268,7 +302,7 @@ def summary_table(result: dict[str, Any]) -> str:
     f"{result['loadavg_start'][0]:.1f} at the start, {result['loadavg_end'][0]:.1f} at the end",
   ]
   header = (
-    f"{'operation':<40}{'GB/s med':>9}{'min':>7}{'max':>7}{'s med':>7}{'vs raw':>8}"
+    f"{'operation':<40}{'GB/s med':>9}{'min':>7}{'max':>7}{'s med':>7}{'vs raw':>8}{'vs best':>8}"
     f"{'disk GB':>8}{'RSS+ MiB':>9}{'goal':>10}"
   )
   lines += [header, "-" * len(header)]
@@ -285,12 +319,13 @@ def summary_table(result: dict[str, Any]) -> str:
     op = result["operations"].get(key)
     if op is None:
       continue
-    g, r = op["gb_per_s"], op.get("ratio_vs_raw")
+    g, r, best = op["gb_per_s"], op.get("ratio_vs_paired_raw"), op.get("ratio_vs_best_raw")
     verdict = "-" if goal is None else f">={goal}x " + ("ok" if op["meets_goal"] else "NO")
     ratio = f"{r['median']:.2f}x" if r else "-"
+    best_ratio = f"{best['median']:.2f}x" if best else "-"
     lines.append(
       f"{label:<40}{g['median']:>9.2f}{g['min']:>7.2f}{g['max']:>7.2f}"
-      f"{op['time_s']['median']:>7.2f}{ratio:>8}"
+      f"{op['time_s']['median']:>7.2f}{ratio:>8}{best_ratio:>8}"
       + (f"{op['disk_bytes'] / GB:>8.2f}" if "disk_bytes" in op else f"{'-':>8}")
       + f"{op['peak_rss_rise_bytes'] / MiB:>9,.0f}{verdict:>10}"
     )
@@ -301,7 +336,10 @@ def summary_table(result: dict[str, Any]) -> str:
         f"{key}: orbax save blocks the caller for {save['blocking_s']['median']:.2f} s of its "
         f"{save['time_s']['median']:.2f} s (asynchronous checkpointing)"
       )
-  lines.append("vs raw: the raw disk's time for the same bytes / the measured time")
+  lines.append(
+    "vs raw: the raw disk's time for the same bytes, measured just before each round, / the "
+    "round's time (median; the goal's figure); vs best: the same against the best raw pass"
+  )
   return "\n".join(lines)
 
 
@@ -345,6 +383,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   nvme.add_raw_arguments(parser, raw_gib=1.0)
   _common.add_dir_argument(parser, "the raw file and the checkpoints")
   parser.add_argument("--no-nvme", action="store_true", help="skip the NVMe store checkpoints")
+  parser.add_argument(
+    "--no-paired-raw",
+    action="store_true",
+    help="no raw pass before each timed round (ratios against the best raw pass only)",
+  )
   _common.add_out_argument(parser, "checkpoint")
   args = parser.parse_args(argv)
   _common.check_steps_arguments(parser, args)

@@ -170,6 +170,9 @@ def test_checkpoint_benchmark_runs(tmp_path):
                       "nvme_restore"}  # fmt: skip
   for op in ops.values():
     assert op["gb_per_s"]["median"] > 0 and op["ratio_vs_raw"]["median"] > 0
+    # the goal's ratio is the paired one: the disk measured just before the round
+    assert len(op["paired_raw"]) == 1 and op["ratio_vs_raw"] == op["ratio_vs_paired_raw"]
+    assert op["ratio_vs_best_raw"]["median"] > 0
   assert ops["fast_save"]["goal_ratio"] == 0.8 and ops["nvme_save"]["goal_ratio"] == 0.9
   assert isinstance(ops["fast_restore"]["meets_goal"], bool)
   assert "goal_ratio" not in ops["host_save"]
