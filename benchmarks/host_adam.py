@@ -28,11 +28,18 @@ Threads: each size runs with every thread count of `--threads` (default 2 1;
 `OFFLAX_NATIVE_THREADS` for offlax's kernel, `torch.set_num_threads` for
 DeepSpeed and torch), the headline variants only below the machine's count.
 
-Each figure is the median params/s of `--steps` steps after `--warmup`, with
-min and max, and the minor page faults per step (a step that allocates its
-outputs anew faults on every page of them); goals: the mixed-precision step
->= 1.2x `DeepSpeedCPUAdam + bf16 copy`, the full step >= 1.0x
-`DeepSpeedCPUAdam`, in the median, at every size. DeepSpeed and torch run in a
+Each variant runs `--repeats` times (default 3), the variants interleaved (one
+process of each, then the next round in the reverse order): on this 2-vCPU
+virtual machine a variant's step time drifts by 30-50% within a minute, so
+variants timed one after another in blocks compared the machine's moods, not
+the code (one run gave DeepSpeed's step 2.3x slower than its own step plus a
+copy). Each figure is the median params/s over all `--steps` steps after
+`--warmup` of every repeat, with min and max, and the minor page faults per
+step (a step that allocates its outputs anew faults on every page of them).
+Each ratio is the median over the repeats of the ratio within the repeat
+(min and max beside it). Goals: the mixed-precision step >= 1.2x
+`DeepSpeedCPUAdam + bf16 copy`, the full step >= 1.0x `DeepSpeedCPUAdam`, in
+the median ratio, at every size. DeepSpeed and torch run in a
 second Python that has them (`--torch-python`; by default this interpreter if
 it imports them, else `benchmarks/.venv-torch/bin/python`). They are not
 dependencies of offlax: make that environment with
@@ -227,9 +234,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   parser.add_argument("--threads", type=int, nargs="+", default=[os.cpu_count() or 1, 1])
   parser.add_argument("--torch-python", help="a Python with torch and deepspeed")
   _common.add_steps_arguments(parser, 7, "untimed steps first (2)")
+  parser.add_argument(
+    "--repeats", type=int, default=3, help="interleaved rounds of every variant (3)"
+  )
   _common.add_out_argument(parser, "host_adam")
   args = parser.parse_args(argv)
   _common.check_steps_arguments(parser, args)
+  if args.repeats < 1:
+    parser.error("--repeats must be >= 1")
   start = time.perf_counter()
   python, why = torch_python(args.torch_python)
   if python is None:
@@ -241,6 +253,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     "leaves": LEAVES,
     "steps": args.steps,
     "warmup": args.warmup,
+    "repeats": args.repeats,
     "threads": args.threads,
     "goals": {name: {"vs": vs, "ratio": goal} for name, (vs, goal) in HEADLINE.items()},
     "torch_skipped": why or None,
@@ -254,33 +267,71 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       jax_names = list(HEADLINE) if headline else list(JAX_VARIANTS)
       torch_names = [vs for vs, _ in HEADLINE.values()] if headline else list(TORCH_VARIANTS)
       row: dict[str, Any] = {"params": n, "threads": threads, "variants": {}, "faults": {}}
-      measured = {name: run_jax(name, n, args, threads) for name in jax_names}
-      if python is not None:
-        out = torch_times(python, n, args, threads, torch_names)
-        row["torch"] = {k: v for k, v in out.items() if k.endswith("version") or k == "threads"}
-        for name in torch_names:
-          measured[name] = out.get(name) or {"error": out.get(f"{name}_error", out.get("error"))}
-      for name, m in measured.items():
-        if "error" in m:
-          row.setdefault("errors", {})[name] = m["error"]
-          print(f"{key} {name}: FAILED: {m['error']}", flush=True)
+      repeats = [
+        measure_round(key, n, args, threads, jax_names, torch_names if python else [], python,
+                      row, reverse=r % 2 == 1)
+        for r in range(args.repeats)
+      ]  # fmt: skip
+      failed = {name for m in repeats for name, x in m.items() if "error" in x}
+      for name in dict.fromkeys(name for m in repeats for name in m):
+        if name in failed:
+          row.setdefault("errors", {})[name] = next(m[name]["error"] for m in repeats
+                                                    if "error" in m.get(name, {}))  # fmt: skip
           continue
-        row["variants"][name], row["faults"][name] = m["times"], m["faults"]
-        print(f"{key} {name}: {n / _median(m['times']) / 1e9:.2f} G params/s (median), "
-              f"{_median(m['faults']):.0f} page faults/step", flush=True)  # fmt: skip
+        row["variants"][name] = [t for m in repeats for t in m[name]["times"]]
+        row["faults"][name] = [f for m in repeats for f in m[name]["faults"]]
       row["params_per_s"] = {
         name: _common.stats_of([n / t for t in times]) for name, times in row["variants"].items()
       }
-      pps = row["params_per_s"]
-      row["ratios"] = {
-        name: pps[name]["median"] / pps[vs]["median"]
+      # Within each repeat: the compared variant's median time / this one's.
+      spreads = {
+        name: _common.stats_of(
+          [_median(m[vs]["times"]) / _median(m[name]["times"]) for m in repeats]
+        )
         for name, (vs, _) in HEADLINE.items()
-        if name in pps and vs in pps
+        if name in row["variants"] and vs in row["variants"]
       }
+      row["ratio_spread"] = spreads
+      row["ratios"] = {name: spread["median"] for name, spread in spreads.items()}
       result["sizes"][key] = row
   result["wall_s"] = time.perf_counter() - start
   _common.write_outputs(result, args.out, "host_adam", plot, summary_table)
   return result
+
+
+def measure_round(
+  key: str,
+  n: int,
+  args: argparse.Namespace,
+  threads: int,
+  jax_names: Sequence[str],
+  torch_names: Sequence[str],
+  python: str | None,
+  row: dict[str, Any],
+  reverse: bool,
+) -> dict[str, Any]:
+  """One process of each variant (torch's variants share one), in order or reversed."""
+  measured: dict[str, Any] = {}
+  groups: list[Sequence[str]] = [[name] for name in jax_names]
+  if python is not None and torch_names:
+    groups.append(torch_names)
+  for group in reversed(groups) if reverse else groups:
+    if group is torch_names:
+      assert python is not None
+      out = torch_times(python, n, args, threads, torch_names)
+      row["torch"] = {k: v for k, v in out.items() if k.endswith("version") or k == "threads"}
+      for name in torch_names:
+        measured[name] = out.get(name) or {"error": out.get(f"{name}_error", out.get("error"))}
+    else:
+      measured[group[0]] = run_jax(group[0], n, args, threads)
+    for name in group:
+      m = measured[name]
+      if "error" in m:
+        print(f"{key} {name}: FAILED: {m['error']}", flush=True)
+      else:
+        print(f"{key} {name}: {n / _median(m['times']) / 1e9:.2f} G params/s (median), "
+              f"{_median(m['faults']):.0f} page faults/step", flush=True)  # fmt: skip
+  return measured
 
 
 def _median(values: Sequence[float]) -> float:
@@ -290,7 +341,8 @@ def _median(values: Sequence[float]) -> float:
 def summary_table(result: dict[str, Any]) -> str:
   lines = [
     f"host_adam: one AdamW step over {result['leaves']} leaves, median of {result['steps']}"
-    f" steps after {result['warmup']} (min-max), {result['cpu_count']} CPUs",
+    f" steps after {result['warmup']} (min-max) in each of {result.get('repeats', 1)} interleaved"
+    f" repeats, {result['cpu_count']} CPUs",
     f"{'size':>18}  {'variant':<31}{'G params/s':>11}{'min':>7}{'max':>7}{'faults':>9}",
   ]
   for size, row in result["sizes"].items():
@@ -312,6 +364,11 @@ def summary_table(result: dict[str, Any]) -> str:
         for s, row in result["sizes"].items()
         if name in row["ratios"] and row["threads"] == cores
       }
+      spreads = {
+        s: row["ratio_spread"][name]
+        for s, row in result["sizes"].items()
+        if name in row.get("ratio_spread", {}) and row["threads"] == cores
+      }
       if cores == all_cores:
         verdict = "meets" if ratios and min(ratios.values()) >= goal["ratio"] else "BELOW"
         what = f"goal >= {goal['ratio']:.1f}x ({verdict} goal)"
@@ -319,7 +376,12 @@ def summary_table(result: dict[str, Any]) -> str:
         what = "reported"
       lines.append(
         f"{name} / {goal['vs']}, {cores} thread(s): "
-        f"{', '.join(f'{s} {r:.2f}x' for s, r in ratios.items())}; {what}"
+        + ", ".join(
+          f"{s} {r:.2f}x"
+          + (f" ({spreads[s]['min']:.2f}-{spreads[s]['max']:.2f})" if s in spreads else "")
+          for s, r in ratios.items()
+        )
+        + f"; {what}"
       )
   return "\n".join(lines)
 

@@ -114,6 +114,8 @@ def test_host_adam_benchmark_runs(tmp_path):
       "1",
       "--steps",
       "1",
+      "--repeats",
+      "2",
       "--torch-python",
       str(tmp_path / "none"),
       "--out",
@@ -133,6 +135,8 @@ def test_host_adam_benchmark_runs(tmp_path):
     "offlax mixed, bf16 params out",
     "offlax full step",
   }
+  # two interleaved repeats of one step each, pooled
+  assert all(len(t) == 2 for t in result["sizes"]["0.1M"]["variants"].values())
   rows = _summary_rows("host_adam", result)
   assert all(row["met"] is None and "skipped" in row["measured"] for row in rows)
 
