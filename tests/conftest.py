@@ -191,6 +191,7 @@ _SLOW = {
   "test_gpu_compile.py::test_plan_params_host_agrees_with_the_compiled_host_bytes",
   # Tunix's PeftTrainer (2 minutes: installs in CI, runs with -m slow).
   "test_tunix.py::test_peft_trainer_one_device",
+  "test_tunix.py::test_peft_trainer_with_the_nvme_tier",  # the same subprocess
   # Donation patterns in a subprocess (test_composition.py donates params and state by
   # default); the CLI's compile (test_gpu_compile.py compiles the same steps by the API).
   "test_donation.py::test_donated_step_is_exact_and_in_place",

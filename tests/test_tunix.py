@@ -58,6 +58,18 @@ def test_peft_trainer_one_device(one_device, case):
   _check(one_device[case], case)
 
 
+@pytest.mark.parametrize("case", ("full-nvme", "full-nvme-resume", "full-nvme-behind"))
+def test_peft_trainer_with_the_nvme_tier(one_device, case):
+  """The NVMe tier in Tunix: its checkpoints carry the step, the store the moments."""
+  r = one_device[case]
+  assert r["losses"] == r["want_losses"]
+  assert r["params_exact"], "params differ from plain optax's"
+  if case == "full-nvme-behind":
+    # A checkpoint older than the store's committed step is refused, with the way back.
+    assert "StaleStateError: this state is from step 2" in r["error"], r["error"]
+    assert "NVMeTier(path, resume=True, step=<your params' step>)" in r["error"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_peft_trainer_on_a_mesh(mesh, case):

@@ -13,6 +13,7 @@ and after training.
 
 import json
 import os
+import shutil
 import sys
 import tempfile
 import warnings
@@ -111,10 +112,10 @@ def _canonical(sharding):
   return str(entries)
 
 
-def train(tx, lora, mesh, steps, checkpoints=None):
-  """Trains to `steps` (resuming from `checkpoints` if it has one)."""
+def train(tx, lora, mesh, steps, checkpoints=None, interval=1):
+  """Trains to `steps` (resuming from `checkpoints` if it has one, saving every `interval`)."""
   model = make_model(lora, mesh)
-  options = ocp.CheckpointManagerOptions(save_interval_steps=1, max_to_keep=2)
+  options = ocp.CheckpointManagerOptions(save_interval_steps=interval, max_to_keep=2)
   config = peft_trainer.TrainingConfig(
     eval_every_n_steps=1000,
     max_steps=steps,
@@ -187,7 +188,71 @@ def main():
         "kinds_after": resumed["kinds_after"],
         **_sharding(resumed),
       }
+  if DEVICES == 1:
+    out.update(nvme_cases())
   print("RESULT", json.dumps(out), flush=True)
+
+
+def nvme_cases():
+  """The NVMe tier in the trainer: training, a resume, and a checkpoint behind the store.
+
+  Tunix's checkpoints carry the optimizer state's small leaves (its step among them); the
+  moments stay in the store, which the new trainer's tier reopens (`resume=True`). A run
+  killed after the store committed a step that no checkpoint holds resumes from an older
+  checkpoint: the first update must refuse (StaleStateError, naming the way back), and the
+  store rolled back to the checkpoint's step (`step=`) must continue exactly.
+  """
+  want = train(optax.adamw(1e-2), False, None, STEPS)
+  want_more = train(optax.adamw(1e-2), False, None, STEPS + 1)
+  out = {}
+  with tempfile.TemporaryDirectory() as d:
+    print("CASE", "full-nvme", flush=True)
+    with opened(f"{d}/store") as tier:
+      got = train(offlax.offload(optax.adamw(1e-2), tier), False, None, STEPS)
+    out["full-nvme"] = _nvme_result(got["losses"], want, got)
+  with tempfile.TemporaryDirectory() as d:
+    print("CASE", "full-nvme-resume", flush=True)
+    with opened(f"{d}/store") as tier:
+      first = train(offlax.offload(optax.adamw(1e-2), tier), False, None, STEPS // 2, f"{d}/c")
+    with opened(f"{d}/store", resume=True) as tier:
+      resumed = train(offlax.offload(optax.adamw(1e-2), tier), False, None, STEPS, f"{d}/c")
+    out["full-nvme-resume"] = _nvme_result(first["losses"] + resumed["losses"], want, resumed)
+  with tempfile.TemporaryDirectory() as d:
+    print("CASE", "full-nvme-behind", flush=True)
+    with opened(f"{d}/store") as tier:
+      # checkpoints at steps 2 and 3 (Tunix saves the last step too); the kill after the
+      # store's commit of step 3 and before its checkpoint is the removal of checkpoint 3
+      first = train(offlax.offload(optax.adamw(1e-2), tier), False, None, 3, f"{d}/c", 2)
+    shutil.rmtree(f"{d}/c/3")
+    error = ""
+    with opened(f"{d}/store", resume=True) as tier:
+      try:
+        train(offlax.offload(optax.adamw(1e-2), tier), False, None, STEPS + 1, f"{d}/c")
+      except Exception as e:  # noqa: BLE001 (the callback's error, as JAX raises it)
+        error = f"{type(e).__name__}: {e}"
+    with opened(f"{d}/store", resume=True, step=2) as tier:
+      resumed = train(offlax.offload(optax.adamw(1e-2), tier), False, None, STEPS + 1, f"{d}/c")
+    losses = first["losses"][:2] + resumed["losses"]
+    out["full-nvme-behind"] = {**_nvme_result(losses, want_more, resumed), "error": error}
+  return out
+
+
+@contextlib.contextmanager
+def opened(path, **options):
+  tier = offlax.NVMeTier(path, progress=False, **options)
+  try:
+    yield tier
+  finally:
+    tier.close()
+
+
+def _nvme_result(losses, want, got):
+  return {
+    "losses": losses,
+    "want_losses": want["losses"],
+    "params_exact": same(got["params_np"], want["params_np"]),
+    "kinds_after": got["kinds_after"],
+  }
 
 
 if __name__ == "__main__":
