@@ -55,13 +55,21 @@ def test_elementwise_optimizers_are_separable_and_splittable(inner):
   ids=["moments-kernel", "update-kernel", "whole-step-kernel"],
 )
 def test_offlax_native_kernels_are_splittable(inner):
-  """A `platform_dependent` choice of an elementwise FFI kernel or its JAX twin is elementwise."""
+  """A `platform_dependent` choice of an elementwise FFI kernel or its JAX twin is elementwise.
+
+  In GPU programs (`compile_for_gpu` traces so); on the CPU backend each leaf stays whole,
+  updated in place (cutting it would only copy its slices out and back).
+  """
   assert ffi.available()
   tree = {"a": jnp.ones(4)}
   jaxpr = str(jax.make_jaxpr(inner.update)(tree, inner.init(tree), tree))
   assert "platform_index" in jaxpr and "ffi_call" in jaxpr
-  c = _analyze(inner)
+  with coupling.splitting_native(True):
+    c = _analyze(inner)
   assert c.groups == ((0,), (1,), (2,)) and c.splittable == {0, 1, 2}
+  assert jax.default_backend() == "cpu" and not coupling.split_native()
+  c = _analyze(inner)
+  assert c.groups == ((0,), (1,), (2,)) and c.splittable == frozenset()
 
 
 def test_an_unknown_ffi_call_couples_its_operands():

@@ -22,6 +22,7 @@ per leaf, so their values depend on how many leaves a call sees.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 from collections.abc import Sequence
 from typing import Any
@@ -29,10 +30,43 @@ from typing import Any
 import jax
 import jax.extend.core as jex
 import numpy as np
+from jax._src import config as jax_config
 
 from offlax._src import ffi
 
 GLOBAL = -1  # owner of a state leaf that belongs to no parameter (e.g. count)
+
+# Whether offlax's native kernels (`ffi.ELEMENTWISE`) may be cut into slices. In a
+# GPU program they must be, as their JAX twins are: whole leaves broke the device
+# bound and doubled host compute's host temp under XLA:GPU (tests/test_gpu_compile.py).
+# On the CPU backend cutting buys nothing and costs copies: a whole leaf is updated
+# in place, a cut one is sliced out and written back (the host step 6-11x slower,
+# benchmarks/host_adam.py). Unset: decided by JAX's default backend. A JAX config
+# state (env OFFLAX_SPLIT_NATIVE=always|never), not a plain context variable: it is
+# part of the trace context, so a step traced once for the CPU is traced again,
+# not reused from JAX's caches, when `compile_for_gpu` lowers it for CUDA.
+_SPLIT_NATIVE = jax_config.optional_enum_state(
+  name="offlax_split_native",
+  enum_values=["always", "never"],
+  default=None,
+  help="Cut offlax's native optimizer kernels into slices (always in GPU programs).",
+  include_in_trace_context=True,
+)
+
+
+def split_native() -> bool:
+  """Whether the update being traced may cut offlax's native kernels into slices."""
+  forced = _SPLIT_NATIVE.value
+  return jax.default_backend() != "cpu" if forced is None else forced == "always"
+
+
+def splitting_native(split: bool) -> contextlib.AbstractContextManager:
+  """Traces inside cut (or keep whole) offlax's native kernels, whatever the backend.
+
+  `offlax.compile_for_gpu` traces with True: it lowers for CUDA from a CPU machine.
+  """
+  return _SPLIT_NATIVE("always" if split else "never")
+
 
 _ELEMENTWISE = frozenset(
   """
@@ -202,7 +236,7 @@ def _eqn(eqn: jex.JaxprEqn, ins: list[_Val]) -> list[_Val]:
     return _branches(eqn.params["branches"], ins[1:])
   if name == "platform_index":  # the platform compiled for: one value for every slice
     return [_UNIFORM] * n_out
-  if name == "ffi_call" and eqn.params.get("target_name") in ffi.ELEMENTWISE:
+  if name == "ffi_call" and eqn.params.get("target_name") in ffi.ELEMENTWISE and split_native():
     return _elementwise_call(eqn, ins, deps, random)
   if name in _ELEMENTWISE:
     varying = [v for v in ins if not v.uniform]

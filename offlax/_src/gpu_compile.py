@@ -26,7 +26,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from offlax._src import errors
+from offlax._src import coupling, errors
 from offlax._src.telemetry import format_bytes
 
 
@@ -236,7 +236,9 @@ def compile_for_gpu(
   topology = _topology(target)
   jitted = fn if hasattr(fn, "trace") else jax.jit(fn, **jit_kwargs)
   specs = jax.tree.map(_spec, args)
-  lowered = jitted.trace(*specs).lower(lowering_platforms=("cuda",))
+  # offlax's native kernels cut into slices as in any GPU program (`coupling.split_native`).
+  with coupling.splitting_native(True):
+    lowered = jitted.trace(*specs).lower(lowering_platforms=("cuda",))
   from jax._src import compiler
   from jax._src.lib import _jax
 
