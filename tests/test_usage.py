@@ -143,6 +143,17 @@ def test_optax_tree_utilities_work_on_offloaded_state(tier, tmp_path):
   want, _ = plain.update(_grads(params), plain.init(params), params)
   got, _ = jax.jit(tx.update)(_grads(params), mapped, params)
   np.testing.assert_allclose(got["w"], want["w"], rtol=1e-6)
+  if tier != "nvme":  # the arithmetic utilities, as docs/host_tier.md states them
+    ref, inner = plain.init(params), state.inner_state
+    for name in ("sum", "max"):
+      f = getattr(optax.tree, name)
+      assert float(f(inner)) == float(f(ref)) == float(jax.jit(f)(inner)), name
+    doubled = optax.tree.scale(2.0, optax.tree.add(inner, inner))
+    assert jax.tree.structure(doubled) == jax.tree.structure(ref)
+    zeros = jax.jit(optax.tree.zeros_like)(state)  # eagerly, JAX 0.10 refuses host leaves
+    assert jax.tree.structure(zeros) == jax.tree.structure(state)
+    norm = jax.jit(lambda s: optax.tree.norm(offlax.fetch(s)))(inner)  # its leaves fetched
+    assert float(norm) == float(optax.tree.norm(ref))
   if tier == "nvme":
     made.close()
 
