@@ -179,16 +179,31 @@ def rows_checkpoint(r: dict[str, Any]) -> list[Row]:
 
 
 def rows_gpu_check(r: dict[str, Any]) -> list[Row]:
-  t = r["time"]["stream"]
-  return [
-    _row(
-      "gpu_check",
-      "streamed host tier step / state on the device (GPU)",
-      "<= 1.15x",
-      f"{t['ratio']:.3f}x",
-      t["ratio"] <= 1.15,
+  rows = []
+  what = "streamed host tier step / state on the device (GPU)"
+  t = r.get("time", {}).get("stream")
+  if t is None:  # the section failed or was skipped: its error is in the JSON
+    rows.append(_row("gpu_check", what, "<= 1.15x", "not measured", False))
+  else:
+    rows.append(_row("gpu_check", what, "<= 1.15x", f"{t['ratio']:.3f}x", t["ratio"] <= 1.15))
+  diffs = {k: v.get("max_abs_diff") for k, v in r.get("correctness", {}).items()}
+  if diffs:
+    worst = max(diffs.values(), key=lambda d: float("inf") if d is None else d)
+    what = "max abs difference from optax after the steps, every mode (GPU)"
+    got = "failed" if worst is None else f"{worst:.3g}"
+    rows.append(_row("gpu_check", what, "<= 1e-6", got, worst is not None and worst <= 1e-6))
+  runs = dict(r.get("measured_vs_compiled") or {})
+  runs["params on the host"] = r.get("params_on_host") or {}
+  for mode, x in runs.items():
+    if not (isinstance(x, dict) and x.get("predicted_peak_bytes") and x.get("peak_bytes")):
+      continue
+    ratio = x["peak_bytes"] / x["predicted_peak_bytes"]
+    mode = {"host": "host compute", "streamed": "streamed host tier"}.get(mode, mode)
+    rows.append(
+      _row("gpu_check", f"device peak on the GPU / compile_for_gpu's ({mode})", "0.95-1.05x",
+           f"{ratio:.4f}x ({x['peak_bytes'] / 1e9:.3f} GB)", 0.95 <= ratio <= 1.05)
     )  # fmt: skip
-  ]
+  return rows
 
 
 def rows_gpu_memory(r: dict[str, Any]) -> list[Row]:

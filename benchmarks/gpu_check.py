@@ -83,11 +83,16 @@ def _step(tx):
   return step
 
 
-def _materialise(shapes, seed):
+def _materialise(shapes, seed, place=lambda x: x):
+  """Random arrays of `shapes`, each `place`d as it is made (one leaf at a time on the device)."""
   import jax
 
   keys = iter(jax.random.split(jax.random.key(seed), len(jax.tree.leaves(shapes))))
-  return jax.tree.map(lambda s: jax.random.normal(next(keys), s.shape, s.dtype) * 0.1, shapes)
+
+  def make(s):
+    return jax.block_until_ready(place(jax.random.normal(next(keys), s.shape, s.dtype) * 0.1))
+
+  return jax.tree.map(make, shapes)
 
 
 def check_correctness(offlax, optax, jax, np):
@@ -127,7 +132,7 @@ def _correctness(offlax, optax, jax, np, nvme):
           p, s = step(p, s, jax.tree.map(lambda x, i=i: jax.numpy.sin(x * (i + 1)), p))
         out[label] = jax.block_until_ready(p)
     except Exception as e:  # recorded: the table shows which variant failed and why
-      results[name] = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
+      results[name] = {"error": _error(e)}
       continue
     diff = max(
       float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
@@ -137,7 +142,7 @@ def _correctness(offlax, optax, jax, np, nvme):
   return results
 
 
-def native_in_host_compute(jax, np):
+def native_in_host_compute(jax, np, sizes=(1 << 20, 1 << 26)):
   """Whether offlax's native Adam kernel runs inside a GPU program's host computation.
 
   JAX lowers a `compute_on("device_host")` region for the CPU platform, so
@@ -147,18 +152,17 @@ def native_in_host_compute(jax, np):
   compiling without a GPU proves only that they are found). Tried here on the
   bare kernel, with errors recorded and both times (`check_correctness` runs
   it through offlax); the kernel runs on one thread if the plugin gives its
-  host computations no intra-op pool, which the times show.
+  host computations no intra-op pool, which the times at 64M params show
+  (`params_per_s` against `host_step_params_per_s`, all cores and one).
   """
   import jax.numpy as jnp
-  from jax.experimental.compute_on import compute_on2
 
   from offlax._src import host_adam
+  from offlax._src.compat import compute_on  # compute_on2 in JAX 0.10, compute_on after 0.11
 
-  out = {"kernel_built": host_adam.native_available()}
+  out = {"kernel_built": host_adam.native_available(), "cpu_count": os.cpu_count()}
   if not out["kernel_built"]:
     return out
-  n = 1 << 20
-  g, m, v = (jnp.full((n,), x, jnp.float32) for x in (0.005, 0.001, 1e-6))
   hyper = host_adam._Hyper(0.9, 0.999, 0.1, 0.001, 1e-8, 0.0, -1e-3, False, 0.0)
   vector = hyper.vector(moments_only=False)
 
@@ -167,7 +171,7 @@ def native_in_host_compute(jax, np):
       return fn(*(jax.device_put(x, jax.memory.Space.Device) for x in args))
 
     def step(g, m, v, vector):
-      region = compute_on2(
+      region = compute_on(
         relabelled, compute_type="device_host", out_memory_spaces=jax.memory.Space.Host
       )
       to_host = lambda x: jax.device_put(x, jax.memory.Space.Host)
@@ -184,17 +188,26 @@ def native_in_host_compute(jax, np):
 
   plain = on_host(reference)
   try:
-    got = [np.asarray(x) for x in native(g, m, v, vector)]
-    want = [np.asarray(x) for x in plain(g, m, v, vector)]
+    for n in sizes:
+      g, m, v = (jnp.full((n,), x, jnp.float32) for x in (0.005, 0.001, 1e-6))
+      got = [np.asarray(x) for x in native(g, m, v, vector)]
+      want = [np.asarray(x) for x in plain(g, m, v, vector)]
+      native_s = statistics.median(_time(native, (g, m, v, vector), 5, 1, jax, keep=True))
+      plain_s = statistics.median(_time(plain, (g, m, v, vector), 5, 1, jax, keep=True))
+      out[f"{n / 2**20:.3g}M"] = {
+        "max_rel_diff": max(
+          float(np.max(np.abs(a - b) / (np.abs(b) + 1e-30))) for a, b in zip(got, want, strict=True)
+        ),
+        "native_s": native_s,
+        "plain_s": plain_s,
+        "native_params_per_s": n / native_s,
+        "plain_params_per_s": n / plain_s,
+      }
+      del g, m, v, got, want
     out["runs"] = True
-    out["max_rel_diff"] = max(
-      float(np.max(np.abs(a - b) / (np.abs(b) + 1e-30))) for a, b in zip(got, want, strict=True)
-    )
-    out["native_s"] = statistics.median(_time(native, (g, m, v, vector), 5, 1, jax, keep=True))
-    out["plain_s"] = statistics.median(_time(plain, (g, m, v, vector), 5, 1, jax, keep=True))
   except Exception as e:  # the experiment's answer, not a failure of the check
     out["runs"] = False
-    out["error"] = f"{type(e).__name__}: {str(e)[:500]}"
+    out["error"] = _error(e)
   return out
 
 
@@ -212,7 +225,7 @@ def host_step_threads(scale: float) -> dict:
   cores = os.cpu_count() or 1
   with tempfile.TemporaryDirectory() as out:
     cmd = [sys.executable, str(script), "--sizes-m", f"{max(1.0, 256 * scale):g}"]
-    cmd += ["--threads", str(cores), "1", "--steps", "5", "--out", out]
+    cmd += ["--threads", str(cores), "1", "--steps", "5", "--repeats", "1", "--out", out]
     run = subprocess.run(
       cmd, capture_output=True, text=True, timeout=1200, env=dict(os.environ, JAX_PLATFORMS="cpu")
     )
@@ -247,7 +260,7 @@ def examples(steps: int) -> dict:
         extra = ["--dir", tmp, "--dim", "32", "--seq", "32"] if name == "lm_nnx.py" else []
         out[key] = {"result": float(module.main([*args, *extra]))}
     except Exception as e:  # recorded: the point is to learn what fails on this machine
-      out[key] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+      out[key] = {"error": _error(e)}
   return out
 
 
@@ -267,6 +280,8 @@ def memory_analysis(offlax, optax, jax, n_params):
     ("on_device", optax.adamw(1e-3)),
     ("host_tier", offlax.offload(optax.adamw(1e-3))),
     ("host_compute", offlax.offload(optax.adamw(1e-3), compute="host")),
+    # The same with offlax's AdamW: its native kernel in the host computation.
+    ("host_compute_native", offlax.offload(offlax.adamw(1e-3), compute="host")),
   ):
     offloaded = name != "on_device"
     state_specs = jax.tree.map(
@@ -308,52 +323,75 @@ def memory_analysis(offlax, optax, jax, n_params):
   return out
 
 
-def measured_vs_compiled(offlax, optax, jax, n_params):
+def measured_vs_compiled(offlax, optax, jax, n_params, modes=("host", "streamed")):
   """A real step's device peak on this GPU beside `offlax.compile_for_gpu`'s prediction.
 
   Runs one donated AdamW step per mode on real arrays and reads the device's
-  `peak_bytes_in_use` above what the arguments hold; the prediction compiles
-  the same step from shapes for an H200 target (XLA's GPU compiler, as on a
-  machine without a GPU). Errors are recorded, not raised.
+  `peak_bytes_in_use` (which only grows: each mode runs in a fresh process on a
+  GPU, `_child`); the prediction compiles the same step from shapes for an H200
+  target (XLA's GPU compiler, as on a machine without a GPU). Errors are
+  recorded, not raised.
   """
+  if len(modes) > 1:
+    return {m: _child("measured_vs_compiled", n_params=n_params, modes=[m])[m] for m in modes}
   from offlax._src import gpu_compile
 
+  (mode,) = modes
   device = jax.devices()[0]
   out = {}
-  for mode, compute in (("streamed", "device"), ("host", "host")):
-    try:
-      params = _materialise(_params(n_params), 0)
-      tx = offlax.offload(optax.adamw(1e-3), compute=compute)
-      state = tx.init(params)
-      step = jax.jit(gpu_compile.update_step(tx), donate_argnums=(0, 1))
-      x = jax.numpy.float32(1e-3)
-      predicted = None
+  try:
+    params = _materialise(_params(n_params), 0)
+    jax.block_until_ready(params)
+    made = device.memory_stats() or {}
+    tx = offlax.offload(optax.adamw(1e-3), compute="host" if mode == "host" else "device")
+    state = jax.block_until_ready(tx.init(params))
+    # The state is made in host memory: the device holds the params alone (Adam's state made
+    # there first would add 8 B/param, as it did before `host_params.init(via_host=...)`).
+    init = {
+      "params_bytes": sum(x.nbytes for x in jax.tree.leaves(params)),
+      "peak_after_params_bytes": made.get("peak_bytes_in_use", 0),
+      "peak_after_init_bytes": (device.memory_stats() or {}).get("peak_bytes_in_use", 0),
+    }
+    step = jax.jit(gpu_compile.update_step(tx), donate_argnums=(0, 1))
+    x = jax.numpy.float32(1e-3)
+    predicted, why = None, None
+    try:  # the prediction's own error must not cost the measurement
       if offlax.gpu_compile_available():
         specs = gpu_compile.state_specs
         n = sum(p.size for p in jax.tree.leaves(params))
         predicted = offlax.compile_for_gpu(
           step, specs(params), specs(state), x, target="h200", n_params=n
         ).device_peak
-      jax.block_until_ready((params, state))
-      before = device.memory_stats() or {}
-      base = before.get("bytes_in_use", 0)
-      params, state = jax.block_until_ready(step(params, state, x))
-      after = device.memory_stats() or {}
-      peak = after.get("peak_bytes_in_use", 0)
-      out[mode] = {
-        "base_bytes": base,
-        "peak_bytes": peak,
-        "predicted_peak_bytes": predicted,
-        "ratio": peak / predicted if predicted else None,
-      }
-      del params, state
-    except Exception as e:  # recorded: the table shows which mode failed and why
-      out[mode] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    except Exception as e:
+      why = _error(e)
+    jax.block_until_ready((params, state))
+    before = device.memory_stats() or {}
+    params, state = jax.block_until_ready(step(params, state, x))
+    peak = (device.memory_stats() or {}).get("peak_bytes_in_use", 0)
+    out[mode] = {
+      **init,
+      "base_bytes": before.get("bytes_in_use", 0),
+      "peak_before_bytes": before.get("peak_bytes_in_use", 0),
+      "peak_bytes": peak,
+      "predicted_peak_bytes": predicted,
+      "prediction_error": why,
+      "ratio": peak / predicted if predicted else None,
+      # The counter only grows: the step's peak shows only if it tops the set-up's.
+      "step_peak_seen": peak > before.get("peak_bytes_in_use", 0),
+    }
+  except Exception as e:  # recorded: the table shows which mode failed and why
+    out[mode] = {"error": _error(e)}
   return out
 
 
-def params_on_host(offlax, optax, jax, scale, steps):
-  """The params-on-host train step on this GPU beside the plain one; errors are recorded."""
+def params_on_host(offlax, optax, jax, scale, steps, child=True):
+  """The params-on-host train step on this GPU beside the plain one; errors are recorded.
+
+  In a fresh process (`_child`), offlax's steps first: the device's peak counter
+  then holds its peak, not the plain model's.
+  """
+  if child:
+    return _child("params_on_host", scale=scale, steps=steps)
   from offlax._src import gpu_compile, llama
 
   layers = max(2, int(16 * min(1.0, scale * 4)))
@@ -365,42 +403,97 @@ def params_on_host(offlax, optax, jax, scale, steps):
     device = jax.devices()[0]
     tokens = jax.random.randint(jax.random.key(1), (m.tokens,), 0, m.vocab)
     inner = offlax.master_weights(optax.adamw(1e-4))
-    plain = jax.jit(llama.train_step(m, inner, offloaded=False), donate_argnums=(0, 1))
-    q = _materialise(llama.param_specs(m, None), 0)
-    r = inner.init(q)
-    p = offlax.to_host(_materialise(llama.param_specs(m, None), 0))
+    # Leaf by leaf: the bf16 model made whole on the device would set the peak counter.
+    p = _materialise(llama.param_specs(m, None), 0, place=offlax.to_host)
     tx = offlax.offload(inner, compute="host")
     s = tx.init(p)
     step = jax.jit(llama.train_step(m, tx), donate_argnums=(0, 1))
-    if offlax.gpu_compile_available():
-      specs = gpu_compile.state_specs
-      out["predicted_peak_bytes"] = offlax.compile_for_gpu(
-        step, specs(p), specs(s), tokens, target="h200"
-      ).device_peak
+    try:  # the prediction's own error must not cost the measurement
+      if offlax.gpu_compile_available():
+        specs = gpu_compile.state_specs
+        out["predicted_peak_bytes"] = offlax.compile_for_gpu(
+          step, specs(p), specs(s), tokens, target="h200"
+        ).device_peak
+    except Exception as e:
+      out["prediction_error"] = _error(e)
     jax.block_until_ready((p, s))
     out["base_bytes"] = (device.memory_stats() or {}).get("bytes_in_use", 0)
     for _ in range(3):
       p, s, _ = step(p, s, tokens)
-      q, r, _ = plain(q, r, tokens)
-    jax.block_until_ready((p, q))
+    jax.block_until_ready(p)
     out["peak_bytes"] = (device.memory_stats() or {}).get("peak_bytes_in_use", 0)
     out["param_kinds"] = sorted({x.sharding.memory_kind for x in jax.tree.leaves(p)})
-    diff = jax.tree.map(lambda a, b: float(np.max(np.abs(np.float32(a) - np.float32(b)))), p, q)
-    out["max_abs_diff_after_3_steps"] = max(jax.tree.leaves(diff))
-    out["offlax_median_s"] = statistics.median(
-      _time(lambda p, s: step(p, s, tokens)[:2], (p, s), steps, 1, jax)
-    )
-    out["plain_median_s"] = statistics.median(
-      _time(lambda q, r: plain(q, r, tokens)[:2], (q, r), steps, 1, jax)
-    )
+    plain = jax.jit(llama.train_step(m, inner, offloaded=False), donate_argnums=(0, 1))
+    q = _materialise(llama.param_specs(m, None), 0)
+    r = inner.init(q)
+    for _ in range(3):
+      q, r, _ = plain(q, r, tokens)
+    times = _time(lambda p, s: step(p, s, tokens)[:2], (p, s), steps, 1, jax, last=True)
+    (p, s), out["offlax_median_s"] = times[-1], statistics.median(times[:-1])
+    times = _time(lambda q, r: plain(q, r, tokens)[:2], (q, r), steps, 1, jax, last=True)
+    (q, r), out["plain_median_s"] = times[-1], statistics.median(times[:-1])
     out["ratio"] = out["offlax_median_s"] / out["plain_median_s"]
+    # Compared last: a NumPy view of a host array would forbid donating it to the next step.
+    diff = jax.tree.map(lambda a, b: float(np.max(np.abs(np.float32(a) - np.float32(b)))), p, q)
+    out["steps_compared"] = 3 + 1 + steps
+    out["max_abs_diff"] = max(jax.tree.leaves(diff))
   except Exception as e:  # recorded: the table shows it
-    out["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    out["error"] = _error(e)
   return out
 
 
-def _time(fn, args, steps, warmup, jax, keep=False):
-  """Times `fn`, feeding each call the last one's results unless `keep`."""
+def _error(e: BaseException) -> str:
+  """`e` and the innermost offlax and benchmark frames it passed: what to fix without a GPU."""
+  import traceback
+
+  frames = [f for f in traceback.extract_tb(e.__traceback__) if "offlax" in f.filename
+            or "benchmarks" in f.filename or "examples" in f.filename][-4:]  # fmt: skip
+  where = " <- ".join(f"{os.path.basename(f.filename)}:{f.lineno}" for f in reversed(frames))
+  return f"{type(e).__name__}: {str(e)[:400]} [at {where}]"
+
+
+def _child(section: str, env: dict | None = None, **kwargs) -> dict:
+  """Runs `section(**kwargs)` in a fresh process and returns its result (errors as results).
+
+  The device's `peak_bytes_in_use` only grows within a process: a peak read after
+  earlier sections would be theirs; and the native kernel reads its environment
+  (`env`, added to this one's) once per process. What the kernel says of its
+  threads (``OFFLAX_NATIVE_DEBUG``) is returned as ``native_said``.
+  """
+  import subprocess
+
+  cmd = [sys.executable, os.path.abspath(__file__), "--child", json.dumps([section, kwargs])]
+  env = {**os.environ, **(env or {})}
+  run = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+  lines = [x for x in run.stdout.splitlines() if x.startswith("RESULT ")]
+  if run.returncode != 0 or not lines:
+    return {"error": f"child exited {run.returncode}: {run.stderr.strip()[-500:]}"}
+  result = json.loads(lines[-1][len("RESULT ") :])
+  said = [x for x in run.stderr.splitlines() if x.startswith("offlax native:")]
+  return {**result, "native_said": said[0]} if said else result
+
+
+def _run_child(spec: str) -> None:
+  import jax
+  import optax
+
+  import offlax
+
+  section, kwargs = json.loads(spec)
+  if section == "measured_vs_compiled":
+    result = measured_vs_compiled(offlax, optax, jax, **kwargs)
+  elif section == "host_compute_parts":
+    result = host_compute_parts(offlax, optax, jax, child=False, **kwargs)
+  else:
+    result = params_on_host(offlax, optax, jax, child=False, **kwargs)
+  print("RESULT " + json.dumps(result), flush=True)
+
+
+def _time(fn, args, steps, warmup, jax, keep=False, last=False):
+  """Times `fn`, feeding each call the last one's results unless `keep`.
+
+  With `last`, the final results follow the times (the arguments were donated).
+  """
   for _ in range(warmup):
     out = fn(*args)
     args = args if keep else out
@@ -412,7 +505,7 @@ def _time(fn, args, steps, warmup, jax, keep=False):
     jax.block_until_ready(out)
     times.append(time.perf_counter() - start)
     args = args if keep else out
-  return times
+  return [*times, args] if last else times
 
 
 def step_times(offlax, optax, jax, n_params, steps, warmup):
@@ -424,6 +517,8 @@ def step_times(offlax, optax, jax, n_params, steps, warmup):
     ("stream", offlax.offload(optax.adamw(1e-3))),
     ("one_slice", offlax.offload(optax.adamw(1e-3), chunk_bytes=2**40)),
     ("host_compute", offlax.offload(optax.adamw(1e-3), compute="host")),
+    # The same with offlax's AdamW: its native kernel in the host computation.
+    ("host_compute_native", offlax.offload(offlax.adamw(1e-3), compute="host")),
   ):
     params = _materialise(shapes, 0)
     state = tx.init(params)
@@ -434,8 +529,67 @@ def step_times(offlax, optax, jax, n_params, steps, warmup):
     out[name] = _common.stats_of(times, "_s")
     del params, state
   base = out["on_device"]["median_s"]
-  for name in ("stream", "one_slice", "host_compute"):
+  for name in ("stream", "one_slice", "host_compute", "host_compute_native"):
     out[name]["ratio"] = out[name]["median_s"] / base
+  return out
+
+
+def host_compute_parts(offlax, optax, jax, n_params, steps, child=True):
+  """Where `HostTier(compute="host")`'s step spends its time on a GPU (issue 20).
+
+  The whole step (gradients to the host, the update there, updates back), the
+  same in one slice, and the host computation alone: the inner update of host
+  arrays in a `compute_on("device_host")` region, as offlax runs it per slice,
+  for optax's AdamW (XLA:CPU code) and offlax's (its native kernel). Twice, each
+  in a fresh process: the native kernel's threads from XLA's pool
+  (``OFFLAX_NATIVE_POOL=xla``; one core's speed was measured so on an H200's host)
+  and by default (offlax's own pool where XLA gives fewer than two threads).
+  """
+  if child:
+    pools = {"xla_pool": "xla", "default_pool": ""}
+    return {
+      name: _child(
+        "host_compute_parts",
+        env={"OFFLAX_NATIVE_POOL": pool, "OFFLAX_NATIVE_DEBUG": "1"},
+        n_params=n_params,
+        steps=steps,
+      )
+      for name, pool in pools.items()
+    }
+  from offlax._src import host_params
+  from offlax._src.compat import compute_on
+
+  shapes = _params(n_params)
+  n = sum(int(np.prod(s.shape)) for s in jax.tree.leaves(shapes))
+  out: dict = {"n_params": n}
+  grads = _materialise(shapes, 1)
+  for name, tx in (
+    ("step", offlax.offload(offlax.adamw(1e-3), compute="host")),
+    ("step_one_slice", offlax.offload(offlax.adamw(1e-3), compute="host", chunk_bytes=2**40)),
+  ):
+    params = _materialise(shapes, 0)
+    state = tx.init(params)
+    step = jax.jit(_step(tx), donate_argnums=(0, 1))
+    run = lambda p, s, step=step, g=grads: (*step(p, s, g),)
+    times = _time(run, (params, state), steps, 1, jax)
+    out[f"{name}_s"] = statistics.median(times)
+    del params, state, step
+  host_grads = offlax.to_host(grads)
+  del grads
+  for name, inner in (("optax", optax.adamw(1e-3)), ("offlax", offlax.adamw(1e-3))):
+    params = _materialise(shapes, 0, place=offlax.to_host)
+    state = host_params.init(inner.init, params)
+
+    def update(g, s, p, inner=inner):
+      args = jax.tree.map(host_params.as_device_value, (g, s, p))
+      return inner.update(*args)
+
+    region = compute_on(update, compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)
+    run = jax.jit(lambda s, g, p, region=region: region(g, s, p)[1], donate_argnums=(0,))
+    times = _time(lambda s, run=run, p=params: (run(s, host_grads, p),), (state,), steps, 1, jax)
+    out[f"host_update_{name}_s"] = statistics.median(times)
+    out[f"host_update_{name}_params_per_s"] = n / out[f"host_update_{name}_s"]
+    del params, state, run
   return out
 
 
@@ -463,10 +617,33 @@ def bandwidth(jax, n_bytes):
   return out
 
 
+SECTIONS = (
+  "correctness",
+  "native_in_host_compute",
+  "memory",
+  "measured_vs_compiled",
+  "time",
+  "bandwidth_bytes_per_s",
+  "host_compute_parts",
+  "params_on_host",
+  "examples",
+  "host_step_params_per_s",
+)
+
+
 def main(argv=None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--size-scale", type=float, default=1.0)
   _common.add_steps_arguments(parser, steps=20, warmup_help="untimed steps after compiling (2)")
+  parser.add_argument(
+    "--only", nargs="+", choices=SECTIONS, default=SECTIONS, help="the sections to run (all)"
+  )
+  parser.add_argument(
+    "--budget-s",
+    type=float,
+    default=None,
+    help="seconds for the whole run: sections not started by then are skipped (none)",
+  )
   _common.add_out_argument(parser, "gpu_check")
   args = parser.parse_args(argv)
 
@@ -475,67 +652,187 @@ def main(argv=None) -> dict:
 
   import offlax
 
+  start = time.perf_counter()
   scale = args.size_scale
   result = {"benchmark": "gpu_check", **_common.environment(devices=True), "size_scale": scale}
   result["memories"] = [m.kind for m in jax.devices()[0].addressable_memories()]
-  result["correctness"] = check_correctness(offlax, optax, jax, np)
-  result["native_in_host_compute"] = native_in_host_compute(jax, np)
-  result["examples"] = examples(max(3, int(20 * min(1.0, scale * 100))))
-  result["memory"] = memory_analysis(offlax, optax, jax, 1e9 * scale)
-  result["measured_vs_compiled"] = measured_vs_compiled(offlax, optax, jax, 1e9 * scale)
-  result["params_on_host"] = params_on_host(offlax, optax, jax, scale, min(args.steps, 5))
-  result["time"] = step_times(offlax, optax, jax, 2.5e8 * scale, args.steps, args.warmup)
-  result["bandwidth_bytes_per_s"] = bandwidth(jax, int(2**30 * scale) // 4 * 4 or 4096)
-  result["host_step_params_per_s"] = host_step_threads(scale)
+  result["section_s"] = {}
+  sections = {
+    "correctness": lambda: check_correctness(offlax, optax, jax, np),
+    "native_in_host_compute": lambda: native_in_host_compute(
+      jax, np, sizes=(1 << 20, max(1 << 16, int((1 << 26) * scale)))
+    ),
+    "memory": lambda: memory_analysis(offlax, optax, jax, 1e9 * scale),
+    "measured_vs_compiled": lambda: measured_vs_compiled(offlax, optax, jax, 1e9 * scale),
+    "time": lambda: step_times(offlax, optax, jax, 2.5e8 * scale, args.steps, args.warmup),
+    "bandwidth_bytes_per_s": lambda: bandwidth(jax, int(2**30 * scale) // 4 * 4 or 4096),
+    "host_compute_parts": lambda: host_compute_parts(
+      offlax, optax, jax, 2.5e8 * scale, min(args.steps, 5)
+    ),
+    "params_on_host": lambda: params_on_host(offlax, optax, jax, scale, min(args.steps, 5)),
+    "examples": lambda: examples(max(3, int(20 * min(1.0, scale * 100)))),
+    "host_step_params_per_s": lambda: host_step_threads(scale),
+  }
+  args.out.mkdir(parents=True, exist_ok=True)
+  # One section at a time, the JSON rewritten after each: a run stopped at a time limit (a lent
+  # GPU's minutes) keeps what it measured, and one section's error is recorded, not fatal.
+  for name in (s for s in SECTIONS if s in args.only):
+    elapsed = time.perf_counter() - start
+    if args.budget_s is not None and elapsed > args.budget_s:
+      result[name] = {"error": f"skipped: {elapsed:.0f} s of the {args.budget_s:g} s budget spent"}
+      continue
+    print(f"[gpu_check {elapsed:6.1f} s] {name}", flush=True)
+    began = time.perf_counter()
+    try:
+      result[name] = sections[name]()
+    except Exception as e:  # recorded: the table shows which section failed and why
+      result[name] = {"error": _error(e)}
+    result["section_s"][name] = time.perf_counter() - began
+    _common.write_json(result, args.out / "gpu_check.json")
+
+  result["overlap"] = overlap(result, scale)
+  result["wall_s"] = time.perf_counter() - start
+  _common.write_json(result, args.out / "gpu_check.json")
+  plot(result, args.out / "gpu_check.png")
+  print(table(result))
+  return result
+
+
+def overlap(result: dict, scale: float) -> dict | None:
+  """The share of the streamed step's state traffic hidden behind compute, from two sections."""
+  t, bw = result.get("time", {}), result.get("bandwidth_bytes_per_s", {})
+  if "stream" not in t or "on_device" not in t or not bw or "error" in bw:
+    return None
+  import jax
 
   # State bytes moved per streamed step: mu and nu in and out (4 x 4 bytes per parameter).
   n = sum(int(np.prod(s.shape)) for s in jax.tree.leaves(_params(2.5e8 * scale)))
-  bw = min(result["bandwidth_bytes_per_s"].values())
-  transfer_s = 16 * n / bw
-  extra_s = result["time"]["stream"]["median_s"] - result["time"]["on_device"]["median_s"]
-  result["overlap"] = {
+  transfer_s = 16 * n / min(bw.values())
+  extra_s = t["stream"]["median_s"] - t["on_device"]["median_s"]
+  return {
     "state_bytes_moved": 16 * n,
     "transfer_s_at_bandwidth": transfer_s,
     "extra_step_s": extra_s,
     "hidden_fraction": max(0.0, min(1.0, 1 - extra_s / transfer_s)) if transfer_s else None,
   }
 
-  def table(r):
-    mem = r["memory"]
-    t = r["time"]
-    lines = [
-      f"gpu_check on {r['devices']} (jax {r['jax_version']}), memories {r['memories']}",
-      "correctness (max|diff| vs optax): "
-      + ", ".join(
-        f"{k} {v['max_abs_diff']:.3g}" if "error" not in v else f"{k} FAILED ({v['error'][:80]})"
-        for k, v in r["correctness"].items()
-      ),
-      f"device bytes/param ({mem['params']:,} params): on device "
-      f"{mem['on_device']['device_bytes_per_param']:.2f}, host tier "
-      f"{mem['host_tier']['device_bytes_per_param']:.2f} (host args "
-      f"{mem['host_tier']['host_argument_size_in_bytes'] / 2**30:.2f} GiB), host compute "
-      f"{mem['host_compute']['device_bytes_per_param']:.2f}",
+
+def plot(r: dict, path) -> bool:
+  """Step times (log scale) and real device peaks against `compile_for_gpu`'s, when measured.
+
+  Returns whether there was anything to draw (a run of other sections writes no PNG).
+  """
+  t, peaks = r.get("time", {}), []
+  for mode, x in (r.get("measured_vs_compiled") or {}).items():
+    if isinstance(x, dict) and x.get("predicted_peak_bytes") and x.get("step_peak_seen"):
+      what = {"host": "host compute", "streamed": "streamed host tier"}.get(mode, mode)
+      n = x["params_bytes"] / 4  # fp32
+      peaks.append((f"{what}\n{n / 1e9:.2g}B AdamW", x["peak_bytes"], x["predicted_peak_bytes"]))
+  x = r.get("params_on_host") or {}
+  if x.get("predicted_peak_bytes") and x.get("peak_bytes"):
+    what = f"params on the host\n{x['n_params'] / 1e6:.0f}M Llama, bf16"
+    peaks.append((what, x["peak_bytes"], x["predicted_peak_bytes"]))
+  if "on_device" not in t and not peaks:
+    return False
+  plt = _common.pyplot()
+  fig, (left, right) = plt.subplots(1, 2, figsize=(12, 5), dpi=120)
+  names = [n for n in ("on_device", "stream", "one_slice", "host_compute", "host_compute_native")
+           if n in t]  # fmt: skip
+  med = [t[n]["median_s"] * 1e3 for n in names]
+  bars = left.bar(range(len(names)), med, color="tab:blue")
+  for bar, n, m in zip(bars, names, med, strict=True):
+    text = f"{m:.1f} ms" + (f"\n{t[n]['ratio']:.1f}x" if "ratio" in t[n] else "")
+    _common.label_above(left, text, (bar.get_x() + bar.get_width() / 2, m), dy=3)
+  moved = (r.get("overlap") or {}).get("transfer_s_at_bandwidth")
+  if moved:
+    left.axhline(moved * 1e3, color="tab:red", linestyle="--", linewidth=1,
+                 label="the state in and out at the measured bandwidth")  # fmt: skip
+    left.legend(loc="upper left", fontsize=8)
+  left.set_yscale("log")
+  left.set_ylim(min(med) / 2, max(med) * 8)
+  left.set_xticks(range(len(names)), [n.replace("_", "\n") for n in names], fontsize=8)
+  left.set_ylabel("AdamW step, 250M fp32 params (ms, median)")
+  left.set_title("step time", fontsize=10)
+  if peaks:
+    x = np.arange(len(peaks))
+    real = [p[1] / 1e9 for p in peaks]
+    predicted = [p[2] / 1e9 for p in peaks]
+    right.bar(x - 0.2, predicted, 0.4, label="compile_for_gpu (no GPU)", color="tab:gray")
+    bars = right.bar(x + 0.2, real, 0.4, label="peak_bytes_in_use on the GPU", color="tab:green")
+    for bar, a, b in zip(bars, real, predicted, strict=True):
+      _common.label_above(right, f"{a / b:.4f}x", (bar.get_x() + bar.get_width() / 2, a), dy=3)
+    right.set_xticks(x, [p[0] for p in peaks], fontsize=8)
+    right.set_ylabel("device peak (GB)")
+    right.set_ylim(0, max(real + predicted) * 1.2)
+    right.legend(loc="upper right", fontsize=8)
+  right.set_title("device peak: measured vs predicted", fontsize=10)
+  title = f"gpu_check on {', '.join(r['devices'])} (jax {r['jax_version']}, {r['date'][:10]})"
+  _common.save_png(fig, path, suptitle=title)
+  return True
+
+
+def table(r: dict) -> str:
+  """The run in a few lines; a section that failed or did not run says so."""
+
+  def line(name, fmt):
+    x = r.get(name)
+    if x is None:
+      return f"{name}: not run"
+    if isinstance(x, dict) and set(x) == {"error"}:
+      return f"{name}: FAILED ({x['error'][:200]})"
+    try:
+      return fmt(x)
+    except (KeyError, TypeError) as e:  # a part of the section failed: show it raw
+      return f"{name}: {x} ({type(e).__name__}: {e})"
+
+  def correctness(c):
+    return "correctness (max|diff| vs optax): " + ", ".join(
+      f"{k} {v['max_abs_diff']:.3g}" if "error" not in v else f"{k} FAILED ({v['error'][:80]})"
+      for k, v in c.items()
+    )
+
+  def memory(m):
+    return (
+      f"device bytes/param ({m['params']:,} params): on device "
+      f"{m['on_device']['device_bytes_per_param']:.2f}, host tier "
+      f"{m['host_tier']['device_bytes_per_param']:.2f} (host args "
+      f"{m['host_tier']['host_argument_size_in_bytes'] / 2**30:.2f} GiB), host compute "
+      f"{m['host_compute']['device_bytes_per_param']:.2f}"
+    )
+
+  def times(t):
+    return (
       f"step: on device {t['on_device']['median_s'] * 1e3:.1f} ms, stream "
       f"{t['stream']['median_s'] * 1e3:.1f} ms ({t['stream']['ratio']:.3f}x, goal <= 1.15x), "
       f"one slice {t['one_slice']['median_s'] * 1e3:.1f} ms ({t['one_slice']['ratio']:.3f}x), "
       f"host compute {t['host_compute']['median_s'] * 1e3:.1f} ms "
-      f"({t['host_compute']['ratio']:.3f}x)",
-      "bandwidth: "
-      + ", ".join(f"{k} {v / 1e9:.1f} GB/s" for k, v in r["bandwidth_bytes_per_s"].items()),
-      f"overlap: {r['overlap']['hidden_fraction']} of the state traffic hidden behind compute",
-      f"native Adam kernel under a GPU host computation: {r['native_in_host_compute']}",
-      f"device peak, real run vs compile_for_gpu: {r['measured_vs_compiled']}",
-      f"params, gradients and state on the host: {r['params_on_host']}",
-      f"examples: {r['examples']}",
-      f"native host step (params/s, all cores and one): {r['host_step_params_per_s']}",
-    ]
-    print("\n".join(lines))
+      f"({t['host_compute']['ratio']:.3f}x; with offlax.adamw's native kernel "
+      f"{t['host_compute_native']['median_s'] * 1e3:.1f} ms)"
+    )
 
-  args.out.mkdir(parents=True, exist_ok=True)
-  _common.write_json(result, args.out / "gpu_check.json")
-  table(result)
-  return result
+  lines = [
+    f"gpu_check on {r['devices']} (jax {r['jax_version']}), memories {r['memories']}, "
+    f"{r.get('wall_s', 0):.0f} s",
+    line("correctness", correctness),
+    line("memory", memory),
+    line("time", times),
+    line(
+      "bandwidth_bytes_per_s",
+      lambda b: "bandwidth: " + ", ".join(f"{k} {v / 1e9:.1f} GB/s" for k, v in b.items()),
+    ),  # fmt: skip
+    f"overlap: {r.get('overlap')}",
+    line("native_in_host_compute", lambda x: f"native Adam kernel in a GPU host computation: {x}"),
+    line("measured_vs_compiled", lambda x: f"device peak, real run vs compile_for_gpu: {x}"),
+    line("host_compute_parts", lambda x: f"host compute's step in parts (s): {x}"),
+    line("params_on_host", lambda x: f"params, gradients and state on the host: {x}"),
+    line("examples", lambda x: f"examples: {x}"),
+    line("host_step_params_per_s", lambda x: f"native host step (params/s, all cores, one): {x}"),
+  ]
+  return "\n".join(lines)
 
 
 if __name__ == "__main__":
-  main()
+  if sys.argv[1:2] == ["--child"]:
+    _run_child(sys.argv[2])
+  else:
+    main()

@@ -224,9 +224,9 @@ _SLOW = {
   # inspect: test_usage.py's directory case runs the command by default.
   "test_checkpoint.py::test_nvme_store_in_an_orbax_checkpoint",
   "test_observability.py::test_inspect_an_orbax_checkpoint",
-  # Session 5 (the GPU compile's native-kernel cases came back): the property test of every
-  # tier against optax (test_equivalence.py, test_nvme.py and test_third_tier.py run each
-  # tier bit-exact by default).
+  # Room for the GPU compile's native-kernel cases: the property test of every tier against
+  # optax (test_equivalence.py, test_nvme.py and test_third_tier.py run each tier bit-exact
+  # by default).
   "test_properties.py::test_offload_equals_optax_in_every_tier",
 }
 _KEEP = {
@@ -266,7 +266,6 @@ _KEEP = {
   "test_flax.py::test_linen_train_state": {"host"},
   "test_bad_input.py::test_update_that_changes_a_state_dtype": set(),
   "test_bad_input.py::test_full_disk_keeps_the_last_commit": {"commit"},
-  # Each mode's tighter bound (update_and_apply) and optax's apply in the other.
   # optax's update in each mode; offlax's native kernel in each with master weights.
   "test_gpu_compile.py::test_offloaded_step_bounds_device_memory": {
     "optax-device-fp32-optax-apply",

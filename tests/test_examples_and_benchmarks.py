@@ -101,6 +101,12 @@ def test_gpu_check_code_path_runs_on_cpu(tmp_path):
   assert result["correctness"]["host_compute_native_update"]["max_abs_diff"] < 1e-6
   assert result["correctness"]["nvme"]["max_abs_diff"] < 1e-6
   assert result["memory"]["on_device"]["device_bytes_per_param"] > 0
+  assert result["native_in_host_compute"]["runs"], result["native_in_host_compute"]
+  assert result["time"]["host_compute_native"]["ratio"] > 0
+  for mode in ("host", "streamed"):  # each in a child process; an error would be recorded
+    run = result["measured_vs_compiled"][mode]
+    assert run["predicted_peak_bytes"] > 0 and run["params_bytes"] > 0, run
+  assert result["params_on_host"]["param_kinds"] == ["pinned_host"], result["params_on_host"]
   _summary_rows("gpu_check", result)
 
 

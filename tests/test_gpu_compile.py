@@ -7,11 +7,12 @@ in seconds; `benchmarks/gpu_memory.py` measures 0.1B-13B. Needs the `gpu-compile
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
 import offlax
-from offlax._src import ffi, gpu_compile, llama
+from offlax._src import ffi, gpu_compile, host_params, llama
 
 pytestmark = pytest.mark.skipif(
   not offlax.gpu_compile_available(), reason="needs offlax[gpu-compile] (jax-cuda12-plugin)"
@@ -196,3 +197,34 @@ def test_apply_updates_on_host_params_converts_nothing(monkeypatch):
   m = offlax.compile_for_gpu(step, {"w": p}, {"w": p}, target="l4")  # updates in host memory
   assert m.host_compute == () and "while" in m.hlo
   assert m.host["temp"] <= 2 * 2**20  # slices, not a second copy of the params
+
+
+@pytest.mark.parametrize("master", [False, True])
+def test_host_tier_init_makes_the_state_on_the_host(master):
+  """On a GPU the host tier's `init` computes the state in host memory (`via_host`).
+
+  Made on the device, Adam's state (8 B/param, 12 with a master) would hold the
+  device's memory all at once before it moves: measured on an H200, params + state.
+  """
+  inner = offlax.master_weights(optax.adamw(1e-3)) if master else optax.adamw(1e-3)
+  params = gpu_compile.transformer_params(4e6, layers=2)
+  n = sum(x.size for x in jax.tree.leaves(params))
+  on_device = offlax.compile_for_gpu(jax.jit(inner.init), params, target="h200", n_params=n)
+  via_host = offlax.compile_for_gpu(
+    jax.jit(lambda p: host_params.init(inner.init, p, via_host=True)), params, target="h200"
+  )
+  state_bytes = (12 if master else 8) * n
+  assert on_device.device["output"] >= state_bytes  # what the device held before the fix
+  assert via_host.host["output"] >= state_bytes and via_host.host_compute == ()
+  # Measured: 1.7 kB of device output and temp (the step count, the tuple), against 32 MB.
+  assert via_host.device["output"] + via_host.device["temp"] < 2**16, via_host.table()
+
+
+def test_via_host_init_equals_the_inner_init():
+  inner = offlax.master_weights(optax.adamw(1e-3))
+  params = {"w": jnp.arange(12.0, dtype=jnp.bfloat16).reshape(3, 4), "b": jnp.ones(4)}
+  got = host_params.init(inner.init, params, via_host=True)
+  want = inner.init(params)
+  assert all(host_params.on_host(x) for x in jax.tree.leaves(got))
+  same = jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), np.asarray(b)), got, want)
+  assert all(jax.tree.leaves(same)) and jax.tree.structure(got) == jax.tree.structure(want)

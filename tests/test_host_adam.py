@@ -494,6 +494,39 @@ def test_whole_step_under_default_xla_flags(tmp_path):
   assert rel["params"]["b"][0] < 1e-6 and rel["params"]["w"][1] <= 2**-7
 
 
+_POOL_RUN = """
+import hashlib, jax, jax.numpy as jnp, numpy as np, offlax
+tx = offlax.adamw(1e-3); p = {"w": jnp.linspace(-1, 1, 1 << 21)}; s = tx.init(p)
+for _ in range(2):
+  u, s = jax.jit(tx.update)(p, s, p)
+print(hashlib.sha256(np.asarray(u["w"]).tobytes() + np.asarray(s[0].nu["w"]).tobytes()).hexdigest())
+"""
+
+
+def _pool_run(**env_vars):
+  env = {k: v for k, v in os.environ.items() if k != "OFFLAX_NATIVE_THREADS"}
+  env.update(OFFLAX_NATIVE_DEBUG="1", **env_vars)
+  run = subprocess.run(
+    [sys.executable, "-c", _POOL_RUN], env=env, capture_output=True, text=True, timeout=600
+  )
+  assert run.returncode == 0, run.stderr[-3000:]
+  said = re.findall(r"offlax native: XLA's intra-op pool has (\d+) threads; .* ran on (\d+) "
+                    r"threads \((.*)\)", run.stderr)  # fmt: skip
+  assert len(said) == 1, run.stderr[-3000:]  # said once
+  (pool, threads, which) = said[0]
+  return run.stdout.split()[-1], int(pool), int(threads), which
+
+
+def test_native_pool_xla_or_own_gives_the_same_bytes():
+  """XLA's pool (the CPU backend's), or offlax's own (what a call with no XLA pool gets)."""
+  digest, pool, threads, which = _pool_run()
+  assert which == "XLA's pool" and pool >= 1 and 1 <= threads <= pool
+  own = _pool_run(OFFLAX_NATIVE_POOL="own")
+  # One thread per core this process may use (the caller's and the workers'); 32 chunks.
+  assert own[3] == "offlax's own pool" and own[2] == min(len(os.sched_getaffinity(0)), 32)
+  assert own[0] == digest
+
+
 @pytest.mark.slow
 def test_whole_step_threads_do_not_change_results(tmp_path):
   """One thread (OFFLAX_NATIVE_THREADS=1) or XLA's whole pool: the same bytes."""

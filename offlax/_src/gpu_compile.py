@@ -420,7 +420,32 @@ def _spec(x: Any) -> Any:
   sharding = getattr(x, "sharding", None)
   if sharding is None or isinstance(sharding, jax.sharding.SingleDeviceSharding):
     sharding = _one_device(getattr(sharding, "memory_kind", None))
+  elif (
+    isinstance(sharding, jax.sharding.NamedSharding)
+    and sharding.mesh.devices.flat[0].platform != "cpu"
+  ):
+    sharding = _on_cpus(sharding)
   return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
+
+
+def _on_cpus(sharding: jax.sharding.NamedSharding) -> jax.sharding.NamedSharding:
+  """`sharding` on a CPU-device mesh of the same shape: what lowering for the target needs.
+
+  On a machine with a GPU, arrays live on it; lowered with their own shardings
+  beside CPU-placed arguments, the step would mix platforms.
+  """
+  devices = sharding.mesh.devices
+  cpus = jax.devices("cpu")
+  if devices.size > len(cpus):
+    raise errors.InvalidTargetError(
+      f"compile_for_gpu: a mesh of {devices.size} devices needs as many CPU devices to lower "
+      f"on, and there are {len(cpus)}; set XLA_FLAGS=--xla_force_host_platform_device_count="
+      f"{devices.size} before JAX starts."
+    )
+  mesh = jax.sharding.Mesh(
+    np.array(cpus[: devices.size]).reshape(devices.shape), sharding.mesh.axis_names
+  )
+  return jax.sharding.NamedSharding(mesh, sharding.spec, memory_kind=sharding.memory_kind)
 
 
 @contextlib.contextmanager

@@ -25,8 +25,11 @@ defaults (tests/test_host_adam.py states the tolerances).
 
 Threads: each call splits its arrays into 256 KiB chunks shared by the calling
 thread and XLA:CPU's intra-op pool (one thread per core the process may run
-on); ``OFFLAX_NATIVE_THREADS=n`` caps them (e.g. to leave cores to a data
-loader).
+on), or offlax's own pool of as many where XLA gives a call fewer than two
+threads (a GPU program's host computation ran at one core's speed);
+``OFFLAX_NATIVE_THREADS=n`` caps them (e.g. to leave cores to a data loader),
+``OFFLAX_NATIVE_POOL=xla|own`` forces a pool, ``OFFLAX_NATIVE_DEBUG=1`` says
+on stderr which one a call used.
 
 On other platforms (a GPU program outside its host computation, which JAX
 lowers for the CPU) and for leaves the kernel does not cover, the same

@@ -99,21 +99,32 @@ def to_host(tree: Any, memory_kind: str = "pinned_host") -> Any:
   return jax.tree.map(move, tree)
 
 
-def init(init_fn: Any, params: Any) -> Any:
+def init(init_fn: Any, params: Any, *, via_host: bool = False) -> Any:
   """`init_fn(params)` run in a host computation when some param lives in host memory.
 
   The state of a model whose params do not fit on the device must not pass
   through it: it is computed on the host CPU and returned in host memory
-  (the tier then moves scalars such as a step count to the device).
+  (the tier then moves scalars such as a step count to the device). With
+  `via_host`, device params are copied to host memory first and the state is
+  made there too: the host tier's state, made on the device by an eager
+  `init_fn`, would hold the device's memory all at once (8 B/param for Adam)
+  before it moves, and not fit where the tier is needed.
   """
-  if not any_on_host(params):
+  if not (via_host or any_on_host(params)):
     return init_fn(params)
 
   def on_cpu(params):
     return init_fn(jax.tree.map(as_device_value, params))
 
   run = compute_on(on_cpu, compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)
-  return jax.jit(run)(params)
+  return jax.jit(lambda params: run(jax.tree.map(_host_value, params)))(params)
+
+
+def _host_value(x: Any) -> Any:
+  """`x` in host memory, inside `jit` (a copy if on the device)."""
+  if not hasattr(x, "dtype") or on_host(x):
+    return x
+  return jax.device_put(x, jax.memory.Space.Host)
 
 
 def zeros_like(x: Any, dtype: Any, *, host: bool) -> Any:

@@ -23,6 +23,21 @@ DEFAULT_CHUNK_BYTES = 64 * 2**20
 _COMPUTE = ("device", "host")
 
 
+def _on_accelerator(params: Any) -> bool:
+  """Whether some param is an array on a GPU or TPU (whose memory `init` must spare).
+
+  On the CPU backend device memory is host RAM: the state is made where it is,
+  without a host computation to compile.
+  """
+  devices: set[Any] = {
+    device
+    for x in jax.tree.leaves(params)
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+    for device in x.sharding.device_set
+  }
+  return any(device.platform != "cpu" for device in devices)
+
+
 @dataclasses.dataclass(frozen=True)
 class HostTier(tier_lib.Tier):
   """Keeps optimizer state in host memory; updates it on the device or the host.
@@ -214,7 +229,8 @@ class HostTier(tier_lib.Tier):
   def init(self, inner: Any, params: Any, spec: layout_lib.ParamSpec) -> tuple[Any, None]:
     """The inner state of `params`, each leaf where `placement` puts it; no step."""
     sharding_lib.check_axis(spec.mesh, self.shard_axis)
-    return self.place(host_params.init(inner.init, params), spec), None
+    state = host_params.init(inner.init, params, via_host=_on_accelerator(params))
+    return self.place(state, spec), None
 
   def open_io(self, items, offloaded, step, *, mesh_plan=None, shard=None) -> HostIO:
     """The moves of one step's slices between host memory and the device."""

@@ -351,7 +351,9 @@ class Stream:
     p0 = run.piece
     js = self.by_leaf.get(p0.leaf, [])
     keys = [(j, p0) for j in js]
-    chunk = lambda x: jax.eval_shape(lambda y: self._take(y, p0, p0.start), x)
+    # Plain shapes: `compute` sees its inputs on the device (moved there, or relabelled inside a
+    # host computation), while JAX >= 0.11 keeps a host array's memory space in `eval_shape`.
+    chunk = lambda x: _plain(jax.eval_shape(lambda y: self._take(y, p0, p0.start), x))
     u_in = [chunk(self._grads(p0.leaf))]
     p_in = [None if self.p_slots is None else chunk(self.p_slots[p0.leaf])]
     state_in = [chunk(self.items[j]) for j in js]
@@ -417,3 +419,8 @@ class Stream:
 
 def _to_device(x):
   return jax.device_put(x, jax.memory.Space.Device)
+
+
+def _plain(x: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+  """`x`'s shape and dtype, in the default (device) memory."""
+  return jax.ShapeDtypeStruct(x.shape, x.dtype)

@@ -27,17 +27,28 @@
 //
 // Threads: each call splits its arrays in 256 KiB chunks over the calling
 // thread and XLA's intra-op pool (one thread per core), capped by
-// OFFLAX_NATIVE_THREADS when set.
+// OFFLAX_NATIVE_THREADS when set. Where XLA gives a call fewer than two threads
+// (a GPU program's host computation: measured on an H200's 16-core host, the
+// host step ran at one core's speed), offlax's own pool of one thread per core
+// takes its place; OFFLAX_NATIVE_POOL=xla or =own forces either, and
+// OFFLAX_NATIVE_DEBUG=1 says on stderr, once, what a call was given.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <condition_variable>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
+#include <thread>
 #include <type_traits>
+#include <utility>
+
+#include <sched.h>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -247,7 +258,7 @@ void Work(Job& j) {
   }
 }
 
-// Threads a call may use: OFFLAX_NATIVE_THREADS if set (read once), else all of XLA's pool.
+// Threads a call may use: OFFLAX_NATIVE_THREADS if set (read once), else all of its pool.
 int64_t MaxThreads(int64_t pool_threads) {
   static const int64_t cap = [] {
     const char* env = std::getenv("OFFLAX_NATIVE_THREADS");
@@ -258,7 +269,81 @@ int64_t MaxThreads(int64_t pool_threads) {
   return cap > 0 ? std::min(cap, threads) : threads;
 }
 
-// Splits the arrays in chunks over the caller and XLA's intra-op threads.
+// The cores this process may run on.
+int64_t Cores() {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
+  return std::max<int64_t>(1, std::thread::hardware_concurrency());
+}
+
+// offlax's own workers, one per core but the caller's, for calls that XLA gives no pool.
+// Started on first use and never stopped: a pool destroyed at exit would wait for workers
+// blocked on its queue.
+class OwnPool {
+ public:
+  static OwnPool& Get() {
+    static OwnPool* pool = new OwnPool(Cores() - 1);
+    return *pool;
+  }
+  int64_t num_threads() const { return workers_; }
+  void Schedule(std::function<void()> fn) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      queue_.push_back(std::move(fn));
+    }
+    ready_.notify_one();
+  }
+
+ private:
+  explicit OwnPool(int64_t workers) : workers_(workers) {
+    for (int64_t t = 0; t < workers_; ++t) std::thread([this] { Loop(); }).detach();
+  }
+  void Loop() {
+    for (;;) {
+      std::function<void()> fn;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        ready_.wait(lock, [this] { return !queue_.empty(); });
+        fn = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      fn();
+    }
+  }
+  const int64_t workers_;
+  std::mutex mu_;
+  std::condition_variable ready_;
+  std::deque<std::function<void()>> queue_;
+};
+
+// Whether a call whose XLA pool has `pool_threads` threads uses offlax's own pool:
+// OFFLAX_NATIVE_POOL=own or =xla (read once) decides, else whether XLA gave fewer than two.
+bool UseOwnPool(int64_t pool_threads) {
+  static const int forced = [] {
+    const char* env = std::getenv("OFFLAX_NATIVE_POOL");
+    if (env == nullptr) return 0;
+    return std::strcmp(env, "own") == 0 ? 1 : std::strcmp(env, "xla") == 0 ? -1 : 0;
+  }();
+  return forced == 0 ? pool_threads < 2 : forced > 0;
+}
+
+// With OFFLAX_NATIVE_DEBUG set (not "0"), says once what the first call of more than one
+// chunk was given: where the host step runs slower than on the CPU backend, the pool is the
+// first suspect.
+void SayPool(int64_t pool_threads, bool own, int64_t threads, int64_t size) {
+  static std::once_flag once;
+  std::call_once(once, [&] {
+    const char* env = std::getenv("OFFLAX_NATIVE_DEBUG");
+    if (env == nullptr || env[0] == '\0' || std::strcmp(env, "0") == 0) return;
+    std::fprintf(stderr,
+                 "offlax native: XLA's intra-op pool has %lld threads; the first call (%lld "
+                 "elements) ran on %lld threads (%s)\n",
+                 static_cast<long long>(pool_threads), static_cast<long long>(size),
+                 static_cast<long long>(threads), own ? "offlax's own pool" : "XLA's pool");
+  });
+}
+
+// Splits the arrays in chunks over the caller and XLA's intra-op threads (or offlax's own).
 ffi::Error Run(ffi::ThreadPool& pool, std::shared_ptr<Job> job, ffi::Buffer<ffi::F32>& hyper,
                size_t needed) {
   if (hyper.element_count() != needed) {
@@ -268,8 +353,17 @@ ffi::Error Run(ffi::ThreadPool& pool, std::shared_ptr<Job> job, ffi::Buffer<ffi:
   job->chunk = int64_t{1} << 16;  // 256 KiB of each array: big enough to amortise
   job->num_chunks = (job->size + job->chunk - 1) / job->chunk;
   if (job->num_chunks == 0) return ffi::Error::Success();
-  const int64_t helpers = std::min(MaxThreads(pool.num_threads()), job->num_chunks) - 1;
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([job] { Work(*job); });
+  const bool own = UseOwnPool(pool.num_threads());
+  const int64_t available = own ? OwnPool::Get().num_threads() + 1 : pool.num_threads();
+  const int64_t helpers = std::min(MaxThreads(available), job->num_chunks) - 1;
+  if (job->num_chunks > 1) SayPool(pool.num_threads(), own, helpers + 1, job->size);
+  for (int64_t t = 0; t < helpers; ++t) {
+    if (own) {
+      OwnPool::Get().Schedule([job] { Work(*job); });
+    } else {
+      pool.Schedule([job] { Work(*job); });
+    }
+  }
   Work(*job);
   std::unique_lock<std::mutex> lock(job->mu);
   job->all_done.wait(lock, [&] { return job->done.load() == job->num_chunks; });
