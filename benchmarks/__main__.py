@@ -186,6 +186,12 @@ def rows_gpu_check(r: dict[str, Any]) -> list[Row]:
     rows.append(_row("gpu_check", what, "<= 1.15x", "not measured", False))
   else:
     rows.append(_row("gpu_check", what, "<= 1.15x", f"{t['ratio']:.3f}x", t["ratio"] <= 1.15))
+  train = r.get("train_step_overlap") or {}
+  for mode in ("stream", "host_compute"):
+    if "ratio" in train.get(mode, {}):
+      what = f"Llama train step ({train['n_params'] / 1e6:.0f}M, {train['tokens']} tokens), {mode}"
+      rows.append(_row("gpu_check", f"{what} / state on the device (GPU)", "report",
+                       f"{train[mode]['ratio']:.3f}x", None))  # fmt: skip
   diffs = {k: v.get("max_abs_diff") for k, v in r.get("correctness", {}).items()}
   if diffs:
     worst = max(diffs.values(), key=lambda d: float("inf") if d is None else d)

@@ -103,6 +103,7 @@ def test_gpu_check_code_path_runs_on_cpu(tmp_path):
   assert result["memory"]["on_device"]["device_bytes_per_param"] > 0
   assert result["native_in_host_compute"]["runs"], result["native_in_host_compute"]
   assert result["time"]["host_compute_native"]["ratio"] > 0
+  assert result["train_step_overlap"]["stream"]["ratio"] > 0, result["train_step_overlap"]
   for mode in ("host", "streamed"):  # each in a child process; an error would be recorded
     run = result["measured_vs_compiled"][mode]
     assert run["predicted_peak_bytes"] > 0 and run["params_bytes"] > 0, run
