@@ -6,6 +6,7 @@ sharding and memory kind of every state leaf, the bytes each device holds, and
 whether the jitted step exports for CUDA with those shardings and memory kinds.
 """
 
+import dataclasses
 import json
 import os
 import sys
@@ -24,14 +25,30 @@ from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import offlax  # noqa: E402
-from offlax._src import ffi, sharding  # noqa: E402
+from offlax._src import ffi, host_tier, sharding  # noqa: E402
 from offlax._src.nvme.store import Store  # noqa: E402
+
+
+@dataclasses.dataclass(frozen=True)
+class InitOnHost(offlax.HostTier):
+  """A `HostTier` whose `init` takes the path of params on a GPU (the state made on the host)."""
+
+  def init(self, inner, params, spec):
+    on_accelerator = host_tier._on_accelerator
+    host_tier._on_accelerator = lambda params: True
+    try:
+      return super().init(inner, params, spec)
+    finally:
+      host_tier._on_accelerator = on_accelerator
+
 
 TIERS = {
   "stream": lambda: offlax.HostTier(chunk_bytes=512),
   "zero1": lambda: offlax.HostTier(chunk_bytes=512, shard_axis="data"),
   "host": lambda: offlax.HostTier(compute="host"),
   "host_zero1": lambda: offlax.HostTier(compute="host", shard_axis="data"),
+  "stream_init_on_host": lambda: InitOnHost(chunk_bytes=512),
+  "host_zero1_init_on_host": lambda: InitOnHost(compute="host", shard_axis="data"),
 }
 
 

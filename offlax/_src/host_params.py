@@ -110,21 +110,38 @@ def init(init_fn: Any, params: Any, *, via_host: bool = False) -> Any:
   `init_fn`, would hold the device's memory all at once (8 B/param for Adam)
   before it moves, and not fit where the tier is needed.
   """
-  if not (via_host or any_on_host(params)):
+  if via_host:
+    params = jax.tree.map(_in_host_memory, params)
+  if not any_on_host(params):
     return init_fn(params)
 
   def on_cpu(params):
     return init_fn(jax.tree.map(as_device_value, params))
 
   run = compute_on(on_cpu, compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)
-  return jax.jit(lambda params: run(jax.tree.map(_host_value, params)))(params)
+  meshes = {
+    x.sharding.mesh
+    for x in jax.tree.leaves(params)
+    if isinstance(getattr(x, "sharding", None), jax.sharding.NamedSharding)
+  }
+  if len(meshes) != 1:
+    return jax.jit(run)(params)
+  # A mesh with Explicit axes types the arrays with it: the jitted call must run inside it.
+  with jax.set_mesh(meshes.pop()):
+    return jax.jit(run)(params)
 
 
-def _host_value(x: Any) -> Any:
-  """`x` in host memory, inside `jit` (a copy if on the device)."""
+def _in_host_memory(x: Any) -> Any:
+  """`x` copied to host memory, with its sharding.
+
+  An array is copied eagerly, leaf by leaf (nothing model-sized passes through
+  the device); a traced value by the program's own transfer.
+  """
   if not hasattr(x, "dtype") or on_host(x):
     return x
-  return jax.device_put(x, jax.memory.Space.Host)
+  if isinstance(x, jax.core.Tracer):
+    return jax.device_put(x, jax.memory.Space.Host)
+  return to_host(x)
 
 
 def zeros_like(x: Any, dtype: Any, *, host: bool) -> Any:
