@@ -228,3 +228,20 @@ def test_via_host_init_equals_the_inner_init():
   assert all(host_params.on_host(x) for x in jax.tree.leaves(got))
   same = jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), np.asarray(b)), got, want)
   assert all(jax.tree.leaves(same)) and jax.tree.structure(got) == jax.tree.structure(want)
+
+
+@pytest.mark.parametrize("fused", [True, pytest.param(False, marks=pytest.mark.slow)])
+def test_host_compute_host_temp_stays_flat_in_depth(fused):
+  """Host compute's slices outside loops are ordered through device values.
+
+  Left independent, XLA grouped their host work into one host call whose
+  inputs were all copied to the host at once. Measured before that, host temp
+  was 5.3 and 8.8 slices here (4 and 8 layers) and 3.9 GB for a 7B model
+  (`compile_adamw_step(7e9, mode="host", layers=32)`). Measured after: 0.98
+  slices at both depths, and 62 MiB at 7B.
+  """
+  for layers, n in ((4, 2e7), (8, 4e7)):
+    params = gpu_compile.transformer_params(n, layers=layers)
+    tx = offlax.offload(optax.adamw(1e-3), compute="host", chunk_bytes=CHUNK)
+    m = compiled(tx, params, fused=fused)
+    assert m.host["temp"] <= 2 * CHUNK and m.host_compute == (), m.table()
