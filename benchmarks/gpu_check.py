@@ -329,7 +329,26 @@ def memory_analysis(offlax, optax, jax, n_params):
   return out
 
 
-def measured_vs_compiled(offlax, optax, jax, n_params, modes=("host", "streamed")):
+def _predicted_peak(offlax, step, params, state, *args, n_params=None):
+  """`compile_for_gpu`'s device peak of `step` for an H200, and its error (one is None).
+
+  The prediction's own error must not cost the measurement beside it.
+  """
+  from offlax._src import gpu_compile
+
+  if not offlax.gpu_compile_available():
+    return None, None
+  specs = gpu_compile.state_specs
+  try:
+    m = offlax.compile_for_gpu(
+      step, specs(params), specs(state), *args, target="h200", n_params=n_params
+    )
+  except Exception as e:
+    return None, _error(e)
+  return m.device_peak, None
+
+
+def measured_vs_compiled(offlax, optax, jax, n_params, modes=("host", "streamed"), child=True):
   """A real step's device peak on this GPU beside `offlax.compile_for_gpu`'s prediction.
 
   Runs one donated AdamW step per mode on real arrays and reads the device's
@@ -338,7 +357,7 @@ def measured_vs_compiled(offlax, optax, jax, n_params, modes=("host", "streamed"
   target (XLA's GPU compiler, as on a machine without a GPU). Errors are
   recorded, not raised.
   """
-  if len(modes) > 1:
+  if child:
     return {m: _child("measured_vs_compiled", n_params=n_params, modes=[m])[m] for m in modes}
   from offlax._src import gpu_compile
 
@@ -346,8 +365,7 @@ def measured_vs_compiled(offlax, optax, jax, n_params, modes=("host", "streamed"
   device = jax.devices()[0]
   out = {}
   try:
-    params = _materialise(_params(n_params), 0)
-    jax.block_until_ready(params)
+    params = _materialise(_params(n_params), 0)  # each leaf ready as it is made
     made = device.memory_stats() or {}
     tx = offlax.offload(optax.adamw(1e-3), compute="host" if mode == "host" else "device")
     state = jax.block_until_ready(tx.init(params))
@@ -360,17 +378,8 @@ def measured_vs_compiled(offlax, optax, jax, n_params, modes=("host", "streamed"
     }
     step = jax.jit(gpu_compile.update_step(tx), donate_argnums=(0, 1))
     x = jax.numpy.float32(1e-3)
-    predicted, why = None, None
-    try:  # the prediction's own error must not cost the measurement
-      if offlax.gpu_compile_available():
-        specs = gpu_compile.state_specs
-        n = sum(p.size for p in jax.tree.leaves(params))
-        predicted = offlax.compile_for_gpu(
-          step, specs(params), specs(state), x, target="h200", n_params=n
-        ).device_peak
-    except Exception as e:
-      why = _error(e)
-    jax.block_until_ready((params, state))
+    n = sum(p.size for p in jax.tree.leaves(params))
+    predicted, why = _predicted_peak(offlax, step, params, state, x, n_params=n)
     before = device.memory_stats() or {}
     params, state = jax.block_until_ready(step(params, state, x))
     peak = (device.memory_stats() or {}).get("peak_bytes_in_use", 0)
@@ -398,7 +407,7 @@ def params_on_host(offlax, optax, jax, scale, steps, child=True):
   """
   if child:
     return _child("params_on_host", scale=scale, steps=steps)
-  from offlax._src import gpu_compile, llama
+  from offlax._src import llama
 
   layers = max(2, int(16 * min(1.0, scale * 4)))
   m = llama.Llama(layers=layers, d=2048, ffn=5632, vocab=32000, heads=16, tokens=2048)
@@ -414,14 +423,9 @@ def params_on_host(offlax, optax, jax, scale, steps, child=True):
     tx = offlax.offload(inner, compute="host")
     s = tx.init(p)
     step = jax.jit(llama.train_step(m, tx), donate_argnums=(0, 1))
-    try:  # the prediction's own error must not cost the measurement
-      if offlax.gpu_compile_available():
-        specs = gpu_compile.state_specs
-        out["predicted_peak_bytes"] = offlax.compile_for_gpu(
-          step, specs(p), specs(s), tokens, target="h200"
-        ).device_peak
-    except Exception as e:
-      out["prediction_error"] = _error(e)
+    out["predicted_peak_bytes"], out["prediction_error"] = _predicted_peak(
+      offlax, step, p, s, tokens
+    )
     jax.block_until_ready((p, s))
     out["base_bytes"] = (device.memory_stats() or {}).get("bytes_in_use", 0)
     for _ in range(3):
@@ -486,13 +490,12 @@ def _run_child(spec: str) -> None:
   import offlax
 
   section, kwargs = json.loads(spec)
-  if section == "measured_vs_compiled":
-    result = measured_vs_compiled(offlax, optax, jax, **kwargs)
-  elif section == "host_compute_parts":
-    result = host_compute_parts(offlax, optax, jax, child=False, **kwargs)
-  else:
-    result = params_on_host(offlax, optax, jax, child=False, **kwargs)
-  print("RESULT " + json.dumps(result), flush=True)
+  run = {
+    "measured_vs_compiled": measured_vs_compiled,
+    "host_compute_parts": host_compute_parts,
+    "params_on_host": params_on_host,
+  }[section]
+  print("RESULT " + json.dumps(run(offlax, optax, jax, child=False, **kwargs)), flush=True)
 
 
 def _time(fn, args, steps, warmup, jax, keep=False, last=False):

@@ -119,15 +119,11 @@ def init(init_fn: Any, params: Any, *, via_host: bool = False) -> Any:
     return init_fn(jax.tree.map(as_device_value, params))
 
   run = compute_on(on_cpu, compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)
-  meshes = {
-    x.sharding.mesh
-    for x in jax.tree.leaves(params)
-    if isinstance(getattr(x, "sharding", None), jax.sharding.NamedSharding)
-  }
-  if len(meshes) != 1:
+  mesh, _ = sharding_lib.mesh_of(jax.tree_util.tree_flatten_with_path(params)[0])
+  if mesh is None:
     return jax.jit(run)(params)
   # A mesh with Explicit axes types the arrays with it: the jitted call must run inside it.
-  with jax.set_mesh(meshes.pop()):
+  with jax.set_mesh(mesh):
     return jax.jit(run)(params)
 
 
