@@ -16,7 +16,14 @@ def main(argv: Sequence[str] | None = None) -> int:
   p.add_argument("--device-mem", required=True, help="accelerator memory, e.g. 24GB")
   p.add_argument("--host-mem", required=True, help="host RAM for the state, e.g. 128GB")
   p.add_argument("--nvme", default="0", help="free disk for an NVMe store, e.g. 2TB (0)")
-  p.add_argument("--activations", default="0", help="activations and temporaries (0)")
+  p.add_argument(
+    "--activations", default=None,
+    help="activations and temporaries (0; with --layers, counted for a Llama of --tokens)",
+  )  # fmt: skip
+  p.add_argument(
+    "--tokens", type=int, default=2048,
+    help="batch x sequence, for the activations --layers counts (2048)",
+  )  # fmt: skip
   p.add_argument("--param-dtype", default="bfloat16", help="dtype of the params (bfloat16)")
   p.add_argument(
     "--optimizer", choices=("adam", "adamw", "sgd", "adafactor"), default="adamw",
@@ -104,7 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ("device_bytes", args.device_mem),
         ("host_bytes", args.host_mem),
         ("nvme_bytes", args.nvme),
-        ("activation_bytes", args.activations),
+        ("activation_bytes", args.activations or "0"),
         ("chunk_bytes", args.chunk),
       )
     }
@@ -135,11 +142,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     "adafactor": lambda: optax.adafactor(1e-3),
   }[args.optimizer]()
   tx = offlax.master_weights(inner) if args.master else inner
+  if args.layers and args.activations is None:
+    from offlax._src import llama
+
+    # The step's working set on the device, estimated from a Llama of these shapes.
+    m = llama.shaped(n, args.layers, tokens=args.tokens)
+    sizes["activation_bytes"] = m.device_bytes()
+    print(f"working set on the device: {planner.format_bytes(sizes['activation_bytes'])} "
+          f"(estimated for {m}: XLA's attention, remat)")  # fmt: skip
   result = offlax.plan(shapes, tx, **sizes, **rates, layers=args.layers, fused=args.fused)
   print(result.table())
   mode = {"device": "plain", "host": "streamed", "host_compute": "host"}.get(result.mode)
   if args.compile and result.mode == "params_host":
-    return _compile_params_host(n, args.layers, args.compile, result)
+    return _compile_params_host(n, args.layers, args.tokens, args.compile, result)
   if args.compile and mode is None:
     print(f"--compile: nothing to compile for mode {result.mode!r}", file=sys.stderr)
   if args.compile and mode is not None:
@@ -157,22 +172,22 @@ def main(argv: Sequence[str] | None = None) -> int:
   return 0 if result.fits else 1
 
 
-def _compile_params_host(n: int, layers: int, target: str, result: Any) -> int:
+def _compile_params_host(n: int, layers: int, tokens: int, target: str, result: Any) -> int:
   """Compiles the whole train step of a Llama-shaped model of `n` params in `layers` layers."""
   from offlax._src import llama
 
+  m = llama.shaped(n, layers, tokens=tokens)
   try:
-    m = llama.compile_step(llama.shaped(n, layers), target)
+    compiled = llama.compile_step(m, target)
   except ImportError as e:
     print(f"--compile: {e}", file=sys.stderr)
     return 2
   print(
-    f"compiled (params_host, {target}, {llama.shaped(n, layers)}): device "
-    f"{m.device_peak / 1e9:.2f} GB (plan {result.bytes['device'] / 1e9:.2f} GB + XLA's working "
-    f"set), host {m.host_peak / 1e9:.1f} GB (plan {result.bytes['host'] / 1e9:.1f} GB)"
-    + ("" if m.fits else "; DOES NOT FIT")
+    f"compiled (params_host, {target}, {m}): device {compiled.device_peak / 1e9:.2f} GB "
+    f"(plan {result.bytes['device'] / 1e9:.2f} GB), host {compiled.host_peak / 1e9:.1f} GB "
+    f"(plan {result.bytes['host'] / 1e9:.1f} GB)" + ("" if compiled.fits else "; DOES NOT FIT")
   )
-  return 0 if m.fits else 1
+  return 0 if compiled.fits else 1
 
 
 def _compile(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:

@@ -197,6 +197,7 @@ def compile_for_gpu(
   target: str | GpuTarget = "h100",
   device_memory_size: int | None = None,
   n_params: int | None = None,
+  compiler_options: dict[str, str] | None = None,
   **jit_kwargs: Any,
 ) -> CompiledMemory:
   """Compiles `fn(*args)` with XLA's GPU compiler for `target` and reads its memory.
@@ -211,6 +212,8 @@ def compile_for_gpu(
       ``a100-80gb``, ``rtx4090``, ``l4``) or a `GpuTarget`.
     device_memory_size: overrides the target's device memory (bytes).
     n_params: parameter count, for the per-parameter figures.
+    compiler_options: XLA options for this compile, over those of ``XLA_FLAGS``
+      (as `jax.stages.Lowered.compile`'s), e.g. ``{"xla_disable_hlo_passes": ""}``.
     **jit_kwargs: passed to `jax.jit` when `fn` is not jitted.
 
   Returns:
@@ -243,7 +246,10 @@ def compile_for_gpu(
   from jax._src.lib import _jax
 
   module = lowered.compiler_ir("stablehlo")
-  options = compiler.get_compile_options(num_replicas=1, num_partitions=1, device_assignment=None)
+  options = compiler.get_compile_options(
+    num_replicas=1, num_partitions=1, device_assignment=None,
+    env_options_overrides=compiler_options,
+  )  # fmt: skip
   with _stderr_to_string() as log:
     executable = topology.devices[0].client.compile(
       module, _jax.DeviceList(tuple(topology.devices[:1])), options

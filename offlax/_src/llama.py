@@ -43,9 +43,31 @@ class Llama:
     return self.d // self.heads * (self.kv_heads or self.heads)
 
   @property
+  def layer_params(self) -> int:
+    return 2 * self.d * (self.d + self.kv) + 3 * self.d * self.ffn + 2 * self.d
+
+  @property
   def n_params(self) -> int:
-    per_layer = 2 * self.d * (self.d + self.kv) + 3 * self.d * self.ffn + 2 * self.d
-    return self.layers * per_layer + 2 * self.vocab * self.d + self.d
+    return self.layers * self.layer_params + 2 * self.vocab * self.d + self.d
+
+  def device_bytes(self) -> int:
+    """The device peak of `compile_step` (offloaded), estimated from the shapes.
+
+    The larger of two phases of XLA:GPU's program:
+    - a layer's backward pass: XLA's attention (no flash kernel) holds the
+      scores and their gradients, f32 and bf16, and a mask, 13.5 B per head
+      and token pair; besides, about 4 hidden states and a third of a
+      layer's weights;
+    - the update: 1.4 layers of bf16 weights, an eighth of the embedding and
+      the host step's slices.
+    The coefficients are fitted to the compiled step at 16 shapes (1B-70B,
+    512-4096 tokens, `llama.shaped` and `MODELS`): within 7% of each (2026-12-04).
+    """
+    layer = 2 * self.layer_params  # bf16
+    backward = 13.5 * self.heads * self.tokens**2 + 4 * 2 * self.tokens * self.d
+    backward += 0.3 * layer + 50e6
+    update = 1.4 * layer + 0.13 * 2 * self.vocab * self.d + 185e6
+    return int(max(backward, update))
 
 
 MODELS = {
@@ -133,8 +155,9 @@ def compile_step(
   *,
   offloaded: bool = True,
   chunk_bytes: int = 256 * 2**20,
+  **compile_options,
 ):
-  """The compiled train step's memory (`offlax.CompiledMemory`)."""
+  """The compiled train step's memory (`offlax.CompiledMemory`); options go to `compile_for_gpu`."""
   inner = master_weights(optax.adamw(1e-5))
   params = param_specs(m, "pinned_host" if offloaded else None)
   if offloaded:
@@ -146,5 +169,5 @@ def compile_step(
   step = jax.jit(train_step(m, tx, offloaded=offloaded), donate_argnums=(0, 1))
   tokens = jax.ShapeDtypeStruct((m.tokens,), jnp.int32, sharding=gpu_compile._one_device(None))
   return gpu_compile.compile_for_gpu(
-    step, params, state, tokens, target=target, n_params=m.n_params
+    step, params, state, tokens, target=target, n_params=m.n_params, **compile_options
   )

@@ -126,10 +126,11 @@ def plan(
   and returns the first that fits (or, if none does, the closest, with advice).
   When params and gradients do not fit on the device, and `layers` says how
   many stacked layers they have, it tries them in host memory too
-  (``params_host``: the device holds a layer's params and gradients besides
-  `activation_bytes`; XLA's own working set comes on top, which
-  ``python -m offlax plan --compile`` measures), with the state on the NVMe
-  tier if RAM is short.
+  (``params_host``: the device holds the step's working set, `activation_bytes`,
+  which the layers' params and gradients pass through; without it, a layer's
+  params and gradients; ``python -m offlax plan --layers`` counts it for a
+  Llama-shaped model and ``--compile`` measures it), with the state on the
+  NVMe tier if RAM is short.
   The device holds the params, their gradients (same dtype), `activation_bytes`
   and, when streaming, about three slices of `chunk_bytes`; the plan keeps
   `DEVICE_RESERVE` (5%) of `device_bytes` free besides.
@@ -140,7 +141,8 @@ def plan(
     device_bytes: accelerator memory available to the step.
     host_bytes: host RAM available to the state.
     nvme_bytes: free disk for an NVMe store (0: none).
-    activation_bytes: the step's activations and other temporaries.
+    activation_bytes: the step's activations and other temporaries (with params
+      in host memory, all of the step's device memory).
     chunk_bytes: the slice size (the tiers' default).
     bus_bytes_per_s: host <-> device bandwidth, each way.
     disk_bytes_per_s: disk bandwidth.
@@ -326,7 +328,9 @@ def _params_on_host(
 ) -> Plan | None:
   """Params, gradients and state in host memory (state on disk if RAM is short), or None."""
   layer = param_bytes / layers
-  device = int(2 * layer + activation_bytes)  # a layer's params and its gradients
+  # The layers pass through the step's working set: `activation_bytes` counts it;
+  # without it, a layer's params and gradients.
+  device = int(activation_bytes or 2 * layer)
   if device > usable:
     return None
   # Each layer's params cross twice (forward, and again in the rematerialised
@@ -336,8 +340,8 @@ def _params_on_host(
   why = (
     "params and gradients do not fit on the device: params in host memory, layers "
     f"streamed by offlax.scan_layers ({format_bytes(layer)} per layer), the step on the host "
-    "(offlax.update_and_apply); device figure: a layer and its gradients + activations, "
-    "XLA's working set on top (plan --compile measures it)"
+    "(offlax.update_and_apply); device figure: the step's working set, activation_bytes "
+    "(or a layer's params and gradients; plan --compile measures it)"
   )
   if 2 * param_bytes + state <= host_bytes:
     return make(

@@ -13,8 +13,10 @@ the start of the program whatever their dependencies said.
 
 With ``on_host`` (``HostTier(compute="host")``) each slice's update runs on the
 host CPU instead (``compute_on("device_host")``): the gradient piece goes to
-the host, the update piece comes back, and the offloaded state is sliced and
-written inside the host computation, so it never moves.
+the host, the update piece comes back, and the offloaded state goes into the
+host computation whole, is sliced there, and its new pieces are written back
+in place (XLA:GPU returns a host call's results through device memory: one
+piece each).
 
 Params and gradients may live in host memory too (`offlax.scan_layers`): their
 pieces are fetched to the device for a streamed slice, and results are written
@@ -248,37 +250,52 @@ class Stream:
     # Waiting for less (its computation, or the slice before) lets XLA's GPU
     # scheduler hold many slices' state on the device (measured: 0.2-0.6 B/param
     # more at 1B), however the waits are chained.
-    if self.on_host:  # a device value where there is one (updates of params in host memory: none)
-      return [x for x in new_u if not host_params.on_host(x)] or stored
+    if self.on_host:
+      # Host compute: its updates on the device; with params in host memory, the
+      # host arrays its results were written into. XLA:GPU returns a host call's
+      # results through device memory, and left unordered it wrote them back at
+      # the end of the step (13B, 1024 tokens: 2.55 GB of device peak -> 1.17).
+      device = [x for x in new_u if not host_params.on_host(x)]
+      return device or [self.items[j] for j, _ in keys] + [self.out[p.leaf] for p in pieces]
     return stored
 
   def _host_slice(self, pieces, keys, u_in, p_in, starts, sources=None):
     """One slice's update on the host CPU: new update pieces, globals and state pieces.
 
-    Offloaded state pieces are sliced from their host arrays (`sources`, or the
-    current buffers) and come back as host pieces for the caller to write
-    into them (`dynamic_update_slice` of a host piece into a host array: in
+    Offloaded state goes into the host computation whole (`sources`, or the
+    current buffers) and is sliced there: a piece sliced outside it is copied
+    to the device, where XLA:GPU's host call reads its operands from (measured:
+    one piece more of device memory, and the piece twice more over the bus).
+    The new pieces come back for the caller to write into the host arrays (in
     place); pieces of items kept on the device go to the host and come back.
     """
     io = self.io
     sources = [self.items[j] for j, _ in keys] if sources is None else sources
     host = [bool(io.offloaded[j]) for j, _ in keys]
     state_in = [
-      self._take(b, p, s) if h else io.to_host(self._take(b, p, s))
+      b if h else io.to_host(self._take(b, p, s))
       for b, (_, p), h, s in zip(sources, keys, host, starts, strict=True)
     ]
+    # A loop's starts are traced and go in as arguments; the others stay Python
+    # ints (a flat leaf's may pass int32).
+    traced = {i: io.to_host(s) for i, s in enumerate(starts) if isinstance(s, jax.Array)}
     # Pieces already in host memory (params and gradients there) are passed as they are.
     to_host = lambda xs: [
       x if x is None or host_params.on_host(x) else io.to_host(x) for x in xs
     ]  # fmt: skip
 
-    def on_host(u_in, p_in, state_in, globals_in):
-      args = jax.tree.map(host_params.as_device_value, (u_in, p_in, state_in, globals_in))
-      return self.compute(pieces, keys, *args)
+    def on_host(u_in, p_in, state_in, traced, globals_in):
+      args = jax.tree.map(host_params.as_device_value, (u_in, p_in, state_in, traced, globals_in))
+      u_in, p_in, state_in, traced, globals_in = args
+      state_in = [
+        self._take(x, p, traced.get(i, starts[i])) if h else x
+        for i, (x, (_, p), h) in enumerate(zip(state_in, keys, host, strict=True))
+      ]
+      return self.compute(pieces, keys, u_in, p_in, state_in, globals_in)
 
     run = compute_on(on_host, compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)
     new_u, new_state, new_g = run(
-      to_host(u_in), to_host(p_in), state_in, to_host(self.device_globals)
+      to_host(u_in), to_host(p_in), state_in, traced, to_host(self.device_globals)
     )
     new_state = [x if h else _to_device(x) for x, h in zip(new_state, host, strict=True)]
     new_u = [
@@ -422,6 +439,14 @@ class Stream:
         items[j] = self.io.to_tier(j, schedule_lib.join(pieces_of[o], parts, self.shapes_items[j]))
       elif o in pieces_of:
         items[j] = items[j].reshape(self.shapes_items[j])
+    if not self.apply:
+      # A leaf written piece by piece is whole before it leaves: XLA's GPU compiler
+      # otherwise fuses its last `dynamic_update_slice` into the caller's
+      # `apply_updates`, whose output is then a new leaf-sized buffer (7B: one
+      # more slice at 16 layers, 6 at 2), not the params updated in place.
+      for leaf, pieces in pieces_of.items():
+        if ("u", leaf) not in self.parts and any(p.start is not None for p in pieces):
+          u[leaf] = jax.lax.optimization_barrier(u[leaf])
     return u, items
 
 
