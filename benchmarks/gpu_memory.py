@@ -64,7 +64,8 @@ def planned(params, mode: str, master: bool, chunk_bytes: int, fused: bool) -> i
     state_bytes = sum(
       x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(tx.init, params))
     )
-    need += planner.SLICES_ON_DEVICE * chunk_bytes
+    n = sum(x.size for x in jax.tree.leaves(params))
+    need += planner._slices(params, state_bytes, n, chunk_bytes)
     need += 0 if fused else planner._whole_updates(tx, params, state_bytes, chunk_bytes)
   device = int(need / (1 - planner.DEVICE_RESERVE)) + 1
   p = offlax.plan(params, tx, device_bytes=device, host_bytes=2**50, chunk_bytes=chunk_bytes,

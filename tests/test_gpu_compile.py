@@ -12,7 +12,7 @@ import optax
 import pytest
 
 import offlax
-from offlax._src import ffi, gpu_compile, host_params, llama
+from offlax._src import ffi, gpu_compile, host_params, llama, schedule
 
 pytestmark = pytest.mark.skipif(
   not offlax.gpu_compile_available(), reason="needs offlax[gpu-compile] (jax-cuda12-plugin)"
@@ -107,13 +107,18 @@ def test_offloaded_step_bounds_device_memory(adamw, compute, master, fused):
 def test_split_leaves_are_applied_in_place_by_optax(layers):
   """Leaves of a loop of pieces and a last, shorter one, applied by `optax.apply_updates`.
 
-  XLA fused the last piece's `dynamic_update_slice` into `apply_updates`,
-  whose output was then a new leaf-sized buffer: 9.6 and 7.8 slices here
-  (a 7B model's shapes scaled down, compiled for a device as small as the
-  bound, as `benchmarks/gpu_memory.py` does), 5.2 at 7B. Measured since:
-  3.0 and 2.1.
+  Rows of a prime count have no equal pieces (`schedule._even_step`). XLA
+  fused the last piece's `dynamic_update_slice` into `apply_updates`, whose
+  output was then a new leaf-sized buffer: 10.8 and 10.0 slices here
+  (compiled for a device as small as the bound, as `benchmarks/gpu_memory.py`
+  does), 5.2 at 7B. Measured since: 3.8 and 2.9.
   """
-  params = gpu_compile.transformer_params(12 * 752**2 * layers, layers=layers)
+  one = gpu_compile._one_device(None)
+  spec = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=one)
+  params = {
+    f"layer{i}": {"a": spec(1009, 2256), "b": spec(2017, 752), "c": spec(752)}
+    for i in range(layers)
+  }
   tx = offlax.offload(optax.adamw(1e-3), chunk_bytes=CHUNK)
   state = gpu_compile.state_specs(offlax.abstract_state(tx, params))
   step = jax.jit(gpu_compile.update_step(tx), donate_argnums=(0, 1))
@@ -123,6 +128,29 @@ def test_split_leaves_are_applied_in_place_by_optax(layers):
     compiler_options=ALL_PASSES,
   )  # fmt: skip
   assert m.device_peak <= bound(params) and m.host_compute == (), m.table()
+
+
+def test_equal_pieces_run_in_one_loop():
+  """A leaf whose rows some piece count divides runs all its pieces in one loop.
+
+  `transformer_params(0.5e9, layers=4)` (leaves of 3224 and 12896 rows) left each
+  leaf's last, shorter piece to run after its loop, and XLA kept those pieces'
+  state on the device to the end: 5.4 slices. Measured since: 1.9.
+  """
+  params = gpu_compile.transformer_params(0.5e9, layers=4)
+  chunk = 64 * 2**20
+  tx = offlax.offload(optax.adamw(1e-3), chunk_bytes=chunk)
+  state = gpu_compile.state_specs(offlax.abstract_state(tx, params))
+  step = jax.jit(gpu_compile.update_step(tx), donate_argnums=(0, 1))
+  x = jax.ShapeDtypeStruct((), jnp.float32)
+  grads = sum(x.size * 4 for x in jax.tree.leaves(params))
+  limit = 2 * grads + SLICES * chunk
+  m = offlax.compile_for_gpu(
+    step, params, state, x, device_memory_size=int(limit / 0.8), compiler_options=ALL_PASSES
+  )
+  assert m.device_peak <= limit and m.host_compute == (), m.table()
+  assert schedule._even_step(3224, 645) == 403  # 8 pieces, none shorter
+  assert schedule._even_step(1009, 100) == 92  # a prime: 10 pieces and a shorter one
 
 
 def test_plain_optax_is_the_reference():

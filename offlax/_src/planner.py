@@ -24,7 +24,11 @@ GB = 10**9
 BUS_BYTES_PER_S = 25 * GB
 DISK_BYTES_PER_S = 3 * GB
 HOST_ADAM_PARAMS_PER_S = 1.2e9
-SLICES_ON_DEVICE = 3  # the streamed schedule holds about three slices at once
+# Slices of state the streamed schedule holds on the device at once, compiled by
+# XLA:GPU (`benchmarks/gpu_memory.py`): about one where every leaf fits a slice
+# (1.1-1.2 at 0.1B), two where leaves are split and a loop fetches the next
+# piece during this one (1.7-3.1 at 1B-13B).
+SLICES_ON_DEVICE = 2
 # Device memory the plan leaves free: XLA's temporaries and fragmentation, the
 # runtime and the collectives' buffers need some beyond the figures counted here.
 DEVICE_RESERVE = 0.05
@@ -132,7 +136,8 @@ def plan(
   Llama-shaped model and ``--compile`` measures it), with the state on the
   NVMe tier if RAM is short.
   The device holds the params, their gradients (same dtype), `activation_bytes`
-  and, when streaming, about three slices of `chunk_bytes`; the plan keeps
+  and, when streaming, slices of `chunk_bytes` (two where leaves are cut into
+  pieces, one where every leaf fits a slice); the plan keeps
   `DEVICE_RESERVE` (5%) of `device_bytes` free besides.
 
   Args:
@@ -179,7 +184,7 @@ def plan(
   small = state - sum(b for _, b in big)
   fixed = 2 * param_bytes + activation_bytes  # params and gradients
   usable = int(device_bytes * (1 - DEVICE_RESERVE))
-  slices = SLICES_ON_DEVICE * chunk_bytes
+  slices = _slices(params, state, n_params, chunk_bytes)
   if not fused:
     slices += _whole_updates(tx, params, state, chunk_bytes)
   assumptions = {
@@ -242,7 +247,8 @@ def plan(
     overhead = bus / bus_bytes_per_s + n_params / host_adam_params_per_s
     return make(
       "host_compute", True, everywhere("host"), fixed_host, state, 0, bus, 0, overhead,
-      ["the device cannot hold three slices beside params and gradients: compute on the host"]
+      ["the device cannot hold the streamed slices beside params and gradients: compute on the "
+       "host"]
       if room < 0 else [],
     )  # fmt: skip
   # The NVMe tier: RAM caches what it can (a quarter kept for slices and buffers).
@@ -293,7 +299,7 @@ def plan(
     )
   if not advice and fixed <= usable:
     advice.append(
-      f"params, gradients and three slices of state need {format_bytes(fixed + slices + small)}"
+      f"params, gradients and slices of state need {format_bytes(fixed + slices + small)}"
       f" of device memory ({format_bytes(usable)} usable), and the state "
       f"{format_bytes(state)} ({format_bytes(host_bytes)} of host RAM, "
       f"{format_bytes(nvme_bytes)} of NVMe)"
@@ -359,6 +365,13 @@ def _params_on_host(
     bus, disk, max(bus / bus_bytes_per_s, disk / disk_bytes_per_s) + compute,
     [why, f"NVMeTier(path, cache_bytes={cache})"],
   )  # fmt: skip
+
+
+def _slices(params: Any, state_bytes: int, n_params: int, chunk_bytes: int) -> int:
+  """Device bytes of the streamed schedule's slices in flight (`SLICES_ON_DEVICE`)."""
+  largest = max((int(np.prod(np.shape(x))) for x in jax.tree.leaves(params)), default=0)
+  split = largest * state_bytes > chunk_bytes * max(n_params, 1)  # its state needs pieces
+  return (SLICES_ON_DEVICE if split else 1) * chunk_bytes
 
 
 def _whole_updates(tx: Any, params: Any, state_bytes: int, chunk_bytes: int) -> int:

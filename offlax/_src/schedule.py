@@ -64,6 +64,20 @@ def split_step(
   return flat, rows, max(1, chunk_bytes // row_bytes)
 
 
+def _even_step(rows: int, step: int) -> int:
+  """A step of at most `step` rows that cuts `rows` into pieces as equal as it can.
+
+  A divisor of `rows` where one gives at most twice the pieces: all pieces then
+  run in one loop. Else pieces of equal rows and a last one shorter by less
+  than a row per piece, which runs on its own after the loop.
+  """
+  n = -(-rows // step)
+  for k in range(n, 2 * n + 1):
+    if rows % k == 0:
+      return rows // k
+  return -(-rows // n)
+
+
 def build(
   coupling: Coupling,
   shapes: Sequence[tuple[int, ...]],
@@ -88,9 +102,9 @@ def build(
     chunk_bytes: the slice budget.
     cut_axes: for leaves sharded on a mesh, the axis to cut them along (None:
       no axis can be cut, the leaf moves whole); None for unsharded leaves.
-    even: cut a leaf into pieces of equal rows (the last one shorter by less
-      than one row per piece), not into full pieces and a remainder, each in a
-      slice of its own, so that its pieces run in one loop (`streaming.runs`).
+    even: cut a leaf into pieces of equal rows (`_even_step`), not into full
+      pieces and a remainder, each in a slice of its own, so that its pieces
+      run in one loop (`streaming.runs`).
 
   Returns:
     The slices, each a tuple of pieces; at least one slice, possibly empty.
@@ -115,7 +129,7 @@ def build(
       flat, rows = True, math.prod(shapes[leaf])
       step = max(1, budget // max(size // rows, 1))
     if even:
-      step = -(-rows // -(-rows // step))
+      step = _even_step(rows, step)
     row_bytes = size // rows
     for start in range(0, rows, step):
       stop = min(rows, start + step)
