@@ -142,19 +142,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     "adafactor": lambda: optax.adafactor(1e-3),
   }[args.optimizer]()
   tx = offlax.master_weights(inner) if args.master else inner
-  if args.layers and args.activations is None:
+  model = None  # with --layers, a Llama of these shapes: the working set counted, the step compiled
+  if args.layers:
     from offlax._src import llama
 
-    # The step's working set on the device, estimated from a Llama of these shapes.
-    m = llama.shaped(n, args.layers, tokens=args.tokens)
-    sizes["activation_bytes"] = m.device_bytes()
-    print(f"working set on the device: {planner.format_bytes(sizes['activation_bytes'])} "
-          f"(estimated for {m}: XLA's attention, remat)")  # fmt: skip
+    model = llama.shaped(n, args.layers, tokens=args.tokens)
+    if args.activations is None:
+      sizes["activation_bytes"] = model.device_bytes()
+      print(f"working set on the device: {planner.format_bytes(sizes['activation_bytes'])} "
+            f"(estimated for {model}: XLA's attention, remat)")  # fmt: skip
   result = offlax.plan(shapes, tx, **sizes, **rates, layers=args.layers, fused=args.fused)
   print(result.table())
   mode = {"device": "plain", "host": "streamed", "host_compute": "host"}.get(result.mode)
   if args.compile and result.mode == "params_host":
-    return _compile_params_host(n, args.layers, args.tokens, args.compile, result)
+    return _compile_params_host(model, args.compile, result)
   if args.compile and mode is None:
     print(f"--compile: nothing to compile for mode {result.mode!r}", file=sys.stderr)
   if args.compile and mode is not None:
@@ -172,11 +173,10 @@ def main(argv: Sequence[str] | None = None) -> int:
   return 0 if result.fits else 1
 
 
-def _compile_params_host(n: int, layers: int, tokens: int, target: str, result: Any) -> int:
-  """Compiles the whole train step of a Llama-shaped model of `n` params in `layers` layers."""
+def _compile_params_host(m: Any, target: str, result: Any) -> int:
+  """Compiles the whole train step of the Llama-shaped model `m` (`llama.Llama`)."""
   from offlax._src import llama
 
-  m = llama.shaped(n, layers, tokens=tokens)
   try:
     compiled = llama.compile_step(m, target)
   except ImportError as e:

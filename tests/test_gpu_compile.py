@@ -13,6 +13,7 @@ import pytest
 
 import offlax
 from offlax._src import ffi, gpu_compile, host_params, llama, schedule
+from offlax._src.planner import parse_bytes
 
 pytestmark = pytest.mark.skipif(
   not offlax.gpu_compile_available(), reason="needs offlax[gpu-compile] (jax-cuda12-plugin)"
@@ -25,7 +26,8 @@ SLICES = 4
 ALL_PASSES = {"xla_disable_hlo_passes": ""}
 
 
-def compiled(tx, params, dtype="float32", fused=False):
+def compiled(tx, params, dtype="float32", fused=False, **options):
+  """`update_step(tx)` compiled for a GPU; `options` go to `compile_for_gpu`."""
   state = (
     jax.eval_shape(tx.init, params)
     if not hasattr(tx.init, "offlax_offload")
@@ -34,8 +36,9 @@ def compiled(tx, params, dtype="float32", fused=False):
   step = jax.jit(gpu_compile.update_step(tx, fused=fused), donate_argnums=(0, 1))
   n = sum(x.size for x in jax.tree.leaves(params))
   return offlax.compile_for_gpu(
-    step, params, gpu_compile.state_specs(state), jax.ShapeDtypeStruct((), dtype), n_params=n
-  )
+    step, params, gpu_compile.state_specs(state), jax.ShapeDtypeStruct((), dtype), n_params=n,
+    **options,
+  )  # fmt: skip
 
 
 def bound(params, master=False):
@@ -120,13 +123,7 @@ def test_split_leaves_are_applied_in_place_by_optax(layers):
     for i in range(layers)
   }
   tx = offlax.offload(optax.adamw(1e-3), chunk_bytes=CHUNK)
-  state = gpu_compile.state_specs(offlax.abstract_state(tx, params))
-  step = jax.jit(gpu_compile.update_step(tx), donate_argnums=(0, 1))
-  x = jax.ShapeDtypeStruct((), jnp.float32)
-  m = offlax.compile_for_gpu(
-    step, params, state, x, device_memory_size=int(bound(params) / 0.8),
-    compiler_options=ALL_PASSES,
-  )  # fmt: skip
+  m = compiled(tx, params, device_memory_size=int(bound(params) / 0.8), compiler_options=ALL_PASSES)
   assert m.device_peak <= bound(params) and m.host_compute == (), m.table()
 
 
@@ -140,14 +137,9 @@ def test_equal_pieces_run_in_one_loop():
   params = gpu_compile.transformer_params(0.5e9, layers=4)
   chunk = 64 * 2**20
   tx = offlax.offload(optax.adamw(1e-3), chunk_bytes=chunk)
-  state = gpu_compile.state_specs(offlax.abstract_state(tx, params))
-  step = jax.jit(gpu_compile.update_step(tx), donate_argnums=(0, 1))
-  x = jax.ShapeDtypeStruct((), jnp.float32)
   grads = sum(x.size * 4 for x in jax.tree.leaves(params))
   limit = 2 * grads + SLICES * chunk
-  m = offlax.compile_for_gpu(
-    step, params, state, x, device_memory_size=int(limit / 0.8), compiler_options=ALL_PASSES
-  )
+  m = compiled(tx, params, device_memory_size=int(limit / 0.8), compiler_options=ALL_PASSES)
   assert m.device_peak <= limit and m.host_compute == (), m.table()
   assert schedule._even_step(3224, 645) == 403  # 8 pieces, none shorter
   assert schedule._even_step(1009, 100) == 92  # a prime: 10 pieces and a shorter one
@@ -249,13 +241,7 @@ def test_plan_params_host_device_agrees_with_the_compiled_step(capsys, n, layers
   planned = m.device_bytes()
   assert abs(planned / compiled.device_peak - 1) <= 0.10, (planned, compiled.device_peak)
   device = next(line for line in out.splitlines() if line.startswith("device"))
-  assert offlax_bytes(device.split()[1] + device.split()[2]) == pytest.approx(planned, rel=0.06)
-
-
-def offlax_bytes(text):
-  from offlax._src.planner import parse_bytes
-
-  return parse_bytes(text)
+  assert parse_bytes(device.split()[1] + device.split()[2]) == pytest.approx(planned, rel=0.06)
 
 
 def test_cli_compile_and_plan_params_host(capsys):
