@@ -13,8 +13,10 @@ What is measured, in one run and on one filesystem (a fresh directory under `--d
    The time until `save` returns, while training would be blocked, is recorded as well. Then,
    with the checkpoint's page cache dropped, it restores into `offlax.abstract_state(...)` (every
    leaf built directly in `pinned_host`): "restore". The first restore is checked against the
-   saved state (equal values, same memory kinds). Twice: with orbax's defaults (asynchronous,
-   OCDBT, zstd) and with `item_handlers=offlax.checkpoint_handler()` (no zstd, no OCDBT).
+   saved state (equal values, same memory kinds). Three times (`--host-modes`): with orbax's
+   defaults (asynchronous, OCDBT, zstd), with `item_handlers=offlax.checkpoint_handler()` (no
+   zstd, no OCDBT), and with `offlax.HostStateSave` / `offlax.HostStateRestore` (raw files by
+   direct I/O, the save synchronous).
 3. The NVMe tier's store in a checkpoint: the same state written into an `NVMeTier` store
    (`offlax.retier`), then `offlax.NVMeStoreSave(tier)` (a direct-I/O file copy, flushed) and
    `offlax.NVMeStoreRestore(path)` into a new directory, page cache dropped before each. A copy
@@ -27,7 +29,8 @@ the development machine drifts by 2x within a minute (raw writes of 1.4 to 3.3 G
 so the disk is measured again just before each timed round (`--raw-gib`, 4 streams) and each
 round is divided by its own raw figure ("vs raw", the goal's figure: the median of these paired
 ratios); "vs best" divides by the best raw pass of the run instead. Goals (issue 20):
->= 0.8x for `checkpoint_handler`'s save and restore, >= 0.9x for the NVMe store's; orbax's
+>= 0.8x for the host tier's fastest path (`HostStateSave` / `HostStateRestore`), >= 0.9x for
+the NVMe store's; `checkpoint_handler` and orbax's
 defaults are reported without one. Peak RSS above the RSS before each phase is recorded (orbax's
 default save stages compressed copies of the state; restoring builds a new state). The load
 average at the start and end is recorded: on a shared machine the figures vary with it.
@@ -67,8 +70,10 @@ LEARNING_RATE = 1e-3
 OPERATIONS = (
   ("host_save", "host tier: orbax defaults save", ("write",), None),
   ("host_restore", "host tier: orbax defaults restore", ("read",), None),
-  ("fast_save", "host tier: checkpoint_handler save", ("write",), 0.8),
-  ("fast_restore", "host tier: checkpoint_handler restore", ("read",), 0.8),
+  ("fast_save", "host tier: checkpoint_handler save", ("write",), None),
+  ("fast_restore", "host tier: checkpoint_handler restore", ("read",), None),
+  ("direct_save", "host tier: HostStateSave", ("write",), 0.8),
+  ("direct_restore", "host tier: HostStateRestore", ("read",), 0.8),
   ("nvme_save", "NVMe store: NVMeStoreSave", ("read", "write"), 0.9),
   ("nvme_restore", "NVMe store: NVMeStoreRestore", ("read", "write"), 0.9),
 )
@@ -178,9 +183,13 @@ def host_rounds(
   state: Any,
   directory: pathlib.Path,
   args: argparse.Namespace,
-  fast: bool,
+  mode: str,
 ) -> dict[str, Timings]:
-  """Orbax save and restore of the host-tier state: orbax's defaults, or `checkpoint_handler`."""
+  """Orbax save and restore of the host-tier state, timed.
+
+  `mode`: "host" (orbax's defaults), "fast" (`checkpoint_handler`) or "direct"
+  (`HostStateSave` / `HostStateRestore`).
+  """
   import jax
   import orbax.checkpoint as ocp
 
@@ -189,25 +198,30 @@ def host_rounds(
   save, restore = Timings(), Timings()
   target = offlax.abstract_state(inner, params)
   checked = []
+  if mode == "direct":
+    item = ocp.args.Composite(opt=offlax.HostStateSave(state, progress=False))
+    load = lambda mngr: mngr.restore(  # noqa: E731
+      0, args=ocp.args.Composite(opt=offlax.HostStateRestore(target, progress=False))
+    )["opt"]
+  else:
+    item = ocp.args.StandardSave(state)
+    load = lambda mngr: mngr.restore(0, args=ocp.args.StandardRestore(target))  # noqa: E731
 
   def body(mngr: Any, round_dir: pathlib.Path, record: bool) -> None:
-    item = ocp.args.StandardSave(state)
     blocking = save.timed(lambda: save_and_flush(mngr, item, round_dir), record)
     nvme.drop_page_cache(round_dir)
-    restored = restore.timed(
-      lambda: jax.block_until_ready(mngr.restore(0, args=ocp.args.StandardRestore(target))),
-      record,
-    )
+    restored = restore.timed(lambda: jax.block_until_ready(load(mngr)), record)
     if not checked:
       check_restored(state, restored)
       checked.append(True)
+    del restored
     if record:
       save.blocking_s.append(blocking)
       save.disk_bytes.append(nvme.tree_bytes(round_dir))
 
-  rounds(args, directory, body, (save, restore), offlax.checkpoint_handler() if fast else None)
-  prefix = "fast" if fast else "host"
-  return {f"{prefix}_save": save, f"{prefix}_restore": restore}
+  handlers = offlax.checkpoint_handler() if mode == "fast" else None
+  rounds(args, directory, body, (save, restore), handlers)
+  return {f"{mode}_save": save, f"{mode}_restore": restore}
 
 
 def check_restored(saved: Any, restored: Any) -> None:
@@ -329,12 +343,13 @@ def summary_table(result: dict[str, Any]) -> str:
       + (f"{op['disk_bytes'] / GB:>8.2f}" if "disk_bytes" in op else f"{'-':>8}")
       + f"{op['peak_rss_rise_bytes'] / MiB:>9,.0f}{verdict:>10}"
     )
-  for key in ("host_save", "fast_save"):
+  for key in ("host_save", "fast_save", "direct_save"):
     save = result["operations"].get(key)
     if save:
+      how = "synchronous by design" if key == "direct_save" else "asynchronous checkpointing"
       lines.append(
         f"{key}: orbax save blocks the caller for {save['blocking_s']['median']:.2f} s of its "
-        f"{save['time_s']['median']:.2f} s (asynchronous checkpointing)"
+        f"{save['time_s']['median']:.2f} s ({how})"
       )
   lines.append(
     "vs raw: the raw disk's time for the same bytes, measured just before each round, / the "
@@ -346,7 +361,7 @@ def summary_table(result: dict[str, Any]) -> str:
 def plot(result: dict[str, Any], path: pathlib.Path) -> None:
   plt = _common.pyplot()
   bars = nvme.raw_bars(result["raw"])
-  colors = {"host": "tab:blue", "fast": "tab:green", "nvme": "tab:orange"}
+  colors = {"host": "tab:blue", "fast": "tab:green", "direct": "tab:purple", "nvme": "tab:orange"}
   for key, label, _, _ in OPERATIONS:
     op = result["operations"].get(key)
     if op is not None:
@@ -369,7 +384,8 @@ def plot(result: dict[str, Any], path: pathlib.Path) -> None:
   ax.grid(axis="y", alpha=0.3)
   handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in ("tab:gray", *colors.values())]
   ax.legend(handles, ["raw disk", "host tier (orbax defaults)",
-                     "host tier (offlax.checkpoint_handler)", "NVMe store (file copy)"],
+                     "host tier (offlax.checkpoint_handler)",
+                     "host tier (offlax.HostStateSave, direct I/O)", "NVMe store (file copy)"],
             fontsize=8, loc="upper right")  # fmt: skip
   fig.tight_layout()
   _common.save_png(fig, path)
@@ -383,6 +399,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   nvme.add_raw_arguments(parser, raw_gib=1.0)
   _common.add_dir_argument(parser, "the raw file and the checkpoints")
   parser.add_argument("--no-nvme", action="store_true", help="skip the NVMe store checkpoints")
+  parser.add_argument(
+    "--host-modes",
+    nargs="*",
+    choices=("host", "fast", "direct"),
+    default=("host", "fast", "direct"),
+    help="host-tier saves to time: orbax's defaults, checkpoint_handler, HostStateSave",
+  )
   parser.add_argument(
     "--no-paired-raw",
     action="store_true",
@@ -417,8 +440,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       f"state: {n_params:,} params, {state_bytes / GB:.2f} GB of Adam moments in host memory",
       flush=True,
     )
-    timings = host_rounds(inner, params, state, workdir / "host_ckpt", args, fast=False)
-    timings.update(host_rounds(inner, params, state, workdir / "fast_ckpt", args, fast=True))
+    timings: dict[str, Timings] = {}
+    for mode in args.host_modes:
+      timings.update(host_rounds(inner, params, state, workdir / f"{mode}_ckpt", args, mode))
     if not args.no_nvme:
       timings.update(nvme_rounds(inner, params, state, workdir, args))
     del state

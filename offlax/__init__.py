@@ -33,6 +33,7 @@ from offlax._src.flax_glue import nnx_update
 from offlax._src.gpu_compile import CompiledMemory, GpuTarget, compile_for_gpu
 from offlax._src.gpu_compile import available as gpu_compile_available
 from offlax._src.host_adam import adam, adamw
+from offlax._src.host_checkpoint import HostStateRestore, HostStateSave
 from offlax._src.host_params import fetch, to_host
 from offlax._src.host_tier import HostTier
 from offlax._src.inspector import LeafReport, StoreReport, inspect_store
@@ -52,6 +53,8 @@ __version__ = "0.1.0"
 __all__ = [
   "CompiledMemory",
   "GpuTarget",
+  "HostStateRestore",
+  "HostStateSave",
   "HostTier",
   "InvalidOptionError",
   "InvalidTargetError",

@@ -177,21 +177,24 @@ def test_checkpoint_benchmark_runs(tmp_path):
   result = json.loads((out / "checkpoint.json").read_text())
   assert (out / "checkpoint.png").stat().st_size > 10_000
   ops = result["operations"]
-  assert set(ops) == {"host_save", "host_restore", "fast_save", "fast_restore", "nvme_save",
-                      "nvme_restore"}  # fmt: skip
+  assert set(ops) == {"host_save", "host_restore", "fast_save", "fast_restore", "direct_save",
+                      "direct_restore", "nvme_save", "nvme_restore"}  # fmt: skip
   for op in ops.values():
     assert op["gb_per_s"]["median"] > 0 and op["ratio_vs_raw"]["median"] > 0
     # the goal's ratio is the paired one: the disk measured just before the round
     assert len(op["paired_raw"]) == 1 and op["ratio_vs_raw"] == op["ratio_vs_paired_raw"]
     assert op["ratio_vs_best_raw"]["median"] > 0
-  assert ops["fast_save"]["goal_ratio"] == 0.8 and ops["nvme_save"]["goal_ratio"] == 0.9
-  assert isinstance(ops["fast_restore"]["meets_goal"], bool)
-  assert "goal_ratio" not in ops["host_save"]
-  # orbax's defaults compress; checkpoint_handler writes the state's bytes as they are
+  assert ops["direct_save"]["goal_ratio"] == 0.8 and ops["nvme_save"]["goal_ratio"] == 0.9
+  assert isinstance(ops["direct_restore"]["meets_goal"], bool)
+  assert "goal_ratio" not in ops["host_save"] and "goal_ratio" not in ops["fast_save"]
+  # orbax's defaults compress; checkpoint_handler and HostStateSave write the bytes as they are
   assert ops["fast_save"]["disk_bytes"] >= result["state_bytes"]
+  assert ops["direct_save"]["disk_bytes"] >= result["state_bytes"]
+  # HostStateSave is synchronous: the state is on disk when `save` returns
+  assert ops["direct_save"]["blocking_s"]["median"] >= 0.5 * ops["direct_save"]["time_s"]["median"]
   assert ops["host_save"]["disk_bytes"] > 0 and ops["host_save"]["blocking_s"]["median"] > 0
   assert ops["nvme_restore"]["disk_bytes"] >= result["state_bytes"]  # the whole store
-  assert len(_summary_rows("checkpoint", result)) == 6
+  assert len(_summary_rows("checkpoint", result)) == 8
   assert list(tmp_path.glob("offlax-ckpt-bench-*")) == []  # its files are removed
 
 
@@ -213,7 +216,7 @@ def test_entry_point_quick(tmp_path):
   assert runs["checkpoint"]["peak_rss_bytes"] > 0
   assert runs["scaling"]["status"] == "not run (--only)"
   assert runs["gpu_check"]["status"].startswith("needs GPU: not run")
-  assert [r["benchmark"] for r in summary["rows"]] == ["checkpoint"] * 6 + ["gpu_check"]
+  assert [r["benchmark"] for r in summary["rows"]] == ["checkpoint"] * 8 + ["gpu_check"]
   assert "=== summary" in proc.stdout and "needs GPU: not run" in proc.stdout
 
 
