@@ -103,6 +103,14 @@ for name, tier in {
     target = offlax.abstract_state(inner, params, tier)
     restored = mngr.restore(2, args=ocp.args.StandardRestore(target))
   results[name]["resumed_exact"], restored = exact_steps(step, restored, (2, 3))
+  # The same with offlax.HostStateSave: each process writes its own shards' files.
+  with ocp.CheckpointManager(path + "_direct") as mngr:
+    mngr.save(2, args=ocp.args.Composite(opt=offlax.HostStateSave(state, progress=False)))
+    mngr.wait_until_finished()
+    item = offlax.HostStateRestore(target, progress=False)
+    direct = mngr.restore(2, args=ocp.args.Composite(opt=item)).opt
+  results[name]["direct_resumed_exact"], _ = exact_steps(step, direct, (2, 3))
+  results[name]["direct_files"] = sorted(os.listdir(os.path.join(path + "_direct", "2", "opt")))
   results[name]["restored_kinds"] = sorted(
     {x.sharding.memory_kind for x in jax.tree.leaves(restored.inner_state[1][0].mu)}
   )

@@ -106,6 +106,8 @@ def test_bad_targets_and_states_are_refused(tmp_path):
     offlax.HostStateRestore(None)
   with pytest.raises(offlax.LeafTypeError, match=r"\['lr'\] is a str"):
     _save(tmp_path / "bad", 0, opt=offlax.HostStateSave({"lr": "high"}))
+  with pytest.raises(offlax.LeafTypeError, match=r"\['rng'\] is a PRNG key"):
+    _save(tmp_path / "bad", 1, opt=offlax.HostStateSave({"rng": jax.random.key(0)}))
 
 
 def test_restores_into_another_sharding(tmp_path):
@@ -119,7 +121,8 @@ def test_restores_into_another_sharding(tmp_path):
     host = lambda mesh, spec: NamedSharding(mesh, spec, memory_kind="pinned_host")
     value = np.arange(8 * 12, dtype=np.float32).reshape(8, 12)
     state = {{"m": jax.device_put(value, host(mesh4, P("x"))),
-              "v": jax.device_put(value.astype(jnp.bfloat16), host(mesh22, P("a", "b")))}}
+              "v": jax.device_put(value.astype(jnp.bfloat16), host(mesh22, P("a", "b"))),
+              "r": jax.device_put(value, host(mesh4, P()))}}
     with ocp.CheckpointManager({str(tmp_path)!r}) as m:
       m.save(0, args=ocp.args.Composite(opt=offlax.HostStateSave(state, progress=False)))
       m.wait_until_finished()
@@ -128,12 +131,17 @@ def test_restores_into_another_sharding(tmp_path):
           (host(mesh4, P()), host(mesh22, P(None, "a"))),
           (jax.sharding.SingleDeviceSharding(devices[3], memory_kind="pinned_host"), None)]:
         target = {{"m": jax.ShapeDtypeStruct((8, 12), jnp.float32, sharding=m_sharding),
-                   "v": jax.ShapeDtypeStruct((8, 12), jnp.bfloat16, sharding=v_sharding)}}
+                   "v": jax.ShapeDtypeStruct((8, 12), jnp.bfloat16, sharding=v_sharding),
+                   "r": jax.ShapeDtypeStruct((8, 12), jnp.float32, sharding=host(mesh22, P()))}}
         got = m.restore(0, args=ocp.args.Composite(opt=offlax.HostStateRestore(target)))["opt"]
         assert np.array_equal(np.asarray(got["m"]), value)
+        assert np.array_equal(np.asarray(got["r"]), value)
         assert np.array_equal(np.asarray(got["v"]), value.astype(jnp.bfloat16))
         assert got["m"].sharding.memory_kind == "pinned_host", got["m"].sharding
         assert jax.typeof(got["m"]).memory_space == jax.memory.Space.Host
+        for x in jax.tree.leaves(got):  # replicas in buffers of their own, never aliased
+          shards = x.addressable_shards
+          assert len({{s.data.unsafe_buffer_pointer() for s in shards}}) == len(shards)
         if v_sharding is not None:
           assert got["v"].sharding == v_sharding
     print("ok")

@@ -47,6 +47,9 @@ def test_two_processes_train_and_checkpoint(tmp_path):
       # Bit for bit with plain optax on the same 2-process mesh, before and after
       # an orbax save and restore written by both processes.
       assert got["exact"] and got["resumed_exact"], (name, got)
+      # offlax.HostStateSave too: each process wrote its checksums, process 0 the layout.
+      assert got["direct_resumed_exact"], (name, got)
+      assert {"crc32c.0.json", "crc32c.1.json", "host_state.json"} <= set(got["direct_files"])
       assert got["kinds"] == got["restored_kinds"] == ["pinned_host"]
       assert got["specs"]["w"] in ("P('data',)", "P('data', None)")
     # Each process holds its 2 devices' shards: "b" (16 fp32) replicated is 2 x 64 B,

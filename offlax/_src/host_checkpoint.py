@@ -10,6 +10,7 @@ and shards) and one `crc32c.<process>.json` per process (each file's checksums).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
@@ -50,6 +51,11 @@ def _leaves(tree: Any, where: str) -> list[tuple[str, Any]]:
       raise errors.LeafTypeError(
         f"{where}: leaf {jax.tree_util.keystr(path)} is a {type(x).__name__}; "
         "only arrays (and, for a restore target, jax.ShapeDtypeStruct) can be saved."
+      )
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+      raise errors.LeafTypeError(
+        f"{where}: leaf {jax.tree_util.keystr(path)} is a PRNG key ({x.dtype}); save "
+        "jax.random.key_data(key) instead, or the key with ocp.args.StandardSave."
       )
     leaves.append((jax.tree_util.keystr(path), x))
   return leaves
@@ -130,7 +136,8 @@ class _HostStateHandler(ocp.handlers.CheckpointHandler):
     # Leaf by leaf as its files come in: where making the array copies (a
     # GPU's pinned host memory), the read arrays are dropped leaf by leaf.
     got: dict[tuple[int, int], np.ndarray] = {}
-    need = [sum(1 for o in order if o[0] == i) for i in range(len(leaves))]
+    files_of = collections.Counter(i for i, _ in order)
+    need = [files_of[i] for i in range(len(leaves))]
     out: list[Any] = [None] * len(leaves)
     for j, array in array_files.read_files(
       reads, progress=args.progress, desc=f"offlax: restoring host state from {path}"
@@ -172,11 +179,13 @@ def _assemble(x: Any, sharding: Any, stored: list[Index], devices: dict, arrays:
       from_ = tuple(slice(p - a, q - a) for p, q, (a, _) in zip(lo, hi, s, strict=True))
       block[into] = arrays[k][from_]
     shards[want] = block
-  kind = sharding.memory_kind
-  singles = [
-    jax.device_put(shards[idx], jax.sharding.SingleDeviceSharding(d, memory_kind=kind))
-    for d, idx in devices.items()
-  ]
+  kind, used, singles = sharding.memory_kind, set(), []
+  for d, idx in devices.items():
+    # On the CPU `device_put` of an aligned array aliases it: a replica on a
+    # second device gets its own copy, or a step donating one would write both.
+    value = shards[idx] if idx not in used else shards[idx].copy()
+    used.add(idx)
+    singles.append(jax.device_put(value, jax.sharding.SingleDeviceSharding(d, memory_kind=kind)))
   return jax.make_array_from_single_device_arrays(x.shape, sharding, singles)
 
 
