@@ -367,9 +367,10 @@ def plot(result: dict[str, Any], path: pathlib.Path) -> None:
     if op is not None:
       color = colors[key.split("_")[0]]
       text = label.replace(": ", "\n").replace(" save", "\nsave").replace(" restore", "\nrestore")
+      text = text.replace("checkpoint_handler", "checkpoint_\nhandler")
       bars.append(nvme.stats_bar(text, op["gb_per_s"],
                                  op.get("ratio_vs_raw"), color))  # fmt: skip
-  fig, ax = plt.subplots(figsize=(12, 6), dpi=120)
+  fig, ax = plt.subplots(figsize=(14, 6), dpi=120)
   nvme.draw_bars(ax, bars, headroom=1.25)
   ax.set_ylabel("GB/s of Adam state (1 GB = 1e9 bytes)")
   ax.set_xlabel("bar: median, whiskers: min to max; raw: sequential direct I/O, same filesystem")

@@ -957,7 +957,7 @@ def raw_bars(raw: dict[str, Any]) -> list[Bar]:
   for rw in ("read", "write"):
     median, lo, hi = (raw[f"{rw}_bytes_per_s{x}"] / GB for x in ("", "_min", "_max"))
     tool = raw["tool"].split(",")[0]
-    bars.append((f"raw {rw}\n({tool}, best)", median, lo, hi, "tab:gray", ""))
+    bars.append((f"raw {rw}\n({tool},\nbest)", median, lo, hi, "tab:gray", ""))
   return bars
 
 
