@@ -220,6 +220,18 @@ class HostStateSave(ocp.args.CheckpointArgs):
   Attributes:
     state: the state, e.g. ``offload(...).init(params)``'s or a train step's.
     progress: show a progress bar in bytes.
+
+  Example:
+    >>> import tempfile, jax.numpy as jnp, optax, orbax.checkpoint as ocp, offlax
+    >>> params = {"w": jnp.ones((4, 3))}
+    >>> state = offlax.offload(optax.adam(1e-3)).init(params)
+    >>> with ocp.CheckpointManager(tempfile.mkdtemp()) as mngr:
+    ...   _ = mngr.save(0, args=ocp.args.Composite(opt=offlax.HostStateSave(state, progress=False)))
+    ...   target = offlax.abstract_state(optax.adam(1e-3), params)
+    ...   item = offlax.HostStateRestore(target, progress=False)
+    ...   restored = mngr.restore(0, args=ocp.args.Composite(opt=item)).opt
+    >>> restored.inner_state[0].mu["w"].sharding.memory_kind
+    'pinned_host'
   """
 
   state: Any
