@@ -184,3 +184,28 @@ def test_progress_bars_in_bytes(tmp_path, capsys):
   _restore(tmp_path, 0, opt=offlax.HostStateRestore(offlax.abstract_state(inner, params)))
   err = capsys.readouterr().err
   assert "offlax: restoring host state" in err and "B/s" in err
+
+
+def test_inspect_checks_the_files_and_their_checksums(tmp_path):
+  inner, params, tx, step = _setup()
+  _, state = _train(params, tx.init(params), step, range(1))
+  _save(tmp_path, 1, opt=offlax.HostStateSave(state, progress=False))
+  [report] = offlax.inspect_store(tmp_path, verify=True, progress=False)
+  assert report.ok and report.kind == "host_state", report.format()
+  paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(state)]
+  assert [leaf.path for leaf in report.leaves] == paths
+  assert {leaf.status for leaf in report.leaves} == {"verified"}
+  assert sum(leaf.nbytes for leaf in report.leaves) == sum(x.nbytes for x in jax.tree.leaves(state))
+  item = tmp_path / "1" / "opt"
+  biggest = max(item.glob("*.0"), key=lambda p: p.stat().st_size)
+  data = bytearray(biggest.read_bytes())
+  data[7] ^= 1
+  biggest.write_bytes(bytes(data))
+  [report] = offlax.inspect_store(item, verify=False, progress=False)
+  assert report.ok  # sizes only: the flipped byte needs --verify
+  [report] = offlax.inspect_store(item, verify=True, progress=False)
+  bad = [leaf for leaf in report.leaves if leaf.status == "BAD"]
+  assert len(bad) == 1 and "checksum" in report.problems[0] and bad[0].path in report.problems[0]
+  (item / "0.0").unlink()
+  [report] = offlax.inspect_store(item, progress=False)
+  assert report.leaves[0].status == "MISSING" and "0.0" in report.format()

@@ -95,16 +95,7 @@ class _HostStateHandler(ocp.handlers.CheckpointHandler):
 
   def restore(self, directory: epath.Path, args: HostStateRestore) -> Any:
     path = os.fspath(directory)
-    try:
-      with open(os.path.join(path, _LAYOUT)) as f:
-        saved = json.load(f)["leaves"]
-      crcs: dict[str, list[int]] = {}
-      for name in os.listdir(path):
-        if name.startswith("crc32c."):
-          with open(os.path.join(path, name)) as f:
-            crcs.update(json.load(f))
-    except (OSError, ValueError, KeyError) as e:
-      raise errors.StoreCorruptedError(f"{path} holds no readable offlax host state: {e}") from e
+    saved, crcs = read_layout(path)
     leaves = _leaves(args.target, "HostStateRestore")
     treedef = jax.tree.structure(args.target)
     _check_target(path, saved, leaves)
@@ -151,6 +142,29 @@ class _HostStateHandler(ocp.handlers.CheckpointHandler):
       if leaf is None:  # a leaf with no addressable shard here
         out[i] = _assemble(*plans[i], {})
     return placed(jax.tree.unflatten(treedef, out))
+
+
+def is_host_state(path: str) -> bool:
+  """Whether `path` is an item saved by `HostStateSave`."""
+  return os.path.exists(os.path.join(path, _LAYOUT))
+
+
+def read_layout(path: str) -> tuple[list[dict], dict[str, list[int]]]:
+  """A `HostStateSave` item's leaves (key path, shape, dtype, shards) and its files' checksums.
+
+  A leaf's shard k is the file ``f"{leaf index}.{k}"``.
+  """
+  try:
+    with open(os.path.join(path, _LAYOUT)) as f:
+      saved = json.load(f)["leaves"]
+    crcs: dict[str, list[int]] = {}
+    for name in os.listdir(path):
+      if name.startswith("crc32c.") and name.endswith(".json"):
+        with open(os.path.join(path, name)) as f:
+          crcs.update(json.load(f))
+  except (OSError, ValueError, KeyError) as e:
+    raise errors.StoreCorruptedError(f"{path} holds no readable offlax host state: {e}") from e
+  return saved, crcs
 
 
 def _overlapping(stored: list[Index], want: Index) -> list[int]:

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
+import math
 import os
 
 import numpy as np
 
-from offlax._src import errors
+from offlax._src import errors, host_checkpoint
 from offlax._src import layout as layout_lib
-from offlax._src.nvme import direct_io
+from offlax._src.nvme import array_files, direct_io
 from offlax._src.nvme import format as store_format
 from offlax._src.nvme import store as store_lib
 from offlax._src.telemetry import format_bytes
@@ -41,7 +42,7 @@ class StoreReport:
 
   Attributes:
     path: the store (or orbax item) directory.
-    kind: ``"nvme"`` or ``"orbax"``.
+    kind: ``"nvme"``, ``"orbax"`` (a pytree item) or ``"host_state"`` (a `HostStateSave` item).
     step: the committed step (an NVMe store), else None.
     kept: the committed steps kept, newest first (an NVMe store).
     generations: generation directories of the store.
@@ -108,7 +109,8 @@ def inspect_store(
   chunk file of every kept step is there with its size; with `verify` it
   rereads them all and checks their crc32c checksums. For an orbax checkpoint
   directory (a manager's directory, one step, or one item) it inspects each
-  NVMe store saved in it (`NVMeStoreSave`) and lists the arrays of each
+  NVMe store saved in it (`NVMeStoreSave`), checks each `HostStateSave`
+  item's files (`verify`: their checksums too) and lists the arrays of each
   pytree item; `verify` reads those arrays back. Walking a directory, it
   leaves out hidden ones (``.venv``, ``.git``), virtual environments and
   ``site-packages``.
@@ -151,6 +153,9 @@ def inspect_store(
       continue
     if store_format._METADATA in files:
       reports.append(_inspect_nvme(directory, verify, progress))
+      dirs.clear()
+    elif host_checkpoint.is_host_state(directory):
+      reports.append(_inspect_host_state(directory, verify, progress))
       dirs.clear()
     elif "_METADATA" in files:
       reports.append(_inspect_orbax(directory, verify))
@@ -236,6 +241,51 @@ def _locked(path: str) -> bool:
     return True
   finally:
     os.close(fd)
+
+
+def _inspect_host_state(path: str, verify: bool, progress: bool) -> StoreReport:
+  """A `HostStateSave` item: every shard file there with its size; with `verify`, its checksums."""
+  report = StoreReport(path, "host_state", verified=verify)
+  try:
+    saved, crcs = host_checkpoint.read_layout(path)
+  except errors.StoreCorruptedError as e:
+    report.problems.append(str(e))
+    return report
+  files = []
+  for i, meta in enumerate(saved):
+    dtype, shape = np.dtype(meta["dtype"]), tuple(meta["shape"])
+    leaf = LeafReport(meta["path"], shape, dtype.name, math.prod(shape) * dtype.itemsize, False)
+    report.leaves.append(leaf)
+    for k, shard in enumerate(meta["shards"]):
+      name, piece = f"{i}.{k}", tuple(b - a for a, b in shard)
+      file, size = os.path.join(path, name), math.prod(piece) * dtype.itemsize
+      actual = os.path.getsize(file) if os.path.isfile(file) else None
+      if actual is None or name not in crcs:
+        leaf.status = "MISSING"
+        report.problems.append(f"{leaf.path}: shard file {name} or its checksums missing")
+      elif actual != size:
+        leaf.status = "BAD"
+        report.problems.append(f"{leaf.path}: {name} holds {actual} bytes, expected {size}")
+      else:
+        files.append((leaf, (file, piece, dtype, crcs[name])))
+  if verify:
+    total = sum(math.prod(f[1]) * f[2].itemsize for _, f in files)
+    bar = array_files.byte_bar(total, f"offlax: verifying {path}") if progress else None
+    for leaf, item in files:
+      try:
+        for _ in array_files.read_files([item]):
+          pass
+      except (errors.StoreError, errors.StoreCorruptedError) as e:  # that is the finding
+        leaf.status = "BAD"
+        report.problems.append(f"{leaf.path}: {e}")
+      if bar is not None:
+        bar.update(math.prod(item[1]) * item[2].itemsize)
+    if bar is not None:
+      bar.close()
+    for leaf in report.leaves:
+      if leaf.status == "ok":
+        leaf.status = "verified"
+  return report
 
 
 def _inspect_orbax(path: str, verify: bool) -> StoreReport:

@@ -19,6 +19,7 @@ import concurrent.futures
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import crc32c
 import numpy as np
@@ -241,11 +242,7 @@ def _run(
   returns the bytes it moved, for the bar. The first error is raised after
   the jobs already running have ended.
   """
-  bar = None
-  if progress:
-    from tqdm.auto import tqdm
-
-    bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True, leave=False)
+  bar = byte_bar(total, desc) if progress else None
   try:
     with concurrent.futures.ThreadPoolExecutor(THREADS, "offlax-ckpt") as pool:
       running: dict[concurrent.futures.Future, tuple] = {}
@@ -262,6 +259,13 @@ def _run(
   finally:
     if bar is not None:
       bar.close()
+
+
+def byte_bar(total: int, desc: str) -> Any:
+  """A progress bar in bytes (tqdm), as offlax's long I/O shows them; `close()` it."""
+  from tqdm.auto import tqdm
+
+  return tqdm(total=total, desc=desc, unit="B", unit_scale=True, leave=False)
 
 
 def _completed(running: dict, bar) -> Iterator[tuple]:

@@ -23,6 +23,8 @@ import os
 import threading
 from collections.abc import Sequence
 
+from offlax._src.nvme import array_files
+
 BLOCK_BYTES = 8 << 20  # a multiple of every logical block size (512, 4096)
 # Below this a file is copied by `sendfile` (see the module docstring).
 DIRECT_MIN_BYTES = 4 * BLOCK_BYTES
@@ -57,11 +59,7 @@ def copy_files(
   memory a copy takes does not grow with the files. Raises the first error.
   """
   sizes = [os.stat(s).st_size for s, _ in pairs]
-  bar = None
-  if progress:
-    from tqdm.auto import tqdm
-
-    bar = tqdm(total=sum(sizes), desc=desc, unit="B", unit_scale=True, leave=False)
+  bar = array_files.byte_bar(sum(sizes), desc) if progress else None
   # Each worker keeps its buffers from file to file: fresh pages cost a fault
   # each (and far more where the host has reclaimed them), once per copy here.
   local, made = threading.local(), []
