@@ -24,7 +24,9 @@ new params over the old on the host (the way a model too big for the device
 trains: see docs/params_off_device.md).
 
 Every `--ckpt-every` steps orbax saves the model and optimizer under
-`--dir/ckpt` (asynchronously; the NVMe tier's store with `offlax.NVMeStoreSave`);
+`--dir/ckpt` (asynchronously; the NVMe tier's store with `offlax.NVMeStoreSave`;
+with `--host-state-save` the host tiers' optimizer state with
+`offlax.HostStateSave`, raw files by direct I/O, before `save` returns);
 `--resume` continues from the latest one, after a kill at any moment: the
 store, which commits every step and may be ahead of the checkpoint, is
 replaced by the checkpoint's copy, and `NVMeTier(step=...)` checks that it is
@@ -149,6 +151,11 @@ def main(argv: list[str] | None = None) -> float:
   parser.add_argument("--dir", type=pathlib.Path, default=None, help="checkpoints, store, plot")
   parser.add_argument("--ckpt-every", type=int, default=50)
   parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+  parser.add_argument(
+    "--host-state-save",
+    action="store_true",
+    help="save the host tiers' optimizer state with offlax.HostStateSave (direct I/O)",
+  )
   parser.add_argument("--no-progress", action="store_true")
   args = parser.parse_args(argv)
   directory = args.dir or pathlib.Path(tempfile.mkdtemp(prefix="offlax-lm-"))
@@ -204,6 +211,20 @@ def main(argv: list[str] | None = None) -> float:
         )
       target = jax.tree.map(ocp.utils.to_shape_dtype_struct, model_state)
       return ocp.args.Composite(model=ocp.args.StandardRestore(target))
+    if args.host_state_save:  # the model by orbax, the optimizer as raw files by direct I/O
+      model_state, opt_state = nnx.state(model), nnx.state(optimizer)
+      if save:
+        return ocp.args.Composite(
+          model=ocp.args.StandardSave(model_state),
+          opt=offlax.HostStateSave(opt_state, progress=False),
+        )
+      model_state, opt_state = jax.tree.map(
+        ocp.utils.to_shape_dtype_struct, (model_state, opt_state)
+      )
+      return ocp.args.Composite(
+        model=ocp.args.StandardRestore(model_state),
+        opt=offlax.HostStateRestore(opt_state, progress=False),
+      )
     if save:
       return ocp.args.StandardSave(nnx.state((model, optimizer)))
     target = jax.tree.map(ocp.utils.to_shape_dtype_struct, nnx.state((model, optimizer)))
@@ -214,6 +235,9 @@ def main(argv: list[str] | None = None) -> float:
     if nvme:  # the optimizer state came from the store, at step `start`
       nnx.update(model, restored.model["model"])
       optimizer.step[...] = restored.model["step"]
+    elif args.host_state_save:
+      nnx.update(model, restored.model)
+      nnx.update(optimizer, restored.opt)
     else:
       nnx.update((model, optimizer), restored)
   start = start or 0

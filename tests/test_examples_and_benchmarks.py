@@ -223,18 +223,22 @@ def test_entry_point_quick(tmp_path):
 def test_lm_example_trains_checkpoints_and_resumes(tmp_path, capsys):
   example = _load("examples/lm_nnx.py")
   small = ["--dim", "32", "--seq", "32", "--batch", "8", "--no-progress", "--ckpt-every", "1"]
-  for tier in ("host", "host_compute", "nvme"):
-    directory = tmp_path / tier
-    loss = example.main(["--tier", tier, "--steps", "12", "--dir", str(directory), *small])
+  runs = [("host", []), ("host_compute", []), ("nvme", []), ("host_compute", ["--host-state-save"])]
+  for tier, extra in runs:
+    directory = tmp_path / (tier + "".join(extra))
+    args = ["--tier", tier, "--dir", str(directory), *small, *extra]
+    loss = example.main([*args, "--steps", "12"])
     out = capsys.readouterr().out
     assert loss < float(out.split("loss ")[1].split()[0])
     assert "optimizer arrays in RAM: ['pinned_host']" in out or tier == "nvme"
     assert (directory / "loss.png").stat().st_size > 5_000
-    example.main(["--tier", tier, "--steps", "2", "--dir", str(directory), "--resume", *small])
+    example.main([*args, "--steps", "2", "--resume"])
     out = capsys.readouterr().out
     assert "starting at step 12" in out
     if tier != "nvme":
       assert "optimizer arrays in RAM: ['pinned_host']" in out  # restored into the tier
+    if extra:  # the optimizer state as HostStateSave's raw files
+      assert (directory / "ckpt" / "14" / "opt" / "host_state.json").exists()
 
 
 def test_lm_example_resumes_after_a_kill_with_the_nvme_tier(tmp_path):
