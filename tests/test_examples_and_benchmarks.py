@@ -108,6 +108,9 @@ def test_gpu_check_code_path_runs_on_cpu(tmp_path):
     run = result["measured_vs_compiled"][mode]
     assert run["predicted_peak_bytes"] > 0 and run["params_bytes"] > 0, run
   assert result["params_on_host"]["param_kinds"] == ["pinned_host"], result["params_on_host"]
+  ckpt = result["host_state_checkpoint"]
+  assert ckpt["exact"] and ckpt["restored_kinds"] == ["pinned_host"], ckpt
+  assert ckpt["save_vs_raw"] > 0 and ckpt["restore_vs_raw"] > 0
   _summary_rows("gpu_check", result)
 
 
