@@ -16,6 +16,7 @@ and the file cut back to its size. Where the filesystem has no direct I/O
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -108,22 +109,20 @@ def write_files(
   """
   crcs: dict[str, list[int]] = {p: [0] * len(_ranges(n)) for p, _, n in items}
   files = [_Pending(path, source, nbytes) for path, source, nbytes in items]
-  local = threading.local()
 
   def write(f: _Pending, k: int, start: int) -> int:
-    if not hasattr(local, "buffer"):
-      local.buffer = _aligned_empty(BLOCK_BYTES)
-    data, buffer, crc = f.open(), local.buffer, 0
+    data, crc = f.open(), 0
     end = min(start + RANGE_BYTES, f.size)
-    for offset in range(start, end, BLOCK_BYTES):
-      n = min(BLOCK_BYTES, end - offset)
-      buffer[:n] = data[offset : offset + n]
-      crc = crc32c.crc32c(buffer[:n].data, value=crc)
-      length = n
-      if f.direct and n % _ALIGN:  # only the file's last block
-        length = _padded(n)
-        buffer[n:length] = 0
-      _pwrite(f.fd, buffer[:length].data, offset, f.path)
+    with _buffer() as buffer:
+      for offset in range(start, end, BLOCK_BYTES):
+        n = min(BLOCK_BYTES, end - offset)
+        buffer[:n] = data[offset : offset + n]
+        crc = crc32c.crc32c(buffer[:n].data, value=crc)
+        length = n
+        if f.direct and n % _ALIGN:  # only the file's last block
+          length = _padded(n)
+          buffer[n:length] = 0
+        _pwrite(f.fd, buffer[:length].data, offset, f.path)
     crcs[f.path][k] = crc
     f.done_range()
     return end - start
@@ -144,6 +143,25 @@ def write_files(
     for f in files:
       f.close()
   return crcs
+
+
+# Aligned write buffers, kept from save to save: a fresh page costs a fault (and far
+# more where a VM's host has reclaimed it); at most one per thread writing at once.
+_free: list[np.ndarray] = []
+_free_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _buffer() -> Iterator[np.ndarray]:
+  with _free_lock:
+    buffer = _free.pop() if _free else None
+  if buffer is None or len(buffer) != BLOCK_BYTES:  # BLOCK_BYTES changed (tests do)
+    buffer = _aligned_empty(BLOCK_BYTES)
+  try:
+    yield buffer
+  finally:
+    with _free_lock:
+      _free.append(buffer)
 
 
 def _pwrite(fd: int, view: memoryview, offset: int, path: str) -> None:
