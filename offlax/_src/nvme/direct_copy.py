@@ -8,11 +8,7 @@ file's size): one is read into while the other is written out, so such a copy
 takes about as long as the slower of reading and writing the file, not their
 sum, and fills no page cache. Smaller files (an NVMe store's chunk files are a
 few MiB) go by `sendfile`, in the kernel: measured here, direct I/O of one
-block per file was slower than the kernel's read-ahead and write-back. Their
-destination is allocated whole first (`posix_fallocate`): written back by the
-kernel in its own order, four files at once, their blocks interleaved, and
-copies read back more slowly (restores at 0.55x the raw disk in the median of
-4 rounds, 0.68x with the allocation; docs/checkpoint_speed.md).
+block per file was slower than the kernel's read-ahead and write-back.
 """
 
 from __future__ import annotations
@@ -127,8 +123,6 @@ def copy_file(
           os.close(rfd)
     fd = os.open(dst, flags, mode)
     try:
-      if size:  # one extent up front, as a direct write would (see the module docstring)
-        os.posix_fallocate(fd, 0, size)
       _sendfile(f.fileno(), fd, src, size)
     finally:
       os.close(fd)
