@@ -26,7 +26,7 @@ import crc32c
 import numpy as np
 
 from offlax._src import errors
-from offlax._src.nvme.direct_io import _O_DIRECT, _aligned_empty
+from offlax._src.nvme.direct_io import _O_DIRECT, _aligned_empty, _pwrite_all
 
 RANGE_BYTES = 64 << 20  # one thread's unit of work; a multiple of the alignment
 BLOCK_BYTES = 8 << 20  # a write copies this much into its aligned buffer at a time
@@ -122,7 +122,7 @@ def write_files(
         if f.direct and n % _ALIGN:  # only the file's last block
           length = _padded(n)
           buffer[n:length] = 0
-        _pwrite(f.fd, buffer[:length].data, offset, f.path)
+        _pwrite_all(f.fd, [buffer[:length]], offset)
     crcs[f.path][k] = crc
     f.done_range()
     return end - start
@@ -162,15 +162,6 @@ def _buffer() -> Iterator[np.ndarray]:
   finally:
     with _free_lock:
       _free.append(buffer)
-
-
-def _pwrite(fd: int, view: memoryview, offset: int, path: str) -> None:
-  done = 0
-  while done < len(view):
-    n = os.pwrite(fd, view[done:], offset + done)
-    if n <= 0:
-      raise OSError(f"short write to {path} at {offset + done}")
-    done += n
 
 
 def read_files(
