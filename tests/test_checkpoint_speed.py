@@ -100,7 +100,7 @@ def _digest(path):
   [0, 5, 4096, (1 << 20) + 3, direct_copy.BLOCK_BYTES, 2 * direct_copy.BLOCK_BYTES + 4097],
 )  # fmt: skip
 def test_copy_file_is_exact_and_owner_only(tmp_path, monkeypatch, size):
-  monkeypatch.setattr(direct_copy, "DIRECT_MIN_BYTES", 1 << 20)  # direct I/O from 1 MiB
+  monkeypatch.setattr(direct_copy, "SMALL_BYTES", 1)  # every file by blocks, tiny ones included
   src, dst = tmp_path / "src", tmp_path / "dst"
   src.write_bytes(np.random.default_rng(size).integers(0, 256, size, np.uint8).tobytes())
   old = os.umask(0o022)
@@ -115,12 +115,28 @@ def test_copy_file_is_exact_and_owner_only(tmp_path, monkeypatch, size):
     direct_copy.copy_file(str(src), str(dst))
 
 
-def test_copy_file_without_direct_io(tmp_path, monkeypatch):
-  """Where the platform has no O_DIRECT, the copy goes through `sendfile`, as exact."""
-  monkeypatch.delattr(os, "O_DIRECT")
+@pytest.mark.parametrize("refuse", ["platform", "filesystem"])
+def test_copy_file_without_direct_io(tmp_path, monkeypatch, refuse):
+  """Without direct I/O (none on the platform, or refused by the filesystem): `sendfile`, exact."""
+  if refuse == "platform":
+    monkeypatch.setattr(direct_copy, "_O_DIRECT", 0)
+  else:
+    import fcntl
+
+    real = fcntl.fcntl
+
+    def fcntl_without_direct(fd, cmd, arg=0):
+      if cmd == fcntl.F_SETFL and arg & direct_copy._O_DIRECT:
+        raise OSError(22, "Invalid argument")  # what tmpfs of older kernels answers
+      return real(fd, cmd, arg)
+
+    monkeypatch.setattr(fcntl, "fcntl", fcntl_without_direct)
   src, dst = tmp_path / "src", tmp_path / "dst"
-  src.write_bytes(np.random.default_rng(0).integers(0, 256, 3 << 20, np.uint8).tobytes())
+  src.write_bytes(np.random.default_rng(0).integers(0, 256, (3 << 20) + 5, np.uint8).tobytes())
+  blocks = []
+  monkeypatch.setattr(direct_copy, "_blocks", lambda *a: blocks.append(a))
   direct_copy.copy_file(str(src), str(dst))
+  assert not blocks  # it took the `sendfile` path
   assert _digest(dst) == _digest(src)
 
 
@@ -134,7 +150,7 @@ def _status_bytes(field):
 
 def test_copy_files_memory_is_bounded(tmp_path):
   """Copying 192 MiB of files raises the peak RSS by the buffers only, not by the bytes."""
-  pairs = []  # 32 MiB files: direct I/O (DIRECT_MIN_BYTES)
+  pairs = []  # 32 MiB files: two blocks each
   for i in range(6):
     src = tmp_path / f"src{i}"
     with open(src, "wb") as f:
@@ -146,7 +162,7 @@ def test_copy_files_memory_is_bounded(tmp_path):
     f.write("5")  # the peak (VmHWM) starts again from here
   direct_copy.copy_files(pairs)
   rise = _status_bytes("VmHWM") - before
-  bound = direct_copy.THREADS * 2 * direct_copy.BLOCK_BYTES
+  bound = direct_copy.THREADS * direct_copy.BLOCK_BYTES
   assert rise <= bound + (16 << 20), f"peak RSS rose {rise >> 20} MiB"
   for src, dst in pairs:
     assert _digest(dst) == _digest(src)

@@ -1,14 +1,19 @@
-"""File copies at disk speed: several files at once, large ones by direct I/O.
+"""File copies at disk speed: several files at once, read by the kernel, written by direct I/O.
 
 A copy of one file after another leaves the disk idle while each file is
 opened, created and flushed: `copy_files` copies `THREADS` files at once.
-Files of `DIRECT_MIN_BYTES` or more go by direct I/O between the disk and two
-aligned buffers of the copying thread (`BLOCK_BYTES` each, whatever the
-file's size): one is read into while the other is written out, so such a copy
-takes about as long as the slower of reading and writing the file, not their
-sum, and fills no page cache. Smaller files (an NVMe store's chunk files are a
-few MiB) go by `sendfile`, in the kernel: measured here, direct I/O of one
-block per file was slower than the kernel's read-ahead and write-back.
+Each copy reads through the page cache, so the kernel's read-ahead streams
+the source, into an aligned buffer of its thread (`BLOCK_BYTES`, whatever the
+file's size), and writes by direct I/O: the copy dirties no page cache. Why
+this mix, measured on the development VM (ext4 on a virtio disk, 1.07 GB of
+8 MiB chunk files, `benchmarks/checkpoint.py`): a copy through the page cache
+both ways (`sendfile`) ran at 0.5-1.1x the raw disk depending on what ran
+before it (each fresh page-cache page costs a fault, and far more once the
+host has reclaimed the guest's free memory), direct I/O both ways at a steady
+0.75-0.8x (the files' reads were slower than the raw disk's), this mix at
+0.8-1.0x. Files under `SMALL_BYTES` (the arrays' metadata) go by `sendfile`.
+A file's unaligned end is written through the page cache; the caller flushes
+the filesystem afterwards (`copies.copy_store`).
 """
 
 from __future__ import annotations
@@ -20,10 +25,13 @@ import threading
 from collections.abc import Sequence
 
 from offlax._src.nvme import array_files
+from offlax._src.nvme.direct_io import _O_DIRECT, _clear_direct, _pwrite_all
 
-BLOCK_BYTES = 8 << 20  # a multiple of every logical block size (512, 4096)
-# Below this a file is copied by `sendfile` (see the module docstring).
-DIRECT_MIN_BYTES = 4 * BLOCK_BYTES
+# One read and one write per block: a whole chunk file of the NVMe tier's
+# default 16 MiB chunks but its unaligned last bytes. A multiple of every
+# logical block size (512, 4096).
+BLOCK_BYTES = 16 << 20
+SMALL_BYTES = 1 << 20  # below this a file goes by `sendfile`
 _ALIGN = 4096
 THREADS = 4  # files copied at once: reads of some overlap writes of others
 
@@ -51,20 +59,20 @@ def copy_files(
 ) -> None:
   """`copy_file` of each (source, destination) pair, `THREADS` at once, with a bar in bytes.
 
-  At most `THREADS` copies run, each with its two `BLOCK_BYTES` buffers: the
-  memory a copy takes does not grow with the files. Raises the first error.
+  At most `THREADS` copies run, each with one `BLOCK_BYTES` buffer: the memory
+  a copy takes does not grow with the files. Raises the first error.
   """
   sizes = [os.stat(s).st_size for s, _ in pairs]
   bar = array_files.byte_bar(sum(sizes), desc) if progress else None
-  # Each worker keeps its buffers from file to file: fresh pages cost a fault
+  # Each worker keeps its buffer from file to file: fresh pages cost a fault
   # each (and far more where the host has reclaimed them), once per copy here.
   local, made = threading.local(), []
 
   def copy(src: str, dst: str) -> None:
-    if not hasattr(local, "buffers"):
-      local.buffers = _buffers()
-      made.append(local.buffers)
-    copy_file(src, dst, mode, local.buffers)
+    if not hasattr(local, "buffer"):
+      local.buffer = mmap.mmap(-1, BLOCK_BYTES)  # page-aligned, as direct I/O needs
+      made.append(local.buffer)
+    copy_file(src, dst, mode, local.buffer)
 
   try:
     with concurrent.futures.ThreadPoolExecutor(THREADS, "offlax-copy") as pool:
@@ -76,56 +84,47 @@ def copy_files(
   finally:
     if bar is not None:
       bar.close()
-    for buffers in made:
-      for b in buffers:
-        b.close()
+    for buffer in made:
+      buffer.close()
 
 
-def _buffers() -> list[mmap.mmap]:
-  return [mmap.mmap(-1, BLOCK_BYTES) for _ in range(2)]  # page-aligned, as O_DIRECT needs
-
-
-def copy_file(
-  src: str, dst: str, mode: int = 0o600, buffers: Sequence[mmap.mmap] | None = None
-) -> None:
+def copy_file(src: str, dst: str, mode: int = 0o600, buffer: mmap.mmap | None = None) -> None:
   """Copies `src` into `dst`, a new file (refuses an existing one or a link) with `mode`.
 
-  Direct I/O where the filesystem has it and the file has `DIRECT_MIN_BYTES`
-  or more, through `buffers` (two of `BLOCK_BYTES`; None: made for this copy);
-  else `sendfile`. Raises `OSError` on a failed or short transfer.
+  A file of `SMALL_BYTES` or more is read through `buffer` (an mmap of
+  `BLOCK_BYTES`; None: one made for this copy) and written by direct I/O where
+  the filesystem has it; else, and where direct I/O is refused, by `sendfile`.
+  Raises `OSError` on a failed or short transfer.
   """
-  flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-  with open(src, "rb") as f:
-    size = os.fstat(f.fileno()).st_size
-    if size >= DIRECT_MIN_BYTES and hasattr(os, "O_DIRECT"):
-      try:
-        rfd = os.open(src, os.O_RDONLY | os.O_DIRECT)
-      except OSError:  # no direct I/O here (tmpfs)
-        rfd = -1
-      if rfd >= 0:
-        try:
-          try:
-            wfd = os.open(dst, flags | os.O_DIRECT, mode)
-          except OSError:
-            wfd = -1
-          if wfd >= 0:
-            own = buffers is None
-            bufs = _buffers() if buffers is None else buffers
-            try:
-              _direct(rfd, wfd, src, size, bufs)
-              return
-            finally:
-              os.close(wfd)
-              if own:
-                for b in bufs:
-                  b.close()
-        finally:
-          os.close(rfd)
-    fd = os.open(dst, flags, mode)
+  rfd = os.open(src, os.O_RDONLY)
+  try:
+    size = os.fstat(rfd).st_size
+    wfd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
     try:
-      _sendfile(f.fileno(), fd, src, size)
+      if size < SMALL_BYTES or not _set_direct(wfd):
+        _sendfile(rfd, wfd, src, size)
+      elif buffer is not None:
+        _blocks(rfd, wfd, src, size, buffer)
+      else:
+        with mmap.mmap(-1, BLOCK_BYTES) as own:
+          _blocks(rfd, wfd, src, size, own)
     finally:
-      os.close(fd)
+      os.close(wfd)
+  finally:
+    os.close(rfd)
+
+
+def _set_direct(fd: int) -> bool:
+  """Turns on direct I/O for `fd`; False where the platform or the filesystem has none."""
+  if not _O_DIRECT:
+    return False
+  import fcntl
+
+  try:  # set after the file is made: a refused O_DIRECT open may leave the file behind
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | _O_DIRECT)
+  except OSError:  # EINVAL: this filesystem has no direct I/O
+    return False
+  return True
 
 
 def _sendfile(rfd: int, wfd: int, src: str, size: int) -> None:
@@ -137,87 +136,22 @@ def _sendfile(rfd: int, wfd: int, src: str, size: int) -> None:
     offset += n
 
 
-def _read_block(rfd: int, buf: mmap.mmap, offset: int, want: int, src: str, size: int) -> None:
-  got = 0
-  while got < want:
-    view = memoryview(buf)[got:]
-    n = os.preadv(rfd, [view], offset + got)
-    view.release()
-    if n == 0:
-      break
-    got += n
-    if got % _ALIGN:  # only the file's end reads short of the alignment
-      break
-  if got < want:
-    raise OSError(f"{src} ended after {offset + got} of {size} bytes")
-
-
-def _write_block(wfd: int, buf: mmap.mmap, offset: int, n: int, src: str) -> None:
-  padded = -(-n // _ALIGN) * _ALIGN
-  view = memoryview(buf)[:padded]
+def _blocks(rfd: int, wfd: int, src: str, size: int, buffer: mmap.mmap) -> None:
+  """Reads each block of `src` into `buffer`, writes it out by direct I/O; the unaligned end not."""
+  view = memoryview(buffer)
   try:
-    done = 0
-    while done < padded:
-      w = os.pwrite(wfd, view[done:], offset + done)
-      if w <= 0:
-        raise OSError(f"short write copying {src} at {offset + done}")
-      done += w
+    for offset in range(0, size, len(view)):
+      n = min(len(view), size - offset)
+      got = 0
+      while got < n:
+        read = os.preadv(rfd, [view[got:n]], offset + got)
+        if read == 0:
+          raise OSError(f"{src} ended after {offset + got} of {size} bytes")
+        got += read
+      aligned = n - n % _ALIGN
+      _pwrite_all(wfd, [view[:aligned]], offset)
+      if aligned < n:  # the file's last bytes: direct I/O writes whole blocks only
+        _clear_direct(wfd)
+        _pwrite_all(wfd, [view[aligned:n]], offset + aligned)
   finally:
     view.release()
-
-
-def _direct(rfd: int, wfd: int, src: str, size: int, bufs: Sequence[mmap.mmap]) -> None:
-  """Reads block k+1 in this thread while a writer thread writes block k (direct I/O both ways).
-
-  A file of one block is read, then written, in this thread. The last block is
-  written padded to the alignment and the file cut back to `size`.
-  """
-  if size <= BLOCK_BYTES:
-    _read_block(rfd, bufs[0], 0, size, src, size)
-    _write_block(wfd, bufs[0], 0, size, src)
-    if size % _ALIGN:
-      os.ftruncate(wfd, size)
-    return
-  filled = [threading.Semaphore(0), threading.Semaphore(0)]  # buffer i holds a block
-  free = [threading.Semaphore(1), threading.Semaphore(1)]  # buffer i may be read into
-  lengths = [0, 0]
-  failure: list[BaseException] = []
-  blocks = -(-size // BLOCK_BYTES)
-
-  def write() -> None:
-    try:
-      for k in range(blocks):
-        i = k % 2
-        filled[i].acquire()
-        if failure:
-          return
-        _write_block(wfd, bufs[i], k * BLOCK_BYTES, lengths[i], src)
-        free[i].release()
-    except BaseException as e:  # handed to the reading thread, which raises it
-      failure.append(e)
-      for s in free:
-        s.release()
-
-  writer = threading.Thread(target=write, name="offlax-direct-copy", daemon=True)
-  writer.start()
-  try:
-    for k in range(blocks):
-      i = k % 2
-      free[i].acquire()
-      if failure:
-        break
-      want = min(BLOCK_BYTES, size - k * BLOCK_BYTES)
-      _read_block(rfd, bufs[i], k * BLOCK_BYTES, want, src, size)
-      lengths[i] = want
-      filled[i].release()
-  except BaseException as e:
-    failure.append(e)
-    for s in filled:
-      s.release()
-    raise
-  finally:
-    writer.join()
-  if failure:
-    raise failure[0]
-  if size % _ALIGN:
-    os.ftruncate(wfd, size)
