@@ -18,7 +18,7 @@ What is measured, in one run and on one filesystem (a fresh directory under `--d
    zstd, no OCDBT), and with `offlax.HostStateSave` / `offlax.HostStateRestore` (raw files by
    direct I/O, the save synchronous).
 3. The NVMe tier's store in a checkpoint: the same state written into an `NVMeTier` store
-   (`offlax.retier`), then `offlax.NVMeStoreSave(tier)` (a direct-I/O file copy, flushed) and
+   (`offlax.retier`), then `offlax.NVMeStoreSave(tier)` (a file copy, flushed) and
    `offlax.NVMeStoreRestore(path)` into a new directory, page cache dropped before each. A copy
    reads and writes every byte, so its raw equivalent is bytes / raw read + bytes / raw write.
 
