@@ -19,6 +19,7 @@ the filesystem afterwards (`copies.copy_store`).
 from __future__ import annotations
 
 import concurrent.futures
+import fcntl
 import mmap
 import os
 import threading
@@ -118,8 +119,6 @@ def _set_direct(fd: int) -> bool:
   """Turns on direct I/O for `fd`; False where the platform or the filesystem has none."""
   if not _O_DIRECT:
     return False
-  import fcntl
-
   try:  # set after the file is made: a refused O_DIRECT open may leave the file behind
     fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | _O_DIRECT)
   except OSError:  # EINVAL: this filesystem has no direct I/O
