@@ -12,7 +12,7 @@ import pytest
 from conftest import assert_trees_equal, grads_like, model_params
 
 import offlax
-from offlax._src.nvme import copies, direct_copy
+from offlax._src.nvme import copies, direct_copy, direct_io
 
 
 def _state():
@@ -101,6 +101,8 @@ def _digest(path):
 )  # fmt: skip
 def test_copy_file_is_exact_and_owner_only(tmp_path, monkeypatch, size):
   monkeypatch.setattr(direct_copy, "SMALL_BYTES", 1)  # every file by blocks, tiny ones included
+  by_blocks, real = [], direct_copy._blocks
+  monkeypatch.setattr(direct_copy, "_blocks", lambda *a: by_blocks.append(a[3]) or real(*a))
   src, dst = tmp_path / "src", tmp_path / "dst"
   src.write_bytes(np.random.default_rng(size).integers(0, 256, size, np.uint8).tobytes())
   old = os.umask(0o022)
@@ -108,6 +110,8 @@ def test_copy_file_is_exact_and_owner_only(tmp_path, monkeypatch, size):
     direct_copy.copy_file(str(src), str(dst))
   finally:
     os.umask(old)
+  if direct_io._supports_direct(str(tmp_path)):  # written by direct I/O, not by `sendfile`
+    assert by_blocks == ([size] if size else [])  # an empty file: sendfile, nothing to send
   assert dst.stat().st_size == size
   assert _digest(dst) == _digest(src)
   assert dst.stat().st_mode & 0o777 == 0o600
