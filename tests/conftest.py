@@ -156,6 +156,22 @@ def native(request, monkeypatch):
   return request.param == "native"
 
 
+def refuse_direct_io(monkeypatch) -> None:
+  """Makes turning on O_DIRECT fail with EINVAL, as on a filesystem without direct I/O."""
+  import fcntl
+
+  from offlax._src.nvme import direct_io
+
+  real = fcntl.fcntl
+
+  def fcntl_without_direct(fd, cmd, arg=0):
+    if cmd == fcntl.F_SETFL and arg & direct_io._O_DIRECT:
+      raise OSError(22, "Invalid argument")  # what tmpfs of older kernels answers
+    return real(fd, cmd, arg)
+
+  monkeypatch.setattr(fcntl, "fcntl", fcntl_without_direct)
+
+
 # The default run (`pytest -m "not slow"`, the README's command) keeps each feature
 # covered by its cheapest cases and stays within a few minutes on 2 cores; the cases
 # below also run with `-m slow` (`.ci/run` runs both). Full test names (file::name),

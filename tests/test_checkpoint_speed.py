@@ -9,7 +9,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
-from conftest import assert_trees_equal, grads_like, model_params
+from conftest import assert_trees_equal, grads_like, model_params, refuse_direct_io
 
 import offlax
 from offlax._src.nvme import copies, direct_copy, direct_io
@@ -123,18 +123,9 @@ def test_copy_file_is_exact_and_owner_only(tmp_path, monkeypatch, size):
 def test_copy_file_without_direct_io(tmp_path, monkeypatch, refuse):
   """Without direct I/O (none on the platform, or refused by the filesystem): `sendfile`, exact."""
   if refuse == "platform":
-    monkeypatch.setattr(direct_copy, "_O_DIRECT", 0)
+    monkeypatch.setattr(direct_io, "_O_DIRECT", 0)
   else:
-    import fcntl
-
-    real = fcntl.fcntl
-
-    def fcntl_without_direct(fd, cmd, arg=0):
-      if cmd == fcntl.F_SETFL and arg & direct_copy._O_DIRECT:
-        raise OSError(22, "Invalid argument")  # what tmpfs of older kernels answers
-      return real(fd, cmd, arg)
-
-    monkeypatch.setattr(fcntl, "fcntl", fcntl_without_direct)
+    refuse_direct_io(monkeypatch)
   src, dst = tmp_path / "src", tmp_path / "dst"
   src.write_bytes(np.random.default_rng(0).integers(0, 256, (3 << 20) + 5, np.uint8).tobytes())
   blocks = []

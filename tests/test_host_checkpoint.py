@@ -12,10 +12,10 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
-from conftest import assert_trees_equal, grads_like, model_params
+from conftest import assert_trees_equal, grads_like, model_params, refuse_direct_io
 
 import offlax
-from offlax._src.nvme import array_files
+from offlax._src.nvme import array_files, direct_io
 
 
 def _setup():
@@ -151,14 +151,19 @@ def test_restores_into_another_sharding(tmp_path):
   assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
 
-@pytest.mark.parametrize("direct", [True, False])
+@pytest.mark.parametrize("direct", ["direct", "none", "refused"])
 @pytest.mark.parametrize("size", [0, 5, 4096, 3 * 65536 + 7])
 def test_array_files_round_trip(tmp_path, monkeypatch, direct, size):
-  """Files of every size class, by direct I/O and through the page cache, in small ranges."""
+  """Files of every size class, by direct I/O and through the page cache, in small ranges.
+
+  "none": the platform has no O_DIRECT; "refused": the filesystem refuses it.
+  """
   monkeypatch.setattr(array_files, "RANGE_BYTES", 65536)
   monkeypatch.setattr(array_files, "BLOCK_BYTES", 8192)
-  if not direct:
-    monkeypatch.setattr(array_files, "_O_DIRECT", 0)
+  if direct == "none":
+    monkeypatch.setattr(direct_io, "_O_DIRECT", 0)
+  elif direct == "refused":
+    refuse_direct_io(monkeypatch)
   a = np.random.default_rng(size).integers(0, 256, size, np.uint8)
   b = np.random.default_rng(1).standard_normal((size // 4 + 1, 3)).astype(jnp.bfloat16)
   items = [(str(tmp_path / "a"), lambda: a, a.nbytes), (str(tmp_path / "b"), lambda: b, b.nbytes)]

@@ -26,7 +26,7 @@ import crc32c
 import numpy as np
 
 from offlax._src import errors
-from offlax._src.nvme.direct_io import _O_DIRECT, _aligned_empty, _pwrite_all
+from offlax._src.nvme.direct_io import _aligned_empty, _pwrite_all, _set_direct
 
 RANGE_BYTES = 64 << 20  # one thread's unit of work; a multiple of the alignment
 BLOCK_BYTES = 8 << 20  # a write copies this much into its aligned buffer at a time
@@ -47,12 +47,8 @@ def _ranges(size: int) -> range:
 
 def _open(path: str, flags: int) -> tuple[int, bool]:
   """Opens with direct I/O where the filesystem has it; returns (fd, direct)."""
-  if _O_DIRECT:
-    try:
-      return os.open(path, flags | _O_DIRECT, 0o600), True
-    except OSError:  # EINVAL: no direct I/O on this filesystem
-      pass
-  return os.open(path, flags, 0o600), False
+  fd = os.open(path, flags, 0o600)
+  return fd, _set_direct(fd)
 
 
 class _Pending:

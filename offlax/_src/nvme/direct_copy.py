@@ -19,14 +19,13 @@ the filesystem afterwards (`copies.copy_store`).
 from __future__ import annotations
 
 import concurrent.futures
-import fcntl
 import mmap
 import os
 import threading
 from collections.abc import Sequence
 
 from offlax._src.nvme import array_files
-from offlax._src.nvme.direct_io import _O_DIRECT, _clear_direct, _pwrite_all
+from offlax._src.nvme.direct_io import _clear_direct, _pwrite_all, _set_direct
 
 # One read and one write per block: a whole chunk file of the NVMe tier's
 # default 16 MiB chunks but its unaligned last bytes. A multiple of every
@@ -113,17 +112,6 @@ def copy_file(src: str, dst: str, mode: int = 0o600, buffer: mmap.mmap | None = 
       os.close(wfd)
   finally:
     os.close(rfd)
-
-
-def _set_direct(fd: int) -> bool:
-  """Turns on direct I/O for `fd`; False where the platform or the filesystem has none."""
-  if not _O_DIRECT:
-    return False
-  try:  # set after the file is made: a refused O_DIRECT open may leave the file behind
-    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | _O_DIRECT)
-  except OSError:  # EINVAL: this filesystem has no direct I/O
-    return False
-  return True
 
 
 def _sendfile(rfd: int, wfd: int, src: str, size: int) -> None:

@@ -67,6 +67,22 @@ def _clear_direct(fd: int) -> None:
   fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_DIRECT)
 
 
+def _set_direct(fd: int) -> bool:
+  """Turns on direct I/O for `fd`; False where the platform or the filesystem has none.
+
+  Set on an open file rather than passed to `open`: an `O_CREAT` open that the
+  filesystem refuses for `O_DIRECT` (EINVAL) may already have made the file,
+  and a fallback `O_EXCL` open of it would then fail.
+  """
+  if not _O_DIRECT:
+    return False
+  try:
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | _O_DIRECT)
+  except OSError:  # EINVAL: this filesystem has no direct I/O
+    return False
+  return True
+
+
 def _aligned_empty(nbytes: int) -> np.ndarray:
   """`nbytes` uninitialised bytes starting on a direct I/O block boundary."""
   raw = np.empty(nbytes + _BLOCK, np.uint8)
@@ -89,6 +105,8 @@ def _pwrite_all(fd: int, parts: Sequence[Any], offset: int) -> None:
   views = [memoryview(p).cast("B") for p in parts if len(p)]
   while views:
     n = os.pwritev(fd, views, offset)
+    if n == 0:  # nothing written with bytes left: retrying would spin
+      raise OSError(f"short write at {offset}")
     offset += n
     while views and n >= len(views[0]):
       n -= len(views.pop(0))
