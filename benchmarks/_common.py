@@ -1,4 +1,4 @@
-"""What the benchmark scripts share: run metadata, statistics, arguments, plots and output files.
+"""What the benchmark scripts share: run metadata, RSS, statistics, arguments, plots, output files.
 
 Private to `benchmarks/`, not part of offlax. Only the standard library is imported at the top:
 jax, optax, offlax and matplotlib load inside the functions that need them, so a script can
@@ -56,6 +56,44 @@ def environment(devices: bool = False) -> dict[str, Any]:
 def maxrss_bytes() -> int:
   """Peak resident set size of this process so far (`ru_maxrss`), in bytes (Linux: KiB * 1024)."""
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _kb_field(path: str, field: str) -> int | None:
+  """A `kB` field of a /proc file in bytes; None if unavailable."""
+  try:
+    with open(path) as f:
+      for line in f:
+        if line.startswith(field + ":"):
+          return int(line.split()[1]) * 1024
+  except OSError:
+    pass
+  return None
+
+
+def proc_status_bytes(field: str) -> int | None:
+  """A `kB` field of /proc/self/status (VmRSS, VmHWM) in bytes; None if unavailable."""
+  return _kb_field("/proc/self/status", field)
+
+
+def meminfo_bytes(field: str) -> int | None:
+  """A `kB` field of /proc/meminfo in bytes; None if unavailable."""
+  return _kb_field("/proc/meminfo", field)
+
+
+def reset_peak_rss() -> bool:
+  """Resets VmHWM to the current RSS (Linux >= 4.0); False if that is not possible."""
+  try:
+    with open("/proc/self/clear_refs", "w") as f:
+      f.write("5")
+    return True
+  except OSError:
+    return False
+
+
+def peak_rss() -> int:
+  """Peak RSS since the last `reset_peak_rss` (VmHWM), or `maxrss_bytes` where there is none."""
+  hwm = proc_status_bytes("VmHWM")
+  return maxrss_bytes() if hwm is None else hwm
 
 
 def stats_of(values: Sequence[float], suffix: str = "") -> dict[str, float]:
@@ -134,6 +172,23 @@ def label_above(ax: Any, text: str, xy: tuple[float, float], dy: float) -> None:
   ax.annotate(
     text, xy, xytext=(0, dy), textcoords="offset points", ha="center", va="bottom", fontsize=9
   )
+
+
+Bar = tuple[str, float, float, float, str, str]  # label, median, min, max, color, note
+
+
+def draw_bars(ax: Any, bars: Sequence[Bar], headroom: float) -> None:
+  """`bars` with min-to-max whiskers, each labelled with its median and note."""
+  import numpy as np
+
+  x = np.arange(len(bars))
+  med = np.array([b[1] for b in bars])
+  err = [med - np.array([b[2] for b in bars]), np.array([b[3] for b in bars]) - med]
+  ax.bar(x, med, yerr=err, capsize=6, color=[b[4] for b in bars])
+  for xi, b in zip(x, bars, strict=True):
+    label_above(ax, f"{b[1]:.2f}{b[5]}", (xi, b[3]), dy=3)
+  ax.set_xticks(x, [b[0] for b in bars], fontsize=8)
+  ax.set_ylim(0, max(b[3] for b in bars) * headroom)
 
 
 # -- output files ------------------------------------------------------------------

@@ -3,8 +3,9 @@
 What is measured, in one run and on one filesystem (a fresh directory under `--dir`, default
 /tmp, removed at the end even on failure):
 
-1. Raw sequential bandwidth of the disk, with nvme_throughput.py's code (direct I/O, 16 MiB
-   blocks, fio if installed; before and, with `--raw-passes 2`, again after the checkpoints).
+1. Raw sequential bandwidth of the disk, as nvme_throughput.py measures it (_disk.py: direct I/O,
+   16 MiB blocks, fio if installed; before and, with `--raw-passes 2`, again after the
+   checkpoints).
 2. The host tier: `offlax.offload(optax.adam(1e-3))` on `--params-m` million fp32 params (default
    128M: a 1.02 GB Adam state, in nvme_throughput.py's 40 leaves), after one step so the moments
    hold data zstd cannot squeeze away. Each round saves the state with an orbax
@@ -60,11 +61,10 @@ import numpy as np
 _REPO_ROOT = str(pathlib.Path(__file__).resolve().parent.parent)
 if _REPO_ROOT not in sys.path:
   sys.path.append(_REPO_ROOT)
-from benchmarks import _common  # noqa: E402
-from benchmarks import nvme_throughput as nvme  # noqa: E402
+from benchmarks import _common, _disk, _tier_child  # noqa: E402
 
-GB = nvme.GB
-MiB = nvme.MiB
+GB = _disk.GB
+MiB = _disk.MiB
 LEARNING_RATE = 1e-3
 # (key, label, raw-disk directions the operation's bytes take, goal: ratio to the raw disk)
 OPERATIONS = (
@@ -92,21 +92,21 @@ class Timings:
 
   def timed(self, fn: Callable[[], Any], record: bool) -> Any:
     """Runs `fn` with a fresh peak-RSS mark; records its time and RSS rise if `record`."""
-    before = nvme.proc_status_bytes("VmRSS") or 0
-    nvme.reset_peak_rss()
+    before = _common.proc_status_bytes("VmRSS") or 0
+    _common.reset_peak_rss()
     start = time.perf_counter()
     out = fn()
     elapsed = time.perf_counter() - start
     if record:
       self.times_s.append(elapsed)
-      self.peak_rss_rise_bytes.append(nvme.peak_rss() - before)
+      self.peak_rss_rise_bytes.append(_common.peak_rss() - before)
     return out
 
 
 def flush(path: pathlib.Path) -> None:
-  from offlax._src.nvme.direct_io import _syncfs
+  from offlax._src.nvme.direct_io import syncfs
 
-  _syncfs(os.fspath(path))
+  syncfs(os.fspath(path))
 
 
 def make_state(params_m: float) -> tuple[Any, Any, Any]:
@@ -116,12 +116,12 @@ def make_state(params_m: float) -> tuple[Any, Any, Any]:
 
   import offlax
 
-  shapes = nvme.param_shapes(params_m)
-  params = nvme.random_tree(shapes, seed=0, std=0.02)
-  grads = nvme.random_tree(shapes, seed=1, std=1e-3)
+  shapes = _tier_child.param_shapes(params_m)
+  params = _tier_child.random_tree(shapes, seed=0, std=0.02)
+  grads = _tier_child.random_tree(shapes, seed=1, std=1e-3)
   inner = optax.adam(LEARNING_RATE)
   tx = offlax.offload(inner)
-  params, state = nvme.make_step(tx)(params, tx.init(params), grads)
+  params, state = _tier_child.make_step(tx)(params, tx.init(params), grads)
   return inner, params, jax.block_until_ready(state)
 
 
@@ -137,7 +137,7 @@ def rounds(
   Each round has its own `CheckpointManager` (with `item_handlers=handlers`) in a new directory,
   removed after it: deleting the previous step through the manager would run beside the next
   save and be timed with it. Before each timed round the raw disk writes and reads
-  `--raw-gib` (4 direct-I/O streams, nvme_throughput.py's code) and each of `timings` records
+  `--raw-gib` (4 direct-I/O streams, `_disk.raw_python`) and each of `timings` records
   it: the virtual disk here drifts by 2x within a minute, so each round is compared with the
   disk as it was at that moment (the paired ratio), as well as with its best pass.
   """
@@ -160,8 +160,8 @@ def paired_raw(workdir: pathlib.Path, raw_gib: float) -> dict[str, float]:
   path = workdir / "paired_raw.bin"
   try:
     # At least a block per stream (a smoke run's --raw-gib is smaller).
-    nbytes = max(int(raw_gib * nvme.GiB), 4 * nvme.RAW_BLOCK_BYTES)
-    raw = nvme.raw_python(path, nbytes, streams=4)
+    nbytes = max(int(raw_gib * _disk.GiB), 4 * _disk.RAW_BLOCK_BYTES)
+    raw = _disk.raw_python(path, nbytes, streams=4)
   finally:
     path.unlink(missing_ok=True)
   return {k: raw[k] for k in ("write_bytes_per_s", "read_bytes_per_s")}
@@ -209,7 +209,7 @@ def host_rounds(
 
   def body(mngr: Any, round_dir: pathlib.Path, record: bool) -> None:
     blocking = save.timed(lambda: save_and_flush(mngr, item, round_dir), record)
-    nvme.drop_page_cache(round_dir)
+    _disk.drop_page_cache(round_dir)
     restored = restore.timed(lambda: jax.block_until_ready(load(mngr)), record)
     if not checked:
       check_restored(state, restored)
@@ -217,7 +217,7 @@ def host_rounds(
     del restored
     if record:
       save.blocking_s.append(blocking)
-      save.disk_bytes.append(nvme.tree_bytes(round_dir))
+      save.disk_bytes.append(_disk.tree_bytes(round_dir))
 
   handlers = offlax.checkpoint_handler() if mode == "fast" else None
   rounds(args, directory, body, (save, restore), handlers)
@@ -246,22 +246,22 @@ def nvme_rounds(
   import offlax
 
   state_bytes = sum(x.nbytes for x in jax.tree.leaves(state) if x.ndim)  # the moments
-  cache, chunk = nvme.auto_tier_bytes(state_bytes, None, None)
+  cache, chunk = _tier_child.auto_tier_bytes(state_bytes, None, None)
   store = workdir / "store"
   tier = offlax.NVMeTier(os.fspath(store), cache_bytes=cache, chunk_bytes=chunk, progress=False)
   save, restore = Timings(), Timings()
 
   def body(mngr: Any, round_dir: pathlib.Path, record: bool) -> None:
-    nvme.drop_page_cache(store)
+    _disk.drop_page_cache(store)
     item = ocp.args.Composite(opt=offlax.NVMeStoreSave(tier))
     save.timed(lambda: save_and_flush(mngr, item, round_dir), record)
-    nvme.drop_page_cache(round_dir)
+    _disk.drop_page_cache(round_dir)
     restored = os.fspath(round_dir / "restored")
     item = ocp.args.Composite(opt=offlax.NVMeStoreRestore(restored, progress=False))
     restore.timed(lambda: mngr.restore(0, args=item), record)
     if record:
-      save.disk_bytes.append(nvme.tree_bytes(round_dir / "ckpt"))
-      restore.disk_bytes.append(nvme.tree_bytes(pathlib.Path(restored)))
+      save.disk_bytes.append(_disk.tree_bytes(round_dir / "ckpt"))
+      restore.disk_bytes.append(_disk.tree_bytes(pathlib.Path(restored)))
 
   try:
     offlax.retier(state.inner_state, inner, params, tier)  # writes the store
@@ -360,7 +360,7 @@ def summary_table(result: dict[str, Any]) -> str:
 
 def plot(result: dict[str, Any], path: pathlib.Path) -> None:
   plt = _common.pyplot()
-  bars = nvme.raw_bars(result["raw"])
+  bars = _disk.raw_bars(result["raw"])
   colors = {"host": "tab:blue", "fast": "tab:green", "direct": "tab:purple", "nvme": "tab:orange"}
   for key, label, _, _ in OPERATIONS:
     op = result["operations"].get(key)
@@ -368,10 +368,9 @@ def plot(result: dict[str, Any], path: pathlib.Path) -> None:
       color = colors[key.split("_")[0]]
       text = label.replace(": ", "\n").replace(" save", "\nsave").replace(" restore", "\nrestore")
       text = text.replace("checkpoint_handler", "checkpoint_\nhandler")
-      bars.append(nvme.stats_bar(text, op["gb_per_s"],
-                                 op.get("ratio_vs_raw"), color))  # fmt: skip
+      bars.append(_disk.stats_bar(text, op["gb_per_s"], op.get("ratio_vs_raw"), color))
   fig, ax = plt.subplots(figsize=(14, 6), dpi=120)
-  nvme.draw_bars(ax, bars, headroom=1.25)
+  _common.draw_bars(ax, bars, headroom=1.25)
   ax.set_ylabel("GB/s of Adam state (1 GB = 1e9 bytes)")
   ax.set_xlabel("bar: median, whiskers: min to max; raw: sequential direct I/O, same filesystem")
   ax.set_title(
@@ -394,10 +393,10 @@ def plot(result: dict[str, Any], path: pathlib.Path) -> None:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  nvme.add_params_argument(parser, params_m=128.0)
+  _tier_child.add_params_argument(parser, params_m=128.0)
   _common.add_steps_arguments(parser, steps=3, warmup_help="untimed rounds first (1)")
   parser.set_defaults(warmup=1)
-  nvme.add_raw_arguments(parser, raw_gib=1.0)
+  _disk.add_raw_arguments(parser, raw_gib=1.0)
   _common.add_dir_argument(parser, "the raw file and the checkpoints")
   parser.add_argument("--no-nvme", action="store_true", help="skip the NVMe store checkpoints")
   parser.add_argument(
@@ -415,7 +414,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   _common.add_out_argument(parser, "checkpoint")
   args = parser.parse_args(argv)
   _common.check_steps_arguments(parser, args)
-  nvme.check_raw_arguments(parser, args)
+  _disk.check_raw_arguments(parser, args)
   if not args.params_m > 0:
     parser.error("--params-m must be > 0")
   return args
@@ -432,11 +431,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   args.dir.mkdir(parents=True, exist_ok=True)
   workdir = pathlib.Path(tempfile.mkdtemp(prefix="offlax-ckpt-bench-", dir=args.dir))
   try:
-    fs = nvme.filesystem_info(workdir)
-    passes = [nvme.raw_pass(workdir, args, "before")]
+    fs = _disk.filesystem_info(workdir)
+    passes = [_disk.raw_pass(workdir, args, "before")]
     inner, params, state = make_state(args.params_m)
     n_params = sum(x.size for x in jax.tree.leaves(params))
-    state_bytes = n_params * nvme.STATE_BYTES_PER_PARAM
+    state_bytes = n_params * _tier_child.STATE_BYTES_PER_PARAM
     print(
       f"state: {n_params:,} params, {state_bytes / GB:.2f} GB of Adam moments in host memory",
       flush=True,
@@ -448,11 +447,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       timings.update(nvme_rounds(inner, params, state, workdir, args))
     del state
     if args.raw_passes > 1:
-      passes.append(nvme.raw_pass(workdir, args, "after"))
+      passes.append(_disk.raw_pass(workdir, args, "after"))
   finally:
     shutil.rmtree(workdir, ignore_errors=True)
 
-  raw = nvme.combine_raw(passes)
+  raw = _disk.combine_raw(passes)
   raw_ok = None if raw.get("error") else raw
   directions = {key: (d, goal) for key, _, d, goal in OPERATIONS}
   result = {

@@ -49,28 +49,18 @@ def planned(params, mode: str, master: bool, chunk_bytes: int, fused: bool) -> i
   big enough for that mode (state off the device): its figure is then the one
   to compare with the compiled step's. None where the planner would not offload.
   """
-  import jax
   import optax
 
   import offlax
   from offlax._src import planner
 
   tx = offlax.master_weights(optax.adamw(1e-3)) if master else optax.adamw(1e-3)
-  param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
-  need = 2 * param_bytes + 1024  # params, gradients, scalars
-  if mode == "host" and not fused:  # updates of another dtype come back whole
-    need += planner._whole_updates(tx, params, 0, 0)
-  if mode == "streamed":
-    state_bytes = sum(
-      x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(tx.init, params))
-    )
-    n = sum(x.size for x in jax.tree.leaves(params))
-    need += planner._slices(params, state_bytes, n, chunk_bytes)
-    need += 0 if fused else planner._whole_updates(tx, params, state_bytes, chunk_bytes)
-  device = int(need / (1 - planner.DEVICE_RESERVE)) + 1
+  planned_mode = {"streamed": "host", "host": "host_compute"}[mode]
+  need = planner.mode_bytes(params, tx, planned_mode, chunk_bytes=chunk_bytes, fused=fused)
+  device = int((need + 1024) / (1 - planner.DEVICE_RESERVE)) + 1  # (1 KiB for rounding)
   p = offlax.plan(params, tx, device_bytes=device, host_bytes=2**50, chunk_bytes=chunk_bytes,
                   fused=fused)  # fmt: skip
-  if p.mode != {"streamed": "host", "host": "host_compute"}[mode]:
+  if p.mode != planned_mode:
     return None  # a model so small that its slices outweigh its state: no offload planned
   return p.bytes["device"]
 

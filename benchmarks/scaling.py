@@ -48,25 +48,26 @@ import numpy as np
 _REPO_ROOT = str(pathlib.Path(__file__).resolve().parent.parent)
 if _REPO_ROOT not in sys.path:
   sys.path.append(_REPO_ROOT)
-from benchmarks import _common  # noqa: E402
-from benchmarks import nvme_throughput as nvme  # noqa: E402
+from benchmarks import _common, _tier_child  # noqa: E402
 
 GOAL_SLOPE = 1.1  # log-log slope: <= 1.1 is linear growth (or better) within noise
 TIERS = {"host": "host tier (pinned_host)", "nvme": "NVMe tier (64 MiB cache)"}
 
 
 def measure(tier: str, params_m: float, args: argparse.Namespace, workdir: pathlib.Path) -> dict:
-  """One size of one tier in a fresh subprocess (nvme_throughput.py's child); its record."""
-  shapes = nvme.param_shapes(params_m)
+  """One size of one tier in a fresh subprocess (_tier_child.py's); its record."""
+  shapes = _tier_child.param_shapes(params_m)
   n_params = sum(math.prod(s) for s in shapes.values())
-  state_bytes = n_params * nvme.STATE_BYTES_PER_PARAM
-  cache, chunk = nvme.auto_tier_bytes(state_bytes, None, None)
+  state_bytes = n_params * _tier_child.STATE_BYTES_PER_PARAM
+  cache, chunk = _tier_child.auto_tier_bytes(state_bytes, None, None)
   child_args = argparse.Namespace(
     params_m=params_m, steps=args.steps, warmup=args.warmup, warm_cache=False, readahead=2,
     child_timeout=args.child_timeout,
   )  # fmt: skip
   mode = "tier" if tier == "nvme" else "host"
-  child = nvme.run_child(child_args, mode, True, workdir / f"{tier}_{params_m:g}", cache, chunk)
+  child = _tier_child.run_child(
+    child_args, mode, True, workdir / f"{tier}_{params_m:g}", cache, chunk
+  )
   record: dict[str, Any] = {"params_m": params_m, "params": n_params, "state_bytes": state_bytes}
   if "error" in child:
     print(f"{TIERS[tier]}, {params_m:g}M params FAILED:\n{child['error']}", flush=True)
@@ -201,7 +202,7 @@ def plot(result: dict[str, Any], path: pathlib.Path) -> None:
   all_x = [p["params"] for s in result["tiers"].values() for p in s["points"] if "error" not in p]
   if all_x:
     grid = np.geomspace(min(all_x), max(all_x), 50)
-    state = grid * nvme.STATE_BYTES_PER_PARAM / 2**20
+    state = grid * _tier_child.STATE_BYTES_PER_PARAM / 2**20
     ax_m.plot(grid / 1e6, state, ":", color="tab:gray", label="Adam state size (8 B/param)")
   ticker = plt.matplotlib.ticker
   for ax in (ax_t, ax_m):
@@ -276,7 +277,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     "steps": args.steps,
     "warmup": args.warmup,
     "goal_loglog_slope": GOAL_SLOPE,
-    "state_bytes_per_param": nvme.STATE_BYTES_PER_PARAM,
+    "state_bytes_per_param": _tier_child.STATE_BYTES_PER_PARAM,
     "tiers": tiers,
   }
   result["wall_s"] = time.perf_counter() - wall_start

@@ -1,21 +1,23 @@
-"""offlax: optimizer state off the accelerator, as an optax wrapper."""
+"""offlax: optimizer state off the accelerator, as an optax wrapper.
 
-from offlax._src import donation as _donation  # noqa: F401  (installs the donation fix)
+`import offlax` loads neither orbax nor tensorstore: the names of the
+checkpoint and NVMe code load their modules on first use (`__getattr__`), and
+the one patch of another library made at import is JAX's donation pairing
+(docs/patches.md; ``OFFLAX_NO_PATCHES=1`` turns it off).
+"""
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from offlax._src import donation as _donation
 from offlax._src.apply import apply_updates, update_and_apply
-from offlax._src.checkpoint import (
-  NVMeStoreRestore,
-  NVMeStoreSave,
-  abstract_state,
-  placed,
-  reshard,
-  retier,
-)
 from offlax._src.errors import (
   InvalidOptionError,
   InvalidTargetError,
   InvalidTierError,
   LeafTypeError,
   MemoryKindError,
+  NotAStoreError,
   OffloadError,
   PerformanceWarning,
   StaleStateError,
@@ -33,20 +35,68 @@ from offlax._src.flax_glue import nnx_update
 from offlax._src.gpu_compile import CompiledMemory, GpuTarget, compile_for_gpu
 from offlax._src.gpu_compile import available as gpu_compile_available
 from offlax._src.host_adam import adam, adamw
-from offlax._src.host_checkpoint import HostStateRestore, HostStateSave
 from offlax._src.host_params import fetch, to_host
 from offlax._src.host_tier import HostTier
-from offlax._src.inspector import LeafReport, StoreReport, inspect_store
 from offlax._src.layers import scan_layers
 from offlax._src.layout import OnDisk, ParamSpec
 from offlax._src.master import MasterWeightsState, master_weights
-from offlax._src.nvme.rollback import rollback
-from offlax._src.nvme.tier import NVMeTier
-from offlax._src.orbax_options import checkpoint_handler
+from offlax._src.nnx_params import offload_params, onload_params
 from offlax._src.planner import Plan, plan
 from offlax._src.telemetry import OffloadStats
 from offlax._src.tier import OffloadState, Tier, TierIO, stats
 from offlax._src.transform import offload
+
+_donation.install()
+
+# The names whose modules import orbax or tensorstore, by module: loaded on first use.
+_LAZY = {
+  "offlax._src.checkpoint": (
+    "NVMeStoreRestore",
+    "NVMeStoreSave",
+    "abstract_state",
+    "placed",
+    "reshard",
+    "retier",
+  ),
+  "offlax._src.host_checkpoint": ("HostStateRestore", "HostStateSave"),
+  "offlax._src.inspector": ("LeafReport", "StoreReport", "inspect_store"),
+  "offlax._src.nvme.rollback": ("rollback",),
+  "offlax._src.nvme.tier": ("NVMeTier",),
+  "offlax._src.orbax_options": ("checkpoint_handler",),
+}
+_LAZY_MODULE = {name: module for module, names in _LAZY.items() for name in names}
+
+if TYPE_CHECKING:  # what the lazy names are, for type checkers and the API docs
+  from offlax._src.checkpoint import (
+    NVMeStoreRestore,
+    NVMeStoreSave,
+    abstract_state,
+    placed,
+    reshard,
+    retier,
+  )
+  from offlax._src.host_checkpoint import HostStateRestore, HostStateSave
+  from offlax._src.inspector import LeafReport, StoreReport, inspect_store
+  from offlax._src.nvme.rollback import rollback
+  from offlax._src.nvme.tier import NVMeTier
+  from offlax._src.orbax_options import checkpoint_handler
+
+
+def __getattr__(name: str) -> Any:
+  module = _LAZY_MODULE.get(name)
+  if module is None:
+    raise AttributeError(f"module 'offlax' has no attribute {name!r}")
+  # The checkpoint module first, whichever name: it registers orbax's refusal of
+  # NVMe-tier state in a StandardSave, which must be in place once such state can exist.
+  importlib.import_module("offlax._src.checkpoint")
+  value = getattr(importlib.import_module(module), name)
+  globals()[name] = value
+  return value
+
+
+def __dir__() -> list[str]:
+  return sorted(set(globals()) | set(__all__))
+
 
 __version__ = "0.1.0"
 
@@ -66,6 +116,7 @@ __all__ = [
   "NVMeStoreRestore",
   "NVMeStoreSave",
   "NVMeTier",
+  "NotAStoreError",
   "OffloadError",
   "OffloadState",
   "OffloadStats",
@@ -98,6 +149,8 @@ __all__ = [
   "master_weights",
   "nnx_update",
   "offload",
+  "offload_params",
+  "onload_params",
   "placed",
   "plan",
   "reshard",

@@ -12,7 +12,12 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser = argparse.ArgumentParser(prog="python -m offlax", description="offlax tools")
   sub = parser.add_subparsers(dest="command", required=True)
   p = sub.add_parser("plan", help="where the optimizer state should live, and what it costs")
-  p.add_argument("--params", required=True, help="number of parameters, e.g. 7B, 350M, 13e9")
+  p.add_argument("--params", help="number of parameters, e.g. 7B, 350M, 13e9")
+  p.add_argument(
+    "--model", default=None,
+    help="a Tunix model config (qwen3_14b, llama3p1_8b, ...) or a JSON file of shapes "
+    "(layers, d, ffn, vocab, heads, kv_heads): its exact params and layers",
+  )  # fmt: skip
   p.add_argument("--device-mem", required=True, help="accelerator memory, e.g. 24GB")
   p.add_argument("--host-mem", required=True, help="host RAM for the state, e.g. 128GB")
   p.add_argument("--nvme", default="0", help="free disk for an NVMe store, e.g. 2TB (0)")
@@ -115,7 +120,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         ("chunk_bytes", args.chunk),
       )
     }
-    n = planner.parse_count(args.params)
+    model = None  # a Llama of these shapes: the working set counted, the step compiled
+    if args.model:
+      from offlax._src import llama
+
+      model = llama.from_config(args.model, tokens=args.tokens)
+      args.layers = model.layers
+      print(f"--model {args.model}: {model} ({model.n_params / 1e9:.2f}B params)")
+    elif args.params is None:
+      parser.error("plan needs --params or --model")
+    n = model.n_params if model is not None else planner.parse_count(args.params)
     dtype = jnp.dtype(args.param_dtype)
   except (ValueError, TypeError) as e:
     parser.error(str(e))
@@ -142,17 +156,47 @@ def main(argv: Sequence[str] | None = None) -> int:
     "adafactor": lambda: optax.adafactor(1e-3),
   }[args.optimizer]()
   tx = offlax.master_weights(inner) if args.master else inner
-  model = None  # with --layers, a Llama of these shapes: the working set counted, the step compiled
   if args.layers:
     from offlax._src import llama
 
-    model = llama.shaped(n, args.layers, tokens=args.tokens)
+    model = model or llama.shaped(n, args.layers, tokens=args.tokens)
     if args.activations is None:
       sizes["activation_bytes"] = model.device_bytes()
       print(f"working set on the device: {planner.format_bytes(sizes['activation_bytes'])} "
             f"(estimated for {model}: XLA's attention, remat)")  # fmt: skip
   result = offlax.plan(shapes, tx, **sizes, **rates, layers=args.layers, fused=args.fused)
-  print(result.table())
+  param_bytes = n * dtype.itemsize
+  if (
+    not result.fits
+    and not args.layers
+    and args.activations is None
+    and 2 * param_bytes > sizes["device_bytes"] * (1 - planner.DEVICE_RESERVE)
+  ):
+    # Params and gradients too big for the device: a usual decoder of this size can keep
+    # them in host memory, which the plan can only weigh knowing the layers.
+    from offlax._src import llama
+
+    layers = _usual_layers(n)
+    usual = llama.shaped(n, layers, tokens=args.tokens)
+    counted = {**sizes, "activation_bytes": usual.device_bytes()}
+    other = offlax.plan(shapes, tx, **counted, **rates, layers=layers, fused=True)
+    if other.fits:
+      print(
+        f"assuming a usual decoder of this size ({usual}; pass --layers L, or --model NAME "
+        "for a Tunix config or a JSON file of shapes, for exact figures):"
+      )
+      result, model, args.layers = other, usual, layers
+  inner_code = {
+    "adam": "optax.adam(1e-3)",
+    "adamw": "optax.adamw(1e-3)",
+    "sgd": "optax.sgd(1e-3, momentum=0.9)",
+    "adafactor": "optax.adafactor(1e-3)",
+  }[args.optimizer]
+  if args.master:
+    inner_code = f"offlax.master_weights({inner_code})"
+  print(result.table(inner=inner_code))
+  if result.fits and args.activations is None and not args.layers:
+    _with_layers(n, shapes, tx, sizes, rates, args)
   mode = {"device": "plain", "host": "streamed", "host_compute": "host"}.get(result.mode)
   if args.compile and result.mode == "params_host":
     return _compile_params_host(model, args.compile, result)
@@ -171,6 +215,29 @@ def main(argv: Sequence[str] | None = None) -> int:
       f"(plan {planned:.2f}), host {m.host_peak / n:.2f} B/param"
     )
   return 0 if result.fits else 1
+
+
+def _with_layers(n: int, shapes: Any, tx: Any, sizes: dict, rates: dict, args: Any) -> None:
+  """Prints the plan with the activations of a Llama of a usual layer count counted."""
+  import offlax
+  from offlax._src import llama, planner
+
+  layers = _usual_layers(n)
+  model = llama.shaped(n, layers, tokens=args.tokens)
+  counted = {**sizes, "activation_bytes": model.device_bytes()}
+  other = offlax.plan(shapes, tx, **counted, **rates, layers=layers, fused=args.fused)
+  fraction = f", fraction {other.fraction:.2f}" if other.mode == "host" else ""
+  verdict = "fits" if other.fits else "DOES NOT FIT"
+  print(
+    f"- with --layers {layers} (a Llama-shaped model, --tokens {args.tokens}): a working set of "
+    f"{planner.format_bytes(counted['activation_bytes'])}; mode {other.mode} ({verdict})"
+    f"{fraction}, device {planner.format_bytes(other.bytes['device'])}"
+  )
+
+
+def _usual_layers(n: int) -> int:
+  """A usual decoder's layer count for `n` params: 17 at 1B, 32 at 7B, 39 at 13B, 69 at 70B."""
+  return max(1, round(n ** (1 / 3) / 60))
 
 
 def _compile_params_host(m: Any, target: str, result: Any) -> int:

@@ -1,9 +1,15 @@
-"""The shape of `offlax._src`: an import graph without cycles, modules of a readable size."""
+"""The shape of `offlax._src`: an import graph without cycles, modules of a readable size,
+patches of other libraries only through `offlax._src.patches`, and an `import offlax` that
+loads neither orbax nor tensorstore."""
 
 from __future__ import annotations
 
 import ast
+import os
 import pathlib
+import re
+import subprocess
+import sys
 
 SRC = pathlib.Path(__file__).resolve().parent.parent / "offlax" / "_src"
 MAX_LINES = 600
@@ -115,3 +121,327 @@ def test_offload_knows_no_tier():
 def test_no_module_is_too_long():
   long = {m: n for m, p in _modules().items() if (n := len(p.read_text().splitlines())) > MAX_LINES}
   assert not long, f"modules over {MAX_LINES} lines: {long}"
+
+
+# Patches of other libraries (docs/patches.md): made only through `offlax._src.patches`.
+PATCH_MODULE = "offlax._src.patches"
+
+
+def _third_party_names(tree: ast.AST) -> set[str]:
+  """Names bound anywhere in `tree` by importing something that is not offlax's."""
+  names = set()
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      names |= {
+        (a.asname or a.name).split(".")[0] for a in node.names if not a.name.startswith("offlax")
+      }
+    elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+      if not node.module.startswith("offlax"):
+        names |= {a.asname or a.name for a in node.names}
+  return names
+
+
+def _root(node: ast.AST) -> str | None:
+  while isinstance(node, ast.Attribute | ast.Subscript):
+    node = node.value
+  return node.id if isinstance(node, ast.Name) else None
+
+
+def _patches_in(source: str) -> list[str]:
+  """Assignments to (and setattr/delattr on) attributes of imported modules and their members."""
+  tree = ast.parse(source)
+  imported = _third_party_names(tree)
+  found = []
+  for node in ast.walk(tree):
+    targets: list[ast.AST] = []
+    if isinstance(node, ast.Assign):
+      targets = node.targets
+    elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+      targets = [node.target]
+    elif isinstance(node, ast.Delete):
+      targets = node.targets
+    for t in targets:
+      for part in t.elts if isinstance(t, ast.Tuple | ast.List) else [t]:
+        if isinstance(part, ast.Attribute) and _root(part) in imported:
+          found.append(ast.unparse(part))
+    if (
+      isinstance(node, ast.Call)
+      and isinstance(node.func, ast.Name)
+      and node.func.id in {"setattr", "delattr"}
+      and node.args
+      and _root(node.args[0]) in imported
+    ):
+      found.append(ast.unparse(node))
+  return found
+
+
+def test_the_patch_finder_sees_patches():
+  src = (
+    "import jax\nfrom jax._src.interpreters import mlir\nfrom flax import nnx\n"
+    "def f(x):\n  from flax.nnx import spmd\n  spmd.get_named_sharding = x\n"
+    "mlir._set_up_aliases = f\njax.lax.with_sharding_constraint = f\n"
+    "setattr(nnx, 'get_named_sharding', f)\nnnx.Optimizer.update = f\n"
+    "y = jax.numpy.ones(3)\nobj.attr = 1\n"
+  )
+  assert sorted(_patches_in(src)) == [
+    "jax.lax.with_sharding_constraint",
+    "mlir._set_up_aliases",
+    "nnx.Optimizer.update",
+    "setattr(nnx, 'get_named_sharding', f)",
+    "spmd.get_named_sharding",
+  ]
+
+
+def test_only_the_patch_module_replaces_other_libraries_attributes():
+  """A replaced JAX, Flax or orbax attribute is a patch: declared, listed, made by `patches`."""
+  found = {
+    m: p
+    for m, path in _modules().items()
+    if m != PATCH_MODULE and (p := _patches_in(path.read_text()))
+  }
+  assert not found, f"attributes of other libraries assigned outside {PATCH_MODULE}: {found}"
+
+
+def test_patches_are_declared_in_the_listed_modules():
+  from offlax._src import patches
+
+  declaring = {
+    m for m, p in _modules().items() if m != PATCH_MODULE and "patches.register(" in p.read_text()
+  }
+  assert declaring == set(patches.MODULES), declaring
+
+
+def test_every_module_reading_private_jax_is_listed():
+  """docs/patches.md's table of `jax._src` readers is the code's."""
+  readers = set()
+  for m, path in _modules().items():
+    for node in ast.walk(ast.parse(path.read_text())):
+      names = (
+        [a.name for a in node.names] if isinstance(node, ast.Import)
+        else [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+      )  # fmt: skip
+      if any(n == "jax._src" or n.startswith("jax._src.") for n in names):
+        readers.add(m.removeprefix("offlax._src.").replace(".", "/") + ".py")
+  page = (SRC.parent.parent / "docs" / "patches.md").read_text()
+  section = page.split("## Private JAX names offlax reads", 1)[1].split("\n## ", 1)[0]
+  listed = set(re.findall(r"^\| `([\w/]+\.py)` \|", section, re.MULTILINE))
+  assert readers == listed, f"read jax._src: {sorted(readers)}; listed: {sorted(listed)}"
+
+
+def test_import_offlax_loads_neither_orbax_nor_tensorstore():
+  """The checkpoint and NVMe names load their modules on first use; all of `__all__` resolves."""
+  code = (
+    "import sys, offlax\n"
+    "heavy = lambda: sorted({m.split('.')[0] for m in sys.modules} & {'orbax', 'tensorstore'})\n"
+    "print('AFTER_IMPORT', heavy())\n"
+    "assert set(offlax.__all__) <= set(dir(offlax)), set(offlax.__all__) - set(dir(offlax))\n"
+    "missing = [n for n in offlax.__all__ if getattr(offlax, n, None) is None]\n"
+    "print('MISSING', missing)\n"
+    "print('AFTER_USE', heavy())\n"
+  )
+  env = {**os.environ, "PYTHONPATH": str(SRC.parent.parent)}
+  out = subprocess.run(
+    [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env
+  )
+  assert out.returncode == 0, out.stderr[-3000:]
+  lines = dict(line.split(" ", 1) for line in out.stdout.splitlines() if " " in line)
+  assert lines["AFTER_IMPORT"] == "[]", lines["AFTER_IMPORT"]
+  assert lines["MISSING"] == "[]", lines["MISSING"]
+  assert lines["AFTER_USE"] == "['orbax', 'tensorstore']"  # (the test sees them load)
+
+
+def _attribute_stores(tree: ast.AST) -> list[str]:
+  """`f.name = ...` for a function `f` of the module: a protocol hidden on a closure."""
+  functions = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+  return [
+    ast.unparse(t)
+    for n in ast.walk(tree)
+    if isinstance(n, ast.Assign)
+    for t in n.targets
+    if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id in functions
+  ]
+
+
+def test_protocols_are_types_not_closure_attributes():
+  """The fused step and a state's tier are explicit (issue 35.1).
+
+  `update_and_apply` is an attribute of `apply.FusedTransformation`, read by
+  `apply.fused_update_and_apply`; the tier is static data of `OffloadState`;
+  no thread-local changes what `init` does.
+  """
+  for module in ("transform", "apply", "host_adam", "master", "checkpoint"):
+    tree = ast.parse((SRC / f"{module}.py").read_text())
+    assert not _attribute_stores(tree), (module, _attribute_stores(tree))
+    assert "threading" not in (SRC / f"{module}.py").read_text(), module
+  apply_text = (SRC / "apply.py").read_text()
+  assert "class FusedTransformation(optax.GradientTransformationExtraArgs)" in apply_text
+  assert "def fused_update_and_apply(tx" in apply_text
+  assert _attribute_stores(ast.parse("def f(): pass\nf.x = 1")) == ["f.x"]  # the check sees one
+
+
+def test_tier_io_states_its_capabilities():
+  """The stream's strategy follows `TierIO.writes_in_place` and `prefetch_depth` (issue 35.2)."""
+  from offlax._src import tier
+
+  fields = tier.TierIO.__annotations__
+  assert {"prefetch_depth", "writes_in_place", "offloaded"} <= set(fields)
+  assert "loops" not in fields
+  for module in ("streaming.py", "transform.py"):
+    text = (SRC / module).read_text()
+    assert ".loops" not in text, module
+    assert "HostIO" not in text and "DiskIO" not in text, module
+
+
+# Code traced inside the caller's `jit` on every step (issue 35.4).
+TRACE_TIME = ["streaming.py", "transform.py", "tier.py", "memory.py", "apply.py", "nvme/step_io.py"]
+MAX_TRACE_LINES = 120
+
+
+def test_trace_time_code_is_small_functions():
+  """No function or class of the traced step is over ~120 lines (`HostIO` included)."""
+  long = {}
+  for name in TRACE_TIME + ["host_tier.py"]:
+    for node in ast.walk(ast.parse((SRC / name).read_text())):
+      if name == "host_tier.py" and getattr(node, "name", None) != "HostIO":
+        continue
+      if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+        size = node.end_lineno - node.lineno + 1  # type: ignore[operator]
+        if size > MAX_TRACE_LINES:
+          long[f"{name}:{node.name}"] = size
+  assert not long, long
+
+
+def test_memory_kinds_have_one_definition():
+  """`on_host`, `to_device`, `to_host`, `as_device_value`: defined in `memory.py` only."""
+  names = {"on_host", "to_device", "to_host", "as_device_value", "_to_device", "_to_host"}
+  found = {
+    f"{module}.{node.name}"
+    for module, path in _modules().items()
+    for node in ast.parse(path.read_text()).body
+    if isinstance(node, ast.FunctionDef) and node.name in names
+  }
+  # (host_params.to_host is the public `offlax.to_host` of a tree, not a memory move.)
+  assert found == {
+    "offlax._src.memory.on_host",
+    "offlax._src.memory.to_device",
+    "offlax._src.memory.to_host",
+    "offlax._src.memory.as_device_value",
+    "offlax._src.host_params.to_host",
+  }, found
+
+
+def test_trace_time_comments_say_why_not_what_was_measured():
+  """Measurements belong in the docs (docs/gpu_memory.md), not in comments of the traced step."""
+  import re
+
+  measured = re.compile(r"\d[\d.]*\s*(GB|MB|GiB|MiB|B/param)|[Mm]easured")
+  hits = [
+    f"{name}:{i}: {line.strip()}"
+    for name in TRACE_TIME
+    for i, line in enumerate((SRC / name).read_text().splitlines(), 1)
+    if measured.search(line)
+  ]
+  assert not hits, hits
+
+
+# Underscore names stay in their module (issue 35.3): `offlax._src` is private already, so a
+# name another module uses drops the underscore. Tests may reach into privates; nothing else.
+ROOT = SRC.parent.parent
+OUTSIDE_TESTS = ["offlax", "benchmarks", "examples"]
+
+
+def _is_private(name: str) -> bool:
+  return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _private_uses(source: str, modules: set[str], package: str = "") -> list[str]:
+  """`from offlax... import _x`, and `m._x` where `m` is an offlax module `source` imports.
+
+  `modules` are offlax's module names; `package` the one `source` is in, for
+  relative imports. A `_x` of a module object reached through attributes
+  (`offlax._src.planner._x`) counts; one of a class or other object does not.
+  """
+  tree = ast.parse(source)
+  bound: dict[str, str] = {}  # local name -> offlax module
+  found = []
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      for a in node.names:
+        if a.name.split(".")[0] == "offlax":
+          bound[a.asname or "offlax"] = a.name if a.asname else "offlax"
+    elif isinstance(node, ast.ImportFrom):
+      module = node.module or ""
+      if node.level:
+        base = package.split(".")[: len(package.split(".")) - node.level + 1]
+        module = ".".join(base + ([module] if module else []))
+      if module.split(".")[0] != "offlax":
+        continue
+      for a in node.names:
+        if f"{module}.{a.name}" in modules:
+          bound[a.asname or a.name] = f"{module}.{a.name}"
+        elif _is_private(a.name):
+          found.append(f"from {module} import {a.name}")
+
+  def module_of(node: ast.AST) -> str | None:
+    if isinstance(node, ast.Name):
+      return bound.get(node.id)
+    if isinstance(node, ast.Attribute) and (base := module_of(node.value)):
+      return full if (full := f"{base}.{node.attr}") in modules else None
+    return None
+
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Attribute) and _is_private(node.attr):
+      base = module_of(node.value)
+      if base and f"{base}.{node.attr}" not in modules:
+        found.append(f"{base}.{node.attr}")
+  return found
+
+
+def _offlax_modules() -> set[str]:
+  return {
+    ".".join(p.with_suffix("").parts[:-1] if p.stem == "__init__" else p.with_suffix("").parts)
+    for p in (path.relative_to(ROOT) for path in (ROOT / "offlax").rglob("*.py"))
+  }
+
+
+def test_the_private_name_finder_sees_private_names():
+  src = (
+    "import offlax\nimport jax\nimport offlax._src.nvme.store as store\n"
+    "from offlax._src import planner, layout as L\n"
+    "from offlax._src.nvme.format import _METADATA, MESH\n"
+    "def f(x):\n  from offlax._src.transform import _spec_of\n"
+    "  return planner._slices(x) + store._progress + L.ParamSpec.of(x)._cache\n"
+    "offlax._src.planner._whole_updates\nx._y\njax._src.core\nplanner.__name__\n"
+    "from offlax._src import _not_a_module\n"
+  )
+  assert sorted(_private_uses(src, _offlax_modules())) == [
+    "from offlax._src import _not_a_module",
+    "from offlax._src.nvme.format import _METADATA",
+    "from offlax._src.transform import _spec_of",
+    "offlax._src.nvme.store._progress",
+    "offlax._src.planner._slices",
+    "offlax._src.planner._whole_updates",
+  ]
+  relative = "from .format import _METADATA\nfrom . import store\nstore._progress\n"
+  assert _private_uses(relative, _offlax_modules(), "offlax._src.nvme") == [
+    "from offlax._src.nvme.format import _METADATA",
+    "offlax._src.nvme.store._progress",
+  ]
+
+
+def test_no_private_name_is_used_across_modules():
+  """offlax, its benchmarks, examples and docs' code use no offlax `_name` of another module."""
+  from test_docs import PAGES, parse
+
+  modules = _offlax_modules()
+  found = {}
+  for top in OUTSIDE_TESTS:
+    for path in sorted((ROOT / top).rglob("*.py")):
+      package = ".".join(path.relative_to(ROOT).parent.parts)
+      if uses := _private_uses(path.read_text(), modules, package):
+        found[str(path.relative_to(ROOT))] = uses
+  for page in PAGES:
+    code = "\n".join(b.code for b in parse(page.read_text()).blocks if b.lang == "python")
+    if uses := _private_uses(code, modules):
+      found[str(page.relative_to(ROOT))] = uses
+  assert not found, found

@@ -163,7 +163,7 @@ def test_read_only_directory_without_root(tmp_path):
 
 def _enospc_after(monkeypatch, n):
   """Makes every chunk write after the first `n` fail as on a full disk."""
-  write, calls = nvme_store._pwrite_all, []
+  write, calls = nvme_store.pwrite_all, []
 
   def full(fd, parts, offset):
     calls.append(fd)
@@ -171,7 +171,7 @@ def _enospc_after(monkeypatch, n):
       raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     return write(fd, parts, offset)
 
-  monkeypatch.setattr(nvme_store, "_pwrite_all", full)
+  monkeypatch.setattr(nvme_store, "pwrite_all", full)
 
 
 @pytest.mark.parametrize("where", ["chunk", "commit"])
@@ -191,7 +191,7 @@ def test_full_disk_keeps_the_last_commit(tmp_path, monkeypatch, where):
     def full(directory, meta, *, fsync):
       raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(nvme_store, "_write_metadata", full)
+    monkeypatch.setattr(nvme_store, "write_metadata", full)
     match = r"cannot commit step 2 to .*offlax.json.*No space left"
   with pytest.raises(Exception, match=match):
     jax.block_until_ready(_steps(tx, state, 1, start=1))
@@ -321,10 +321,8 @@ FOREIGN = ["notes.txt", "gen0/README", "gen1/leaf_99999/zarr.json", "gen0/leaf_0
 
 
 def test_foreign_files_in_the_store_are_ignored_and_kept(tmp_path):
-  path = tmp_path / "store"
-  path.mkdir()
-  (path / "notes.txt").write_text("mine")  # a directory the user already had files in
-  tier = _tier(path)
+  path = tmp_path / "store"  # (a folder of the user's files and no store is refused:
+  tier = _tier(path)  # test_errors.py::test_an_nvme_tier_in_a_folder_of_other_files_...)
   tx = offlax.offload(optax.adam(1e-3), tier)
   state = tx.init(PARAMS)
   for name in FOREIGN:

@@ -110,7 +110,7 @@ def test_copy_file_is_exact_and_owner_only(tmp_path, monkeypatch, size):
     direct_copy.copy_file(str(src), str(dst))
   finally:
     os.umask(old)
-  if direct_io._supports_direct(str(tmp_path)):  # written by direct I/O, not by `sendfile`
+  if direct_io.supports_direct(str(tmp_path)):  # written by direct I/O, not by `sendfile`
     assert by_blocks == ([size] if size else [])  # an empty file: sendfile, nothing to send
   assert dst.stat().st_size == size
   assert _digest(dst) == _digest(src)
@@ -123,7 +123,7 @@ def test_copy_file_is_exact_and_owner_only(tmp_path, monkeypatch, size):
 def test_copy_file_without_direct_io(tmp_path, monkeypatch, refuse):
   """Without direct I/O (none on the platform, or refused by the filesystem): `sendfile`, exact."""
   if refuse == "platform":
-    monkeypatch.setattr(direct_io, "_O_DIRECT", 0)
+    monkeypatch.setattr(direct_io, "O_DIRECT", 0)
   else:
     refuse_direct_io(monkeypatch)
   src, dst = tmp_path / "src", tmp_path / "dst"
@@ -163,7 +163,7 @@ def test_copy_files_memory_is_bounded(tmp_path):
     assert _digest(dst) == _digest(src)
 
 
-def test_copy_store_shows_a_progress_bar_in_bytes(tmp_path, capsys):
+def test_copy_store_shows_a_progress_bar_in_bytes(tmp_path, capsys, bars_at_once):
   tier = offlax.NVMeTier(str(tmp_path / "store"), cache_bytes=0, chunk_bytes=4096, progress=False)
   tx = offlax.offload(optax.adam(1e-3), tier)
   params = {"w": jax.numpy.ones((64, 64))}

@@ -183,3 +183,115 @@ def test_donating_params_and_state(opts, dtype):
     assert all(x.is_deleted() for x in old if x.size)
   assert_trees_equal(p, want[0])
   assert_trees_equal(s, want[1])
+
+
+# -- the fused step and abstract_state through optax's wrappers ----------------------
+
+_MASK = {"w": True, "b": False, "v": True}
+_CLIP = optax.clip_by_global_norm(1.0)
+_WRAPPED = {
+  # offload outermost: its own fused step, whatever it wraps.
+  "offload(chain)": ("own", lambda o: o(optax.chain(_CLIP, optax.adam(1e-2)))),
+  "offload(masked)": ("own", lambda o: o(optax.masked(optax.adam(1e-2), _MASK))),
+  "offload(inject_hyperparams)": (
+    "own", lambda o: o(optax.inject_hyperparams(optax.adam)(learning_rate=1e-2))
+  ),
+  "offload(MultiSteps)": (
+    "own", lambda o: o(optax.MultiSteps(optax.adam(1e-2), 2).gradient_transformation())
+  ),
+  # A wrapper rebuilds the transformation from its (init, update) pair; an offload
+  # inside whose updates are the step's is asked to fuse through an extra argument.
+  "chain(offload)": ("wrapped", lambda o: optax.chain(_CLIP, o(optax.adam(1e-2)))),
+  "masked(offload)": ("wrapped", lambda o: optax.masked(o(optax.adam(1e-2)), _MASK)),
+  "inject_hyperparams(offload)": (
+    "wrapped",
+    lambda o: optax.inject_hyperparams(lambda learning_rate: o(optax.adam(learning_rate)))(
+      learning_rate=1e-2
+    ),
+  ),
+  "MultiSteps(offload)": ("own", lambda o: optax.MultiSteps(o(optax.adam(1e-2)), 2)),
+  # Updates read by a later transformation, or selected per micro-step: update, then apply.
+  "chain(offload, scale)": (None, lambda o: optax.chain(o(optax.adam(1e-2)), optax.scale(0.5))),
+  "MultiSteps(offload).gradient_transformation": (
+    None, lambda o: optax.MultiSteps(o(optax.adam(1e-2)), 2).gradient_transformation()
+  ),
+  "multi_transform(offload)": ("wrapped", lambda o: optax.multi_transform(
+    {"a": o(optax.adam(1e-2)), "b": optax.sgd(0.1)}, {"w": "a", "b": "b", "v": "a"}
+  )),
+  # A wrapper whose update takes no extra arguments (optax.lookahead's, a user's own).
+  "GradientTransformation(offload)": (None, lambda o: (lambda t: optax.GradientTransformation(
+    t.init, lambda u, s, p=None: t.update(u, s, p)
+  ))(o(optax.adam(1e-2)))),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(_WRAPPED))
+def test_wrappers_keep_the_fused_step_and_abstract_state(name, monkeypatch):
+  from offlax._src import wrapped_apply
+  from offlax._src.apply import fused_update_and_apply
+
+  how, make = _WRAPPED[name]
+  tier = offlax.HostTier(chunk_bytes=STREAM)
+  tx = make(lambda inner: offlax.offload(inner, tier))
+  assert (fused_update_and_apply(tx) is not None) == (how == "own")
+  asked = []  # what each offload inside a wrapper was asked: fuse or not, per call
+  serve = wrapped_apply.Request.serve
+  monkeypatch.setattr(
+    wrapped_apply.Request, "serve", lambda r, *a, **k: asked.append(r.fuse) or serve(r, *a, **k)
+  )
+  params = _params()
+  state = tx.init(params)
+
+  # The tier of every offload is in the state's structure: abstract_state finds it.
+  target = offlax.abstract_state(tx, params)
+  assert jax.tree.structure(target) == jax.tree.structure(state)
+  kinds = lambda t: [x.sharding.memory_kind for x in jax.tree.leaves(t)]
+  assert kinds(target) == kinds(state) and "pinned_host" in kinds(state)
+  is_state = lambda x: isinstance(x, offlax.OffloadState)
+  found = [x for x in jax.tree.leaves(target, is_leaf=is_state) if is_state(x)]
+  assert [x.tier for x in found] == [tier]
+
+  @jax.jit
+  def unfused(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  step = jax.jit(offlax.update_and_apply, static_argnums=0)
+  want = got = (params, state)
+  for i in range(3):
+    want = unfused(*want, grads_like(params, i))
+    got = step(tx, grads_like(params, i), got[1], got[0])
+  assert_trees_equal(got, want)
+  assert any(f is not None and all(f) for f in asked) == (how == "wrapped")
+
+
+def _keeping(inner, combine):
+  """A wrapper whose state is `combine(its state, the inner's updates)`."""
+
+  def init(params):
+    return inner.init(params), jax.tree.map(jnp.zeros_like, params)
+
+  def update(updates, state, params=None, **extra):
+    updates, inner_state = inner.update(updates, state[0], params, **extra)
+    return updates, (inner_state, jax.tree.map(combine, state[1], updates))
+
+  return optax.GradientTransformationExtraArgs(init, update)
+
+
+@pytest.mark.parametrize(
+  "combine", [lambda s, u: u, jnp.add], ids=["keeps-the-updates", "sums-the-updates"]
+)
+def test_a_wrapper_that_reads_the_updates_gets_them(combine):
+  """An offload whose updates a wrapper keeps or sums is not fused: the state stays exact."""
+  params = _params()
+  tx = _keeping(offlax.offload(optax.adam(1e-2), offlax.HostTier(chunk_bytes=STREAM)), combine)
+  want_tx = _keeping(optax.adam(1e-2), combine)
+  got, state = params, tx.init(params)
+  want, want_state = params, want_tx.init(params)
+  step = jax.jit(offlax.update_and_apply, static_argnums=0)
+  for i in range(3):
+    got, state = step(tx, grads_like(params, i), state, got)
+    updates, want_state = jax.jit(want_tx.update)(grads_like(params, i), want_state, want)
+    want = optax.apply_updates(want, updates)
+  assert_trees_equal(got, want)
+  assert_trees_equal(state[1], want_state[1])

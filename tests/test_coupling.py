@@ -9,6 +9,7 @@ from conftest import scale_by_highest_dtype
 import offlax
 from offlax._src import coupling, ffi, schedule
 from offlax._src.layout import ParamSpec
+from offlax._src.transform import _analyze as analyze_step
 from offlax._src.transform import _Step
 
 SHAPES = {"a": (8, 4), "b": (4,), "c": (3, 5)}
@@ -18,15 +19,14 @@ def _analyze(inner, params=None, **extra):
   params = params or {k: jnp.ones(s) for k, s in SHAPES.items()}
   from offlax._src.host_tier import HostTier
   from offlax._src.layout import StateLayout
-  from offlax._src.transform import _spec_of
 
   inner = optax.with_extra_args_support(inner)
   state = inner.init(params)
-  spec: ParamSpec = _spec_of(params, "params")
-  step = _Step(inner, HostTier(), params, state, params, extra)
+  spec = ParamSpec.of(params)
+  step = _Step.of(inner, HostTier(), params, state, params, extra)
   layout = StateLayout(state, spec)
   leaves = list(range(len(spec.shapes)))
-  return step._analyze(layout, layout.split(state), leaves, list(spec.shapes))
+  return analyze_step(step, layout, layout.split(state), leaves, list(spec.shapes))
 
 
 @pytest.mark.parametrize(

@@ -1,9 +1,11 @@
 """Every code block of README.md and docs/ runs, as written (the rules: docs/development.md).
 
-Each page's `python` blocks run in order in one namespace that starts with
-`import jax, jax.numpy as jnp, numpy as np, optax, offlax` (as a reader's session would),
-in a temporary working directory; `<!-- docs-test: setup ... -->` comments hold hidden code
-run at their place (small params, a temporary store path), `<!-- docs-test: skip REASON -->`
+Each page's `python` blocks run in order in one empty namespace, as they would pasted into a
+fresh Python (imports included), in a temporary working directory; blocks inside a collapsed
+`??? example` (an indented fence) run too, and hold a page's setup.
+`<!-- docs-test: setup ... -->` comments hold hidden code run at their place in a copy of the
+namespace: checks and skips, whose names the page's blocks never see (a name a reader's block
+uses must be defined on the page, where the reader sees it). `<!-- docs-test: skip REASON -->`
 before a block leaves it out, `<!-- docs-test: slow REASON -->` anywhere on a page moves
 its test to `-m slow`, and `<!-- docs-test: devices N -->` runs the page in a subprocess with
 N virtual CPU devices (a mesh's examples). `console` blocks are sessions: each
@@ -28,7 +30,6 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
-PRELUDE = "import jax, jax.numpy as jnp, numpy as np, optax, offlax\n"
 
 _FENCE = re.compile(r"^(\s*)(`{3,})\s*([\w-]*)")
 _MARK = re.compile(r"^\s*<!-- docs-test: (setup|skip|slow|devices)\b(.*)$")
@@ -40,6 +41,7 @@ class Block:
   code: str
   line: int  # of the first line of code in the page, for tracebacks
   skip: bool = False
+  hidden: bool = False  # a `docs-test: setup` comment
 
 
 @dataclasses.dataclass
@@ -58,7 +60,7 @@ def parse(text: str) -> Page:
     mark, fence = _MARK.match(lines[i]), _FENCE.match(lines[i])
     if mark and mark.group(1) == "setup":
       end = next(j for j in range(i + 1, len(lines)) if lines[j].strip() == "-->")
-      blocks.append(Block("python", "\n".join(lines[i + 1 : end]), i + 2))
+      blocks.append(Block("python", "\n".join(lines[i + 1 : end]), i + 2, hidden=True))
       i = end
     elif mark and mark.group(1) == "devices":
       page.devices = int(mark.group(2).split()[0])
@@ -115,16 +117,16 @@ def test_code_blocks_run(page, tmp_path, monkeypatch):
 
 def run_page(page: pathlib.Path) -> None:
   """Runs a page's blocks in order in one namespace, in the current directory."""
-  namespace: dict = {"__name__": "__docs__"}
-  exec(PRELUDE, namespace)
+  namespace: dict = {"__name__": "__docs__"}  # empty: each page imports what it uses
   for block in parse(page.read_text()).blocks:
-    where = f"{page.relative_to(ROOT)}:{block.line}"
+    where = f"{page.relative_to(ROOT) if page.is_relative_to(ROOT) else page}:{block.line}"
     if block.skip:
       continue
     if block.lang == "python":
       tree = ast.parse(block.code, filename=where)
       ast.increment_lineno(tree, block.line - 1)
-      exec(compile(tree, str(page), "exec"), namespace)
+      # a hidden block's names stay out of the page's namespace: a reader never sees them
+      exec(compile(tree, str(page), "exec"), dict(namespace) if block.hidden else namespace)
     elif block.lang == "console":
       run_console(block.code + "\n", where)
 
@@ -151,6 +153,28 @@ def test_parse_finds_setup_skip_slow_and_console():
     ("bash", "rm -rf /", False),
   ]
   assert [b.line for b in blocks[:2]] == [3, 6]
+
+
+def test_parse_runs_a_collapsed_setup_and_isolates_a_hidden_one(tmp_path):
+  """A `??? example` block's indented fence runs; a hidden setup's names do not leak."""
+  text = (
+    '??? example "Setup (run this first)"\n\n'
+    "    ```python\n    x = 1\n\n    if x:\n      y = 2\n    ```\n\n"
+    "<!-- docs-test: setup\nassert x == 1\nz = 3\n-->\n"
+    "```python\nw = x + y\n```\n"
+  )
+  blocks = parse(text).blocks
+  assert [(b.code, b.hidden) for b in blocks] == [
+    ("x = 1\n\nif x:\n  y = 2", False),
+    ("assert x == 1\nz = 3", True),
+    ("w = x + y", False),
+  ]
+  page = tmp_path / "page.md"
+  page.write_text(text)
+  run_page(page)  # the collapsed block defines x and y; the hidden one sees x
+  page.write_text(text + "```python\nprint(z)\n```\n")
+  with pytest.raises(NameError, match="'z'"):
+    run_page(page)  # a name only a hidden setup defines is not on the page
 
 
 def test_a_console_session_must_match():

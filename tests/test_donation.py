@@ -3,7 +3,8 @@
 JAX 0.10 pairs donated buffers with outputs by shape and dtype alone when a
 jit has no `out_shardings`, and hands a `pinned_host` state buffer to a device
 output: the process aborts (one device) or the step fails (a mesh). offlax
-makes the pairing memory-kind aware (`offlax._src.donation`); the patterns run
+makes the pairing memory-kind aware (`offlax._src.donation`, a process-wide
+patch listed in docs/patches.md); the patterns run
 in a subprocess (`donation_run.py`), where a regression is a failed test, not
 a crashed session.
 """
@@ -28,8 +29,8 @@ PATTERNS = (
 )
 
 
-def _run(code: str) -> subprocess.CompletedProcess:
-  env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE])}
+def _run(code: str, **env_vars: str) -> subprocess.CompletedProcess:
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE]), **env_vars}
   return subprocess.run(
     [sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env
   )
@@ -52,11 +53,14 @@ def _results(where: str) -> dict:
 
 
 def test_installed_for_this_jax():
-  assert donation.INSTALLED
-  assert donation.install()  # idempotent: wraps once
   from jax._src.interpreters import mlir
 
-  assert not getattr(mlir._set_up_aliases.__wrapped__, "offlax_memory_kind_aware", False)
+  from offlax._src import patches
+
+  assert patches.installed(donation.PATCH), "import offlax did not install the donation fix"
+  assert donation.install()  # idempotent: wraps once
+  assert mlir._set_up_aliases.__offlax_patch__ == donation.PATCH.name
+  assert not hasattr(mlir._set_up_aliases.__wrapped__, "__offlax_patch__")
 
 
 @pytest.mark.parametrize("where", ["one_device", "mesh"])
@@ -69,31 +73,44 @@ def test_donated_step_is_exact_and_in_place(pattern, mode, where):
   assert r["reused"], "a donated state buffer was not reused in place"
 
 
-def test_programs_in_one_memory_kind_are_untouched():
-  """Without host memory the wrapper hands JAX's own arguments through."""
+def test_only_pairings_across_memory_kinds_change():
+  """The wrapper hands JAX's own answer through unless JAX paired across memory kinds."""
   import jax
   import jax.numpy as jnp
   from jax._src import core
   from jax._src.interpreters import mlir
 
+  patched, jaxs = mlir._set_up_aliases, mlir._set_up_aliases.__wrapped__
   a = core.ShapedArray((4, 3), jnp.float32)
   b = core.ShapedArray((3,), jnp.float32)
-  args = ([None, None], [a, b], [b, a], [True, True], None, None, None, None, None)
-  assert mlir._set_up_aliases(*args) == mlir._set_up_aliases.__wrapped__(*args)
   host = core.ShapedArray((4, 3), jnp.float32, memory_space=jax.memory.Space.Host)
+  tail = (None, None, None, None, None)
+  # One memory kind.
+  args = ([None, None], [a, b], [b, a], [True, True], *tail)
+  assert patched(*args) == jaxs(*args) == ([1, 0], [False, False], None)
+  # Host memory, paired within its kind by JAX already: JAX's answer, warning flags and all.
+  args = ([None, None], [host, a], [host, a], [True, True], *tail)
+  assert patched(*args) == jaxs(*args) == ([0, 1], [False, False], None)
   # A host buffer and a device output of its shape: JAX pairs them, the wrapper does not.
-  args = ([None], [host], [a], [True], None, None, None, None, None)
-  assert mlir._set_up_aliases.__wrapped__(*args)[0] == [0]
-  assert mlir._set_up_aliases(*args)[0] == [None]
+  args = ([None], [host], [a], [True], *tail)
+  assert jaxs(*args)[0] == [0]
+  assert patched(*args)[0] == [None]
+  # Kinds JAX knows (out_shardings given): JAX's answer.
+  args = ([None], [host], [a], [True], ["pinned_host"], ["device"], None, None, None)
+  assert patched(*args) == jaxs(*args)
 
 
 def test_jax_still_needs_the_fix():
-  """Without the wrapper the Tunix pattern aborts; if this fails, JAX fixed it: drop the fix."""
+  """Canary: with OFFLAX_NO_PATCHES=1 the Tunix pattern aborts. Red: JAX fixed it, drop the fix.
+
+  When this fails, remove `offlax._src.donation` and its entry in docs/patches.md.
+  """
   out = _run(
     "import donation_run as d\n"
     "from jax._src.interpreters import mlir\n"
-    "mlir._set_up_aliases = mlir._set_up_aliases.__wrapped__\n"
-    "d.run_pattern('state_alone', 'device', None)\n"
+    "assert not hasattr(mlir._set_up_aliases, '__offlax_patch__')\n"
+    "d.run_pattern('state_alone', 'device', None)\n",
+    OFFLAX_NO_PATCHES="1",
   )
-  assert out.returncode != 0
-  assert "memory kind does not match" in out.stderr
+  assert out.returncode != 0, "the donation pattern ran without offlax's fix: JAX fixed it"
+  assert "memory kind does not match" in out.stderr, out.stderr[-3000:]

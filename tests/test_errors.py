@@ -150,3 +150,52 @@ def test_nan_gradients_propagate_like_optax():
     got, state = jax.jit(tx.update)(grads, tx.init(params), params)
     np.testing.assert_array_equal(np.asarray(got["w"]), np.asarray(want["w"]))
   assert int(optax.tree_utils.tree_get(state, "notfinite_count")) == 1
+
+
+def test_an_unknown_offload_option_names_offload_it_and_the_options():
+  with pytest.raises(offlax.InvalidOptionError, match=r"offload.*\['chunk_size'\].*chunk_bytes"):
+    offlax.offload(optax.adamw(1e-3), chunk_size=1024)
+  with pytest.raises(TypeError):  # what Python raises for an unknown keyword
+    offlax.offload(optax.adamw(1e-3), chunk_size=1024)
+  offlax.offload(optax.adamw(1e-3), chunk_bytes=1024)  # a HostTier option: accepted
+
+
+def test_an_nvme_tier_in_a_folder_of_other_files_is_refused_and_writes_nothing(tmp_path):
+  (tmp_path / "notes.txt").write_text("mine")
+  params = {"w": jnp.ones(4)}
+  tx = offlax.offload(optax.adam(1e-3), offlax.NVMeTier(str(tmp_path), progress=False))
+  with pytest.raises(offlax.NotAStoreError, match=r"1 other file.*notes\.txt.*offlax-state"):
+    tx.init(params)
+  assert issubclass(offlax.NotAStoreError, offlax.StoreError)
+  assert issubclass(offlax.NotAStoreError, FileExistsError)
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+  # An empty folder, and one holding a store, are a store's.
+  empty = tmp_path / "state"
+  empty.mkdir()
+  tier = offlax.NVMeTier(str(empty), progress=False, fsync=False)
+  offlax.offload(optax.adam(1e-3), tier).init(params)
+  tier.close()
+  again = offlax.NVMeTier(str(empty), resume=True, progress=False, fsync=False)
+  offlax.offload(optax.adam(1e-3), again).init(params)
+  again.close()
+
+
+def test_nvme_progress_bars_show_only_for_work_long_enough_to_watch(tmp_path, capfd, monkeypatch):
+  from offlax._src.nvme import array_files
+
+  params = {"w": jnp.ones(1024)}  # a store of a few KB: done long before a bar would show
+
+  def run(path):
+    tier = offlax.NVMeTier(str(path), progress=True, fsync=False)
+    offlax.offload(optax.adam(1e-3), tier).init(params)
+    tier.close()
+    again = offlax.NVMeTier(str(path), resume=True, progress=True, fsync=False)
+    offlax.offload(optax.adam(1e-3), again).init(params)
+    again.close()
+    return capfd.readouterr().err
+
+  capfd.readouterr()
+  assert "offlax: " not in run(tmp_path / "quick")
+  monkeypatch.setattr(array_files, "BAR_DELAY_S", 0.0)  # as if it had run long enough
+  err = run(tmp_path / "slow")
+  assert "offlax: writing" in err and "offlax: resuming" in err

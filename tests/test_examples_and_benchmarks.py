@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 
+import numpy as np
 import pytest
 
 import offlax
@@ -83,7 +84,7 @@ def test_nvme_throughput_benchmark_runs(tmp_path):
   # The disk's own counters, where the store's filesystem has a block device
   # (not tmpfs or overlayfs), saw at least the step's reads: the page cache is
   # dropped before each step.
-  if nvme.device_bytes(pathlib.Path(tempfile.gettempdir())) is not None:
+  if nvme._disk.device_bytes(pathlib.Path(tempfile.gettempdir())) is not None:
     assert tier["device_bytes_per_step"]["read"] >= tier["bytes_read_per_step"]
   rows = _summary_rows("nvme_throughput", result)
   assert any("glibc.malloc.hugetlb=1" in row["measure"] for row in rows)
@@ -359,3 +360,14 @@ def test_lm_example_with_params_on_host(tmp_path, capsys):
   assert loss < float(out.split("loss ")[1].split()[0])
   example.main([*args, "--steps", "4", "--resume"])
   assert "starting at step 12" in capsys.readouterr().out
+
+
+def test_tunix_full_finetune_example(capsys):
+  pytest.importorskip("tunix")
+  example = _load("examples/tunix_full_finetune.py")
+  losses = example.main(["--steps", "2"])["losses"]
+  assert len(losses) == 2 and all(np.isfinite(losses))
+  assert "params in ['pinned_host']" in capsys.readouterr().out
+  if offlax.gpu_compile_available():
+    memory = example.main(["--compile", "rtx4090", "--layers", "1"])
+    assert memory["fits"]

@@ -121,7 +121,10 @@ def test_nnx_state_keeps_its_memory_kind_where_frameworks_place_it_by_specs():
   shardings = nnx.get_named_sharding(nnx.state(optimizer.opt_state), mesh)
   kinds = {s.memory_kind for s in jax.tree.leaves(shardings) if s.memory_kind}
   assert kinds == {"pinned_host", "device"}  # the moments, and the step count
-  # Tunix's _shard_optimizer: an eager constraint by partition spec.
+  # Tunix's _shard_optimizer: an eager constraint of the state by its partition specs.
+  state = nnx.state(optimizer.opt_state)
   with mesh:  # as Tunix enters its mesh
-    moved = jax.lax.with_sharding_constraint(mu[...], P())
-  assert moved.sharding.memory_kind == "pinned_host"
+    moved = jax.lax.with_sharding_constraint(state, nnx.get_partition_spec(state))
+    plain = jax.lax.with_sharding_constraint(mu[...], P())  # not in offlax's Variable: JAX's
+  assert {x.sharding.memory_kind for x in jax.tree.leaves(moved) if x.ndim} == {"pinned_host"}
+  assert plain.sharding.memory_kind == "device"

@@ -132,7 +132,7 @@ def test_fused_update_matches_optax_to_rounding():
   state = ref.init(p)
   for i in range(3):
     g = jax.tree.map(lambda x, i=i: jnp.sin(x * (i + 1)), p)
-    hyper = host_adam._Hyper(
+    hyper = host_adam.Hyper(
       0.9,
       0.999,
       1 - 0.9 ** jnp.float32(i + 1),

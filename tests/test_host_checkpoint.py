@@ -161,7 +161,7 @@ def test_array_files_round_trip(tmp_path, monkeypatch, direct, size):
   monkeypatch.setattr(array_files, "RANGE_BYTES", 65536)
   monkeypatch.setattr(array_files, "BLOCK_BYTES", 8192)
   if direct == "none":
-    monkeypatch.setattr(direct_io, "_O_DIRECT", 0)
+    monkeypatch.setattr(direct_io, "O_DIRECT", 0)
   elif direct == "refused":
     refuse_direct_io(monkeypatch)
   a = np.random.default_rng(size).integers(0, 256, size, np.uint8)
@@ -181,7 +181,7 @@ def test_array_files_round_trip(tmp_path, monkeypatch, direct, size):
     array_files.write_files(items[:1])
 
 
-def test_progress_bars_in_bytes(tmp_path, capsys):
+def test_progress_bars_in_bytes(tmp_path, capsys, bars_at_once):
   inner, params, tx, _ = _setup()
   state = tx.init(params)
   _save(tmp_path, 0, opt=offlax.HostStateSave(state))

@@ -17,9 +17,8 @@ from conftest import assert_trees_equal, grads_like, model_params
 
 import offlax
 from offlax._src import ffi
-from offlax._src.layout import StateLayout
+from offlax._src.layout import ParamSpec, StateLayout
 from offlax._src.nvme.store import Store
-from offlax._src.transform import _spec_of
 
 SMALL = dict(chunk_bytes=3000, cache_bytes=600, progress=False, fsync=False)
 
@@ -48,7 +47,7 @@ def _stored_state(path, like, params):
   store = Store(str(path), fsync=False)
   store.read_metadata()
   values = [store.result(store.read(r.index, 0, r.size)).reshape(r.shape) for r in store.records]
-  return StateLayout(like, _spec_of(params, "params")).merge(values), store.step
+  return StateLayout(like, ParamSpec.of(params)).merge(values), store.step
 
 
 OPTIMIZERS = {
@@ -265,7 +264,7 @@ def test_corrupted_metadata(tmp_path):
     offlax.offload(optax.adam(1e-3), _tier(tmp_path, resume=True)).init(params)
 
 
-def test_progress_bar(tmp_path, capsys):
+def test_progress_bar(tmp_path, capsys, bars_at_once):
   params = _float_params()
   tier = _tier(tmp_path / "a", progress=True)
   offlax.offload(optax.adam(1e-3), tier).init(params)
@@ -368,8 +367,8 @@ def test_direct_io(tmp_path, monkeypatch):
   from offlax._src.nvme import store as nvme_store
 
   direct = []
-  clear_direct = nvme_store._clear_direct
-  monkeypatch.setattr(nvme_store, "_clear_direct", lambda fd: direct.append(fd) or clear_direct(fd))
+  clear_direct = nvme_store.clear_direct
+  monkeypatch.setattr(nvme_store, "clear_direct", lambda fd: direct.append(fd) or clear_direct(fd))
   # Chunks of 8 KiB: "a" two whole ones; "b" a whole one and a short one of one
   # block (read directly, written directly with its block of padding); "c" a
   # short one of 1 KiB (page cache both ways).
@@ -434,3 +433,40 @@ def test_native_copy_checks_the_slice_buffer():
     with pytest.raises(Exception, match="does not fit in the slice buffer"):
       jax.block_until_ready(back(bad, offsets=offsets))
   np.testing.assert_array_equal(buffer[:2048], 0)  # nothing written out of place
+
+
+def test_state_copies_share_the_tier_and_pickles_keep_its_type(tmp_path):
+  """A state's tier is a live store: `copy.deepcopy` shares it; `pickle` keeps its type."""
+  import copy
+  import pickle
+
+  params = _float_params()
+  tier = _tier(tmp_path)
+  tx = offlax.offload(optax.adam(1e-3), tier)
+  state = tx.init(params)
+  copied = copy.deepcopy(state)
+  assert copied.tier is tier
+  assert jax.tree.structure(copied) == jax.tree.structure(state)
+  loaded = pickle.loads(pickle.dumps(state))
+  assert loaded.tier is None  # the live tier (files, locks, threads) is not pickled
+  assert jax.tree.structure(loaded) == jax.tree.structure(state)
+  tier.close()
+
+
+def test_fused_inside_a_chain_is_exact_and_commits_each_step(tmp_path):
+  """``chain(clip, offload(adam, nvme))`` by `update_and_apply`: the offload's fused step, once."""
+  params = _float_params()
+  tier = _tier(tmp_path)
+  clip = optax.clip_by_global_norm(1.0)
+  tx = optax.chain(clip, offlax.offload(optax.adam(1e-3), tier))
+  want, want_state = params, optax.chain(clip, optax.adam(1e-3)).init(params)
+  got, state = params, tx.init(params)
+  step = jax.jit(offlax.update_and_apply, static_argnums=0)
+  for i in range(3):
+    grads = grads_like(params, i)
+    updates, want_state = optax.chain(clip, optax.adam(1e-3)).update(grads, want_state, want)
+    want = optax.apply_updates(want, updates)
+    got, state = step(tx, grads, state, got)
+  assert_trees_equal(got, want)
+  assert int(state[1].step) == 3  # one commit a step: the probe trace wrote nothing
+  tier.close()

@@ -23,9 +23,8 @@ import numpy as np
 import optax
 from conftest import assert_trees_equal, long_profile
 
-from offlax._src.layout import StateLayout
+from offlax._src.layout import ParamSpec, StateLayout
 from offlax._src.nvme.store import Store
-from offlax._src.transform import _spec_of
 
 KEEP = 3  # the children's orbax max_to_keep
 SHAPES = {"emb": (512, 64), "w1": (64, 256), "b1": (256,), "w2": (256, 64), "scale": ()}
@@ -76,7 +75,7 @@ def _stored(path, like):
   store = Store(str(path), fsync=False)
   store.read_metadata()
   values = [store.result(store.read(r.index, 0, r.size)).reshape(r.shape) for r in store.records]
-  return StateLayout(like, _spec_of(_params(), "params")).merge(values), store.step
+  return StateLayout(like, ParamSpec.of(_params())).merge(values), store.step
 
 
 def run_trials(path, trials: int, seed: int, checkpoints=None) -> dict:

@@ -44,6 +44,7 @@ def test_modes_in_order():
   none = _plan(8 * MiB, 8 * MiB)
   assert (none.mode, none.fits) == ("none", False)
   assert any("shard them over 3+ devices" in a for a in none.advice)  # 5% kept free
+  assert none.code == "" and all(p.code for p in (host, compute, nvme))
   assert "DOES NOT FIT" in none.table()
 
 
@@ -118,7 +119,7 @@ def test_disk_bytes_per_step_match_the_nvme_tier(tmp_path):
   p = offlax.plan(shapes, optax.adam(1e-3), device_bytes=21 * MiB, host_bytes=14 * MiB,
                   nvme_bytes=1 << 30, chunk_bytes=MiB)  # fmt: skip
   assert p.mode == "nvme" and list(p.placement.values()).count("host") == 2
-  cache = int(p.advice[0].split("cache_bytes=")[1].rstrip(")"))
+  cache = int(p.code.split("cache_bytes=")[1].split(")")[0])
   tier = offlax.NVMeTier(str(tmp_path), cache_bytes=cache, chunk_bytes=MiB, progress=False,
                          fsync=False)  # fmt: skip
   tx = offlax.offload(optax.adam(1e-3), tier)
@@ -137,7 +138,7 @@ def test_cli_sizes_need_units_params_take_suffixes_and_no_fit_prints_no_costs(ca
     cli(["plan", "--params", "1e9", "--device-mem", "24", "--host-mem", "1GB"])
   assert "'24' has no unit: write e.g. 24GB" in capsys.readouterr().err
   assert parse_bytes("24") == 24 and parse_bytes("0", unit_required=True) == 0
-  assert cli(["plan", "--params", "7B", "--device-mem", "24GB", "--host-mem", "128GB"]) == 1
+  assert cli(["plan", "--params", "7B", "--device-mem", "24GB", "--host-mem", "16GB"]) == 1
   out = capsys.readouterr().out
   assert "7,000,000,000 params" in out and "DOES NOT FIT" in out
   assert "per step" not in out and "inf" not in out and "uses" not in out
@@ -178,3 +179,130 @@ def test_params_in_host_memory_when_params_and_gradients_do_not_fit():
   assert 4 * n < q.bytes["host"] <= 128 * 10**9 and q.bytes["nvme"] == 3 * 12 * n
   # Not enough RAM for params and gradients: nothing fits.
   assert not offlax.plan(shapes, tx, host_bytes=40 * 10**9, layers=40, **sizes).fits
+
+
+def test_every_no_fit_lists_offlaxs_own_ways_out_first(capsys):
+  """Params in host memory, the NVMe tier and chunk_bytes/fraction, each with its needs."""
+  gb = 10**9
+  cases = [
+    ["--params", "13e9", "--device-mem", "24GB", "--host-mem", "128GB", "--master", "--layers",
+     "40"],
+    ["--params", "13B", "--device-mem", "24GB", "--host-mem", "128GB", "--master"],
+    ["--params", "3e9", "--device-mem", "24GB", "--host-mem", "128GB", "--master"],
+    ["--params", "3e9", "--device-mem", "24GB", "--host-mem", "20GB", "--master", "--fused"],
+    ["--params", "1e9", "--device-mem", "4.3GB", "--host-mem", "1GB", "--nvme", "1TB"],
+  ]  # fmt: skip
+  for args in cases:
+    assert cli(["plan", *args]) == 1
+    out = capsys.readouterr().out
+    advice = [line[2:] for line in out.splitlines() if line.startswith("- ")]
+    assert "DOES NOT FIT" in out, out
+    assert advice[0].startswith("params in host memory"), advice
+    assert advice[1].startswith("the NVMe tier"), advice
+    assert "chunk_bytes" in advice[2] or "fraction" in advice[2], advice
+    beyond = [i for i, a in enumerate(advice) if "shard them" in a or "LoRA" in a]
+    assert all(i >= 3 for i in beyond), advice
+  # The 13B case: its needs, from its sizes (26 GB of bf16 params, 156 GB of state).
+  cli(["plan", *cases[0]])
+  out = capsys.readouterr().out
+  assert f"{(2 * 26 + 156) * gb / 1e9:.1f} GB (RAM short by 80.0 GB)" in out
+  assert f"disk {3 * 156:.1f} GB (disk short by {3 * 156:.1f} GB)" in out  # keep + 1 copies
+  # With that disk, the plan takes the way it named.
+  assert cli(["plan", *cases[0], "--nvme", "468GB"]) == 0
+  assert "mode: params_host_nvme (fits)" in capsys.readouterr().out
+
+
+def test_a_smaller_chunk_the_advice_names_fits():
+  # 64 MiB of fp32 params in 1 leaf, its 128 MiB of state on the NVMe tier (16 MiB of RAM):
+  # two 4 MiB slices in flight do not fit beside params and gradients, where 2 MiB ones do.
+  shapes = {"w": jax.ShapeDtypeStruct((2**24,), jnp.float32)}
+  kw = {"device_bytes": int((2 * 64 + 6) * MiB / 0.95), "host_bytes": 16 * MiB}
+  kw["nvme_bytes"] = 1 << 30
+  p = offlax.plan(shapes, optax.adam(1e-3), chunk_bytes=4 * MiB, **kw)
+  assert not p.fits
+  (line,) = [a for a in p.advice if a.startswith("a smaller chunk_bytes")]
+  chunk = int(line.split("chunk_bytes=")[1].split()[0])
+  assert chunk < 4 * MiB and offlax.plan(shapes, optax.adam(1e-3), chunk_bytes=chunk, **kw).fits
+
+
+def test_every_mode_has_code_that_builds_its_optimizer(tmp_path):
+  params = {k: jnp.ones(s.shape) for k, s in _shapes().items()}
+  plans = {
+    "device": _plan(64 * MiB, 64 * MiB),
+    "host": _plan(24 * MiB, 64 * MiB),
+    "host_compute": _plan(17 * MiB, 64 * MiB),
+    "nvme": _plan(24 * MiB, 8 * MiB, nvme=1 << 30),
+  }
+  for mode, p in plans.items():
+    assert p.mode == mode
+    scope = {"offlax": offlax, "optax": optax, "inner": optax.adam(1e-3), "path": str(tmp_path)}
+    exec(p.code.splitlines()[0], scope)  # the line that builds tx
+    tx = scope["tx"]
+    state = tx.init(params)
+    where = {x.sharding.memory_kind for x in jax.tree.leaves(state) if x.size > 1}
+    assert ("pinned_host" in where) == (mode in ("host", "host_compute")), (mode, where)
+    if mode == "nvme":
+      tx.tier.close()  # the tier holds its store open
+  assert 'compute="host"' in plans["host_compute"].code
+  assert f"fraction={plans['host'].fraction:.3f}" in plans["host"].code
+
+
+def test_master_weights_in_the_code_and_what_activations_would_change(capsys):
+  assert cli(["plan", "--params", "7B", "--device-mem", "80GB", "--host-mem", "256GB",
+              "--master"]) == 0  # fmt: skip
+  out = capsys.readouterr().out
+  assert "tx = offlax.offload(offlax.master_weights(optax.adamw(1e-3)), fraction=" in out
+  assert "activations are counted as 0" in out
+  used, has = (float(x) for x in out.split("device")[1].split()[:3:2])  # "76.0 GB 80.0 GB"
+  leaves = float(out.split("this plan leaves ")[1].split()[0])
+  unit = out.split("this plan leaves ")[1].split()[1]
+  assert abs(leaves * {"MB": 1e-3, "GB": 1}[unit] - (0.95 * has - used)) < 0.06
+  # The --layers line is the plan that --layers gives.
+  layers = int(out.split("with --layers ")[1].split()[0])
+  line = next(x for x in out.splitlines() if x.startswith("- with --layers"))
+  cli(["plan", "--params", "7B", "--device-mem", "80GB", "--host-mem", "256GB", "--master",
+       "--layers", str(layers)])  # fmt: skip
+  again = capsys.readouterr().out
+  assert line.split("mode ")[1].split(",")[0] in again  # "host (fits)"
+
+
+def test_params_in_host_memory_proposed_for_a_usual_decoder_or_a_named_model(capsys, tmp_path):
+  """The seed's 13B on 24 GB: params in host memory, the state on NVMe, not DOES NOT FIT."""
+  args = ["--device-mem", "24GB", "--host-mem", "128GB", "--nvme", "2TB", "--master"]
+  assert cli(["plan", "--params", "13e9", *args]) == 0
+  out = capsys.readouterr().out
+  assert "assuming a usual decoder of this size (Llama(layers=39" in out
+  assert "mode: params_host_nvme (fits)" in out and "offlax.offload_params(model)" in out
+  shapes = tmp_path / "qwen3_14b.json"
+  shapes.write_text('{"layers": 40, "d": 5120, "ffn": 17408, "vocab": 151936, "heads": 40, '
+                    '"kv_heads": 8}')  # fmt: skip
+  assert cli(["plan", "--model", str(shapes), *args]) == 0
+  out = capsys.readouterr().out
+  assert "14,768,296,960 params" in out and "mode: params_host_nvme (fits)" in out
+  assert "assuming" not in out
+  shapes.write_text('{"layers": 40}')
+  with pytest.raises(SystemExit):
+    cli(["plan", "--model", str(shapes), *args])
+  assert "the shapes lack ['d', 'ffn', 'heads', 'vocab']" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("master", [False, True])
+@pytest.mark.parametrize("fused", [False, True])
+def test_mode_bytes_is_what_the_plan_of_that_mode_counts(master, fused):
+  """`planner.mode_bytes` agrees with `plan` on a device just big enough for the mode."""
+  from offlax._src import planner
+
+  params = _shapes(dtype=jnp.bfloat16 if master else jnp.float32)
+  tx = offlax.master_weights(optax.adam(1e-3)) if master else optax.adam(1e-3)
+  kw = dict(chunk_bytes=MiB, fused=fused)
+  host = {"device": 2**40, "host": 2**40, "host_compute": 2**40, "nvme": MiB}
+  for mode in ("device", "host", "host_compute", "nvme"):
+    need = planner.mode_bytes(params, tx, mode, **kw)
+    device = int(need / (1 - planner.DEVICE_RESERVE)) + 64
+    sizes = dict(host_bytes=host[mode], nvme_bytes=2**40, **kw)
+    p = offlax.plan(params, tx, device_bytes=device, **sizes)
+    assert (p.mode, p.bytes["device"]) == (mode, need), (mode, p.bytes, p.placement)
+    # A device a slice smaller does not hold the mode.
+    assert offlax.plan(params, tx, device_bytes=device - 2 * MiB, **sizes).mode != mode
+  with pytest.raises(ValueError, match="params_host"):
+    planner.mode_bytes(params, tx, "params_host", **kw)

@@ -3,14 +3,17 @@
 `NumpyTier` keeps every array of the optimizer state in numpy buffers owned by
 Python, outside JAX; the state holds `offlax.OnDisk` placeholders for them.
 Each step reads a slice's pieces through an ordered `io_callback` and writes
-the new ones back in place. docs/adding_a_tier.md walks through it.
+the new ones back in place, and counts its steps. docs/adding_a_tier.md walks
+through it. The conformance tests below hold for every tier: the host tier in
+both compute modes, the NVMe tier and this one.
 """
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import assert_trees_equal, model_params
+from conftest import assert_trees_equal, grads_like, model_params
 from conftest import run_steps as run
 from jax.experimental import io_callback
 
@@ -37,10 +40,10 @@ class NumpyTier(offlax.Tier):
       self.buffers[index] = np.array(x)
       return offlax.OnDisk(index, tuple(x.shape), np.dtype(x.dtype).name)
 
-    return jax.tree.map(place, inner.init(params)), None  # no step of its own
+    return jax.tree.map(place, inner.init(params)), jnp.int32(0)  # the tier's step count
 
   def open_io(self, items, offloaded, step, *, mesh_plan=None, shard=None):
-    return NumpyIO(self, items, offloaded)
+    return NumpyIO(self, items, offloaded, step)
 
   def stats(self, state, *, sync=False):
     held = sum(b.nbytes for b in self.buffers.values())
@@ -59,10 +62,11 @@ class NumpyTier(offlax.Tier):
 class NumpyIO:
   """One step's moves: each piece read and written by an ordered callback."""
 
-  loops = False  # the items are placeholders: only this tier can read them
+  prefetch_depth = 1  # ordered callbacks: no read runs ahead
+  writes_in_place = False  # the items are placeholders: only this tier can read them
 
-  def __init__(self, tier, items, offloaded):
-    self.tier, self.items, self.offloaded = tier, items, offloaded
+  def __init__(self, tier, items, offloaded, step):
+    self.tier, self.items, self.offloaded, self.step = tier, items, offloaded, step
 
   def plan(self, keys):
     self.keys = keys
@@ -104,7 +108,7 @@ class NumpyIO:
     return [self.items[j] if x is None else x for j, x in enumerate(items)]
 
   def next_step(self):
-    return None
+    return self.step + 1
 
 
 # --8<-- [end:tier]
@@ -145,3 +149,92 @@ def test_the_third_tier_is_short():
 def test_an_object_without_the_protocol_is_refused():
   with pytest.raises(offlax.InvalidTierError, match="lacks .*open_io"):
     offlax.offload(optax.adam(1e-3), tier=object())
+
+
+# -- conformance: what every tier does behind the protocol ------------------------
+
+
+def _host(compute):
+  return lambda tmp_path, chunk: offlax.HostTier(chunk_bytes=chunk, compute=compute)
+
+
+def _nvme(tmp_path, chunk):
+  return offlax.NVMeTier(str(tmp_path / "store"), chunk_bytes=chunk, cache_bytes=0, progress=False)
+
+
+TIERS = {
+  "host": _host("device"),
+  "host_compute": _host("host"),
+  "nvme": _nvme,
+  "numpy": lambda tmp_path, chunk: NumpyTier(chunk),
+}
+
+
+@pytest.fixture(params=list(TIERS))
+def make_tier(request, tmp_path):
+  made = []
+
+  def make(chunk=1024):
+    made.append(TIERS[request.param](tmp_path, chunk))
+    return made[-1]
+
+  yield make
+  for tier in made:
+    tier.close()
+
+
+def _floats():
+  return {k: v for k, v in model_params().items() if k != "steps_seen"}
+
+
+def test_conformance_protocol_and_io(make_tier):
+  """The tier is an `offlax.Tier`, and its I/O states the capabilities the stream reads."""
+  tier = make_tier()
+  assert isinstance(tier, offlax.Tier)
+  tx = offlax.offload(optax.adam(1e-3), tier)
+  params = _floats()
+  state = tx.init(params)
+  assert state.tier is tier  # reachable from the state: static, not a leaf
+  items = jax.tree.leaves(state.inner_state, is_leaf=lambda x: isinstance(x, offlax.OnDisk))
+  io = tier.open_io(items, [True] * len(items), state.step)
+  assert isinstance(io, offlax.TierIO)
+  assert isinstance(io.prefetch_depth, int) and io.prefetch_depth >= 1
+  assert isinstance(io.writes_in_place, bool)
+  assert tier.compute == "device" or io.writes_in_place
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["update", "update_and_apply"])
+def test_conformance_bit_exact_in_many_slices_with_its_step(make_tier, fused):
+  """Leaves cut into pieces and a coupled update: optax's results, bit for bit; the step counts."""
+  params = _floats()
+  make = lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2))
+  tier = make_tier(chunk=512)
+
+  def train(tx):
+    @jax.jit
+    def step(params, state, grads):
+      if fused:
+        return offlax.update_and_apply(tx, grads, state, params)
+      updates, state = tx.update(grads, state, params)
+      return optax.apply_updates(params, updates), state
+
+    state = tx.init(params)
+    first, p = state.step if isinstance(state, offlax.OffloadState) else None, params
+    for i in range(3):
+      p, state = step(p, state, grads_like(params, i))
+    return p, state, first
+
+  want_params, want_state, _ = train(make())
+  got, state, first = train(offlax.offload(make(), tier))
+  assert_trees_equal(got, want_params)
+  if first is None:  # a tier that counts no steps
+    assert state.step is None
+  else:
+    assert int(state.step) == int(first) + 3
+  assert state.tier is tier
+  s = offlax.stats(state, tier)
+  assert isinstance(s, offlax.OffloadStats) and s.host_bytes + s.nvme_bytes > 0
+  # The state holds optax's values: in JAX arrays, or in the tier's own storage.
+  if tier.compute == "device" and isinstance(tier, offlax.HostTier):
+    want_mu = optax.tree_utils.tree_get(want_state, "mu")
+    assert_trees_equal(optax.tree_utils.tree_get(state, "mu"), want_mu)

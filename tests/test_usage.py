@@ -99,6 +99,9 @@ def test_abstract_state_of_a_chain_holding_offload_restores_with_orbax(tmp_path)
   _, state = jax.jit(tx.update)(_grads(params), state, params)
   target = offlax.abstract_state(tx, params)
   assert isinstance(target, tuple) and isinstance(target[1], offlax.OffloadState)
+  # Asked again: `jax.eval_shape` had reused its trace of the chain's init, which
+  # then recorded no offload, and the whole chain's state came back as one OffloadState.
+  assert jax.tree.structure(offlax.abstract_state(tx, params)) == jax.tree.structure(target)
   assert jax.tree.structure(target) == jax.tree.structure(state)
   assert [x.sharding.memory_kind for x in jax.tree.leaves(target)] == [
     x.sharding.memory_kind for x in jax.tree.leaves(state)
@@ -344,28 +347,67 @@ def test_ctrl_c_in_a_callback_surfaces_as_keyboard_interrupt_after_the_commit(
   tmp_path, monkeypatch
 ):
   import signal
-  import time
+  import threading
 
   from offlax._src.nvme import store as nvme_store
 
   tier, tx, train, params, state = _nvme_run(str(tmp_path), 1)
-  read, calls = nvme_store.Store.read, []
+  read, calls, threads = nvme_store.Store.read, [], set()
 
   def interrupted_read(self, *args, **kwargs):
     calls.append(1)
+    threads.add(threading.current_thread())
     if len(calls) == 1:  # Ctrl-C while the step reads its first slice
+      calls.append(signal.getsignal(signal.SIGINT))  # which handler holds it, if it fails
       signal.raise_signal(signal.SIGINT)
     return read(self, *args, **kwargs)
 
   monkeypatch.setattr(nvme_store.Store, "read", interrupted_read)
-  returned = None
-  with pytest.raises(KeyboardInterrupt):
+  returned, after, interrupted = None, [], []
+  try:
     returned = train(params, state, _grads(params, 1))
+    # Held back until the call returned: raised at the next line, no time later.
+    after.append(1)
     jax.block_until_ready(returned)
-    time.sleep(2)  # the interrupt comes a moment after the step
-  assert calls and tier.store.step == 2
+    jax.effects_barrier()
+  except KeyboardInterrupt:
+    interrupted.append(1)
+  assert interrupted and after == [], (calls, threads)  # raised at once, before the next line
+  assert threads == {threading.main_thread()}, threads  # the case this test is about
   # The step finished and returned its result: the store and it agree.
   assert returned is not None and int(returned[1].step) == 2
+  assert tier.store.step == 2
+  # A Ctrl-C in a callback of a step called in a loop: raised before the next step.
+  calls.clear()
+  params, state = returned
+  done = 0
+  try:
+    for i in range(3):
+      params, state = train(params, state, _grads(params, i))
+      done += 1
+  except KeyboardInterrupt:
+    interrupted.append(2)
+  assert interrupted == [1, 2] and done == 0, (calls, threads)
+  assert int(state.step) == 3 and tier.store.step == 3
+  # Beside a tracer (a debugger, coverage: sys.settrace is theirs), raised once the
+  # call has returned.
+  import sys
+  import time
+
+  calls.clear()
+  returned = None
+  sys.settrace(lambda frame, event, arg: None)
+  try:
+    returned = train(params, state, _grads(params, 3))
+    deadline = time.monotonic() + 60  # a bound for a hang, not a wait for the interrupt
+    while time.monotonic() < deadline:
+      time.sleep(0.01)
+  except KeyboardInterrupt:
+    interrupted.append(3)
+  finally:
+    sys.settrace(None)
+  assert interrupted == [1, 2, 3], (calls, threads)
+  assert returned is not None and int(returned[1].step) == 4 and tier.store.step == 4
   tier.close()
 
 

@@ -31,12 +31,11 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
-import qwix  # noqa: E402
+import tunix_inputs  # noqa: E402  (beside this file)
 from flax import nnx  # noqa: E402
 from tunix.models.llama3 import model as llama3  # noqa: E402
 from tunix.rl import reshard  # noqa: E402
 from tunix.sft import peft_trainer  # noqa: E402
-from tunix.sft import utils as sft_utils  # noqa: E402
 
 import offlax  # noqa: E402
 
@@ -57,27 +56,10 @@ STEPS = 4
 def make_model(lora, mesh):
   model = llama3.Llama3(CONFIG, rngs=nnx.Rngs(0))
   if lora:
-    provider = qwix.LoraProvider(module_path=".*q_proj|.*down_proj", rank=4, alpha=2.0)
-    model = qwix.apply_lora_to_model(model, provider, **model.get_model_input())
+    model = tunix_inputs.with_lora(model)
   if mesh is not None:
     model = reshard.reshard_model_to_mesh(model, mesh)
   return model
-
-
-def batches(n):
-  rng = np.random.default_rng(0)
-  for _ in range(n):
-    tokens = rng.integers(1, CONFIG.vocab_size, (4, 16)).astype(np.int32)
-    yield peft_trainer.TrainingInput(input_tokens=tokens, input_mask=np.ones((4, 16), bool))
-
-
-def model_input(x):
-  return {
-    "input_tokens": x.input_tokens,
-    "input_mask": x.input_mask,
-    "positions": sft_utils.build_positions_from_mask(x.input_mask),
-    "attention_mask": sft_utils.make_causal_attn_mask(x.input_mask),
-  }
 
 
 def kinds(trainer):
@@ -122,9 +104,10 @@ def train(tx, lora, mesh, steps, checkpoints=None, interval=1):
     checkpoint_root_directory=checkpoints,
     checkpointing_options=options,
   )
-  trainer = peft_trainer.PeftTrainer(model, tx, config).with_gen_model_input_fn(model_input)
+  trainer = peft_trainer.PeftTrainer(model, tx, config)
+  trainer.with_gen_model_input_fn(tunix_inputs.model_input)
   after_init = kinds(trainer)
-  trainer.train(batches(steps))
+  trainer.train(tunix_inputs.batches(steps, CONFIG.vocab_size))
   history = trainer.metrics_logger.get_metric_history("", "loss", "train")
   params = nnx.state(model, nnx.LoRAParam if lora else nnx.Param)
   return {

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -9,12 +10,67 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from offlax._src import errors, host_params
+from offlax._src import errors, memory, multi_steps, wrapped_apply
 from offlax._src.compat import compute_on
+from offlax._src.tier import OffloadState
 
 # Rows of a host leaf that `apply_updates` adds in one host computation: a
 # bound on host temporaries, large enough that a loop step is not overhead.
 APPLY_CHUNK_BYTES = 64 * 2**20
+
+
+class FusedTransformation(optax.GradientTransformationExtraArgs):
+  """An optax transformation that can also run its update fused with `apply_updates`.
+
+  It is an `optax.GradientTransformationExtraArgs` (``init``, ``update``) with
+  one more attribute, ``update_and_apply(grads, state, params, **extra_args)
+  -> (new_params, new_state)``, whose result is that of
+  ``optax.apply_updates(params, update(grads, state, params)[0])``.
+  `offlax.offload`, `offlax.adam`, `offlax.adamw` and `offlax.master_weights`
+  return one; `fused_update_and_apply` reads it.
+
+  ``update_and_apply`` is an attribute, not a third tuple field: optax's
+  combinators unpack transformations as ``(init, update)`` pairs
+  (``optax.chain`` zips them). A transformation rebuilt from the pair (by a
+  wrapper, or by ``_replace``) is a plain one: its step is update, then apply.
+  """
+
+  update_and_apply: Callable[..., tuple[Any, Any]] | None = None
+
+  def __new__(cls, init, update, update_and_apply=None):
+    self = super().__new__(cls, init, update)
+    self.update_and_apply = update_and_apply
+    return self
+
+
+def fused_update_and_apply(tx: Any) -> Callable[..., tuple[Any, Any]] | None:
+  """The fused step of `tx` (its update and `apply_updates` in one), or None if it has none.
+
+  Args:
+    tx: a transformation.
+
+  Returns:
+    ``update_and_apply(grads, state, params, **extra_args) -> (new_params,
+    new_state)`` for a `FusedTransformation` (`offlax.offload`, `offlax.adam`,
+    `offlax.adamw`, `offlax.master_weights`), else None: a wrapper around one
+    (``optax.chain(clip, offload(...))``) runs its update, then `apply_updates`.
+
+  Example:
+    >>> import optax, offlax
+    >>> from offlax._src.apply import fused_update_and_apply
+    >>> fused_update_and_apply(offlax.offload(optax.adam(1e-3))) is not None
+    True
+    >>> fused_update_and_apply(optax.adam(1e-3)) is None
+    True
+  """
+  if isinstance(tx, FusedTransformation):
+    return tx.update_and_apply
+  if isinstance(tx, optax.MultiSteps):  # gradient accumulation around a fused step
+    inner = fused_update_and_apply(tx.inner_opt)
+    if inner is None or not multi_steps.default_skip(tx):
+      return None  # optax's own update, then apply_updates (init refuses host params)
+    return multi_steps.fused(tx, inner)
+  return None
 
 
 def apply_updates(params: optax.Params, updates: optax.Updates) -> optax.Params:
@@ -58,9 +114,12 @@ def update_and_apply(
   old: no model-sized updates buffer exists on the device or the host, and
   `offlax.master_weights`' fp32 updates of bf16 params never leave the slice.
   This is the step for params and gradients in host memory
-  (`offlax.scan_layers`). Any other transformation (an optax chain around
-  `offload` included) runs its update, then `apply_updates`. The result is
-  that of ``optax.apply_updates(params, tx.update(grads, state, params)[0])``.
+  (`offlax.scan_layers`). Inside an optax wrapper (``optax.chain(clip,
+  offload(...))``, ``optax.masked``, ``optax.inject_hyperparams``) an
+  `offload` whose updates are the step's runs the same fused step; one whose
+  updates another transformation reads (``chain(offload(...), scale)``), and
+  any other transformation, runs its update, then `apply_updates`. The result
+  is that of ``optax.apply_updates(params, tx.update(grads, state, params)[0])``.
 
   Args:
     tx: the transformation.
@@ -82,13 +141,17 @@ def update_and_apply(
     >>> params["w"]
     Array([0.5, 0.5, 0.5], dtype=float32)
   """
-  fused = getattr(tx.update, "offlax_update_and_apply", None)
+  fused = fused_update_and_apply(tx)
   if fused is not None:
     return fused(grads, state, params, **extra_args)
   try:
+    if params is not None and holds_offload_state(state):
+      done = wrapped_apply.update_and_apply(tx, grads, state, params, extra_args, _apply)
+      if done is not None:
+        return done
     updates, state = tx.update(grads, state, params, **extra_args)
   except ValueError as e:
-    if "memory_space" not in str(e) or not host_params.any_on_host(grads):
+    if "memory_space" not in str(e) or not memory.any_on_host(grads):
       raise
     raise errors.MemoryKindError(
       "update_and_apply: the gradients live in host memory, and a transformation outside "
@@ -99,12 +162,18 @@ def update_and_apply(
   return apply_updates(params, updates), state
 
 
+def holds_offload_state(state: Any) -> bool:
+  """Whether `state` (any transformation's) holds an `offload`'s state."""
+  is_state = lambda x: isinstance(x, OffloadState)
+  return any(is_state(x) for x in jax.tree.leaves(state, is_leaf=is_state))
+
+
 def _apply(p: Any, u: Any) -> Any:
   if u is None:
     return p
-  if not host_params.on_host(p):
+  if not memory.on_host(p):
     return optax.apply_updates(p, u)
-  u = u if host_params.on_host(u) else jax.device_put(u, jax.memory.Space.Host)
+  u = u if memory.on_host(u) else memory.to_host(u)
   add = compute_on(_add, compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)
   rows = _rows_per_chunk(p)
   if rows is None:
@@ -128,7 +197,7 @@ def _apply(p: Any, u: Any) -> Any:
 
 
 def _add(p, u):
-  p, u = host_params.as_device_value(p), host_params.as_device_value(u)
+  p, u = memory.as_device_value(p), memory.as_device_value(u)
   return jnp.asarray(p + u).astype(p.dtype)
 
 

@@ -16,12 +16,13 @@ from etils import epath
 from offlax._src import errors, flax_glue
 from offlax._src import layout as layout_lib
 from offlax._src import sharding as sharding_lib
+from offlax._src import tier as tier_lib
 from offlax._src import transform as transform_lib
 from offlax._src.host_tier import HostTier
 from offlax._src.nvme import copies, sharded
 from offlax._src.nvme.format import is_sharded
 from offlax._src.nvme.tier import NVMeTier
-from offlax._src.transform import OffloadState, _devices_of, _spec_of
+from offlax._src.transform import OffloadState, devices_of
 
 
 def abstract_state(
@@ -55,30 +56,34 @@ def abstract_state(
     'pinned_host'
   """
   errors.check_transformation(inner, "abstract_state: inner")
-  wrapped = getattr(inner.init, "offlax_offload", None)
-  if wrapped is None:
-    chained = _abstract_chain(inner, params, tier)
-    if chained is not None:
-      return chained
-  if wrapped is not None:
-    if tier is not None and tier != wrapped[1]:
+  if isinstance(inner, transform_lib.OffloadTransformation):
+    if tier is not None and tier != inner.tier:
       raise errors.InvalidTierError(
-        f"abstract_state got an offload transformation (tier {wrapped[1]!r}) and a different "
+        f"abstract_state got an offload transformation (tier {inner.tier!r}) and a different "
         f"tier {tier!r}; pass either offload(inner, tier), or inner and tier."
       )
-    inner, tier = wrapped
+    inner, tier = inner.inner, inner.tier
+  else:
+    composed = _abstract_composition(inner, params, tier)
+    if composed is not None:
+      return composed
   tier = HostTier() if tier is None else tier
+  params = flax_glue.unbox(params)
+  shapes = jax.eval_shape(optax.with_extra_args_support(inner).init, params)
+  return _placed_like_init(shapes, layout_lib.ParamSpec.of(params), params, tier)
+
+
+def _placed_like_init(shapes: Any, spec: Any, params: Any, tier: Any) -> OffloadState:
+  """The inner state `shapes` as `ShapeDtypeStruct`s placed as `tier`'s `init` places them."""
   if not isinstance(tier, HostTier):
     raise errors.InvalidTierError(
       f"abstract_state takes a HostTier, got {type(tier).__name__}: an NVMeTier's state is "
       "its store (see docs/checkpoints.md)."
     )
-  params = flax_glue.unbox(params)
-  spec = _spec_of(params, "params")
-  device = min(_devices_of(params), key=lambda d: d.id)
-  shapes = jax.eval_shape(optax.with_extra_args_support(inner).init, params)
+  device = min(devices_of(params), key=lambda d: d.id)
   placement = tier.placement(shapes)
   default = jax.sharding.SingleDeviceSharding(device).memory_kind
+  ref = tier_lib.TierRef(tier)
 
   def sds(x, mesh, spec, host):
     kind = tier.memory_kind if host else default
@@ -91,59 +96,53 @@ def abstract_state(
       sds(x, spec.mesh, mesh_plan.item_specs[j], h)
       for j, (x, h) in enumerate(zip(items, host, strict=True))
     ]
-    return OffloadState(layout.merge(targets), spec)
+    return OffloadState(layout.merge(targets), spec, None, ref)
   # A NamedSharding: JAX 0.10 types a SingleDeviceSharding's host memory kind as
   # device memory (see `placed`), a NamedSharding's as host memory. On the
   # params' own mesh of one device if they have one (one program has one mesh).
   mesh = sharding_lib.one_device_target(params, device) or sharding_lib.one_device_mesh(device)
   place = lambda x, host: sds(x, mesh, jax.sharding.PartitionSpec(), host)
-  return OffloadState(jax.tree.map(place, shapes, placement), spec)
+  return OffloadState(jax.tree.map(place, shapes, placement), spec, None, ref)
 
 
-def _abstract_chain(
+def _abstract_composition(
   tx: optax.GradientTransformation, params: Any, tier: HostTier | None
 ) -> Any | None:
   """`abstract_state` of a transformation holding `offload`s (a chain): None if it holds none.
 
-  Traces `tx.init` (nothing is allocated) while each `offload` inside records
-  its transformation and the params it is given; each `OffloadState` of the
-  traced state is then replaced by that `offload`'s `abstract_state`. The
-  other leaves (a chained transformation's own state) are replicated on the
-  params' mesh, in device memory.
+  ``jax.eval_shape(tx.init, params)`` (nothing is allocated) holds an
+  `OffloadState` per `offload`, which names its tier (`OffloadState.tier`);
+  each is placed as that tier's `init` places it. The other leaves (a
+  wrapper's own state) are replicated on the params' mesh, in device memory.
   """
   params = flax_glue.unbox(params)
-  calls: dict[int, Any] = {}
-  transform_lib._RECORDING.calls = calls
-  try:
-    shapes = jax.eval_shape(optax.with_extra_args_support(tx).init, params)
-  finally:
-    transform_lib._RECORDING.calls = None
-  if not calls:
+  is_state = lambda x: isinstance(x, OffloadState)
+  shapes = jax.eval_shape(optax.with_extra_args_support(tx).init, params)
+  if not any(is_state(x) for x in jax.tree.leaves(shapes, is_leaf=is_state)):
     return None
-  spec = _spec_of(params, "params")
-  device = min(_devices_of(params), key=lambda d: d.id)
+  spec = layout_lib.ParamSpec.of(params)
+  device = min(devices_of(params), key=lambda d: d.id)
   mesh = spec.mesh or (
     sharding_lib.one_device_target(params, device) or sharding_lib.one_device_mesh(device)
   )
   outer = jax.tree.structure(params, is_leaf=lambda x: isinstance(x, optax.MaskedNode))
 
   def replace(node):
-    if not isinstance(node, OffloadState):
+    if not is_state(node):
       sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
       return jax.ShapeDtypeStruct(node.shape, node.dtype, sharding=sharding)
-    inner, off_tier, traced = calls[id(node.spec)]
-    if tier is not None and tier != off_tier:
+    if tier is not None and tier != node.tier:
       raise errors.InvalidTierError(
-        f"abstract_state got a transformation whose offload has tier {off_tier!r} and a "
+        f"abstract_state got a transformation whose offload has tier {node.tier!r} and a "
         f"different tier {tier!r}; omit tier."
       )
     # The params the offload got: the caller's (with their shardings) unless the
-    # chain gave it others (e.g. optax.masked's).
-    same = jax.tree.structure(traced, is_leaf=lambda x: isinstance(x, optax.MaskedNode)) == outer
-    given = params if same else traced
-    return abstract_state(inner, given, off_tier)
+    # wrapper gave it others (e.g. optax.masked's), known by their spec.
+    if node.spec.treedef == outer:
+      return _placed_like_init(node.inner_state, spec, params, node.tier)
+    return _placed_like_init(node.inner_state, node.spec, None, node.tier)
 
-  return jax.tree.map(replace, shapes, is_leaf=lambda x: isinstance(x, OffloadState))
+  return jax.tree.map(replace, shapes, is_leaf=is_state)
 
 
 def placed(tree: Any) -> Any:
@@ -227,18 +226,19 @@ def retier(
   """
   errors.check_transformation(inner, "retier: inner")
   params = flax_glue.unbox(params)
-  spec = _spec_of(params, "params")
+  spec = layout_lib.ParamSpec.of(params)
   inner = optax.with_extra_args_support(inner)
   _check_state(jax.eval_shape(inner.init, params), inner_state)
   if isinstance(tier, NVMeTier):
-    tier.host.check_devices(_devices_of(params))
+    tier.host.check_devices(devices_of(params))
     items, step = tier.init(inner, params, spec, state=inner_state)
-    return OffloadState(items, spec, step)
+    return OffloadState(items, spec, step, tier_lib.TierRef(tier))
   if not isinstance(tier, HostTier):
     raise errors.InvalidTierError(f"retier: tier must be a HostTier or NVMeTier, got {tier!r}.")
-  tier.check_devices(_devices_of(params))
+  tier.check_devices(devices_of(params))
   # numpy leaves become JAX arrays; JAX arrays stay as they are until placed.
-  return OffloadState(tier.place(jax.tree.map(jnp.asarray, inner_state)), spec)
+  placed_state = tier.place(jax.tree.map(jnp.asarray, inner_state))
+  return OffloadState(placed_state, spec, None, tier_lib.TierRef(tier))
 
 
 def reshard(
@@ -278,7 +278,7 @@ def reshard(
   inner = optax.with_extra_args_support(inner)
   src, dest = os.fspath(src), os.fspath(dest)
   progress = tier_options.get("progress", True)
-  spec = _spec_of(params, "params")
+  spec = layout_lib.ParamSpec.of(params)
   state, step, options = sharded.read_sharded(src, inner, params, spec, progress=progress)
   tier = NVMeTier(dest, **{**options, **tier_options})
   retier(state, inner, params, tier)
@@ -310,6 +310,9 @@ class _OnDiskRefusal(ocp.type_handlers.TypeHandler):
   `OnDisk` is a pytree node without leaves; orbax would save it as an empty
   value and restore None, losing the moments without a word. Orbax asks the
   handler of each value's type for its type string first: this one raises.
+  It meets them in a plain state and, inside `OnDiskVariable`s, in Flax NNX's
+  `nnx.state` / `nnx.split` of the optimizer (`flax_on_disk.py`), whether
+  saved by `StandardSave`, `PyTreeSave` or inside a `Composite`.
   """
 
   armed = False  # the registry asks for the type string once, when registering
@@ -318,11 +321,13 @@ class _OnDiskRefusal(ocp.type_handlers.TypeHandler):
     if not self.armed:
       return "offlax.OnDisk"
     raise errors.UnsavableStateError(
-      "ocp.args.StandardSave (or another orbax pytree save) got an NVMe-tier state: its "
-      "arrays on disk are offlax.OnDisk placeholders, which orbax would save as None and "
-      "restore as None. Save the store with offlax.NVMeStoreSave(tier) instead, e.g. "
-      "mngr.save(step, args=ocp.args.Composite(model=ocp.args.StandardSave(params), "
-      "opt=offlax.NVMeStoreSave(tier))), or move the state to a HostTier first "
+      "ocp.args.StandardSave (or another orbax pytree save: PyTreeSave, an item of a "
+      "Composite) got an NVMe-tier state: its arrays on disk are offlax.OnDisk "
+      "placeholders (in Flax NNX's nnx.state(optimizer), OnDiskVariables), which orbax "
+      "would save and restore as None. Save the store with offlax.NVMeStoreSave(tier) "
+      "instead, e.g. mngr.save(step, args=ocp.args.Composite(model=ocp.args.StandardSave("
+      "params), opt=offlax.NVMeStoreSave(tier))) (with NNX: nnx.state(model) and "
+      "optimizer.step as the model item), or move the state to a HostTier first "
       "(offlax.retier(tier.read_state(state), inner, params, offlax.HostTier()))."
     )
 
@@ -368,6 +373,18 @@ class NVMeStoreSave(ocp.args.CheckpointArgs):
 
   Attributes:
     tier: the open `NVMeTier`.
+
+  Example:
+    >>> import tempfile, jax.numpy as jnp, optax, offlax, orbax.checkpoint as ocp
+    >>> tier = offlax.NVMeTier(tempfile.mkdtemp(), progress=False)
+    >>> state = offlax.offload(optax.adam(1e-3), tier).init({"w": jnp.ones(3)})
+    >>> with ocp.CheckpointManager(tempfile.mkdtemp()) as mngr:
+    ...   _ = mngr.save(0, args=ocp.args.Composite(opt=offlax.NVMeStoreSave(tier)))
+    ...   mngr.wait_until_finished()
+    ...   [report] = offlax.inspect_store(mngr.directory / "0" / "opt", progress=False)
+    >>> report.ok, report.step
+    (True, 0)
+    >>> tier.close()
   """
 
   tier: NVMeTier

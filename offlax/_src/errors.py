@@ -13,8 +13,11 @@ class InvalidTierError(OffloadError, ValueError):
   """A tier was configured with an invalid option."""
 
 
-class InvalidOptionError(OffloadError, ValueError):
-  """A function was given options that do not go together, or an invalid value."""
+class InvalidOptionError(OffloadError, ValueError, TypeError):
+  """A function was given options that do not go together, an invalid value, or an unknown one.
+
+  A `TypeError` too: Python raises one for an unknown keyword argument.
+  """
 
 
 class MemoryKindError(OffloadError, ValueError):
@@ -46,6 +49,10 @@ class StoreLockedError(StoreError):
     super().__init__(message)
     self.pid = pid
     self.holder = holder
+
+
+class NotAStoreError(StoreError, FileExistsError):
+  """An NVMe store was to be created in a folder that holds other files and no store."""
 
 
 class StoreExistsError(OffloadError, FileExistsError):

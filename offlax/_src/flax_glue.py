@@ -1,11 +1,20 @@
-"""Flax glue: what offlax needs to know about Flax's containers, without importing Flax."""
+"""Flax glue: what offlax needs to know about Flax's containers, without importing Flax.
+
+Also two process-wide patches for NNX frameworks (`install_sharding_fixes`,
+listed in docs/patches.md), installed when `init` first boxes state in NNX
+Variables.
+"""
 
 from __future__ import annotations
 
+import functools
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import jax
+
+from offlax._src import compat, patches
 
 
 def has_variables(tree: Any) -> bool:
@@ -91,7 +100,11 @@ def rebox(state: Any) -> Any:
   """
   from flax import nnx
 
+  from offlax._src import flax_on_disk, layout
+
   install_sharding_fixes()
+  # Placeholders made before Flax NNX was imported did not register it (`layout.OnDisk`).
+  flax_on_disk.register(layout.OnDisk)
 
   def box(x):
     sharding = getattr(x, "sharding", None)
@@ -117,72 +130,135 @@ def _memory_kind_of(v: Any) -> str | None:
   return v.get_metadata().get("memory_kind")
 
 
+NAMED_SHARDING = patches.register(
+  patches.Patch(
+    name="nnx-named-sharding-memory-kind",
+    target="flax.nnx.get_named_sharding",
+    scope="process",
+    upstream=(
+      "get_named_sharding builds NamedSharding(mesh, spec) from a Variable's partition "
+      "spec alone, in device memory, whatever the Variable's memory_kind metadata says "
+      "(flax/nnx/spmd.py)"
+    ),
+    versions="flax 0.12.8, jax 0.10.2",
+    failure=(
+      "Tunix 0.1.7 restores an offloaded optimizer state on a mesh into device memory; "
+      "the first step raises MemoryKindError"
+    ),
+  )
+)
+SHARDING_CONSTRAINT = patches.register(
+  patches.Patch(
+    name="eager-sharding-constraint-memory-kind",
+    target="jax.lax.with_sharding_constraint",
+    scope="process",
+    upstream=(
+      "outside jit, with_sharding_constraint(x, PartitionSpec) makes a device-memory "
+      "NamedSharding from the spec and copies a pinned_host array to the device; inside "
+      "jit the same constraint keeps its memory kind (jax/_src/pjit.py)"
+    ),
+    versions="jax 0.10.2",
+    failure=(
+      "Tunix 0.1.7's PeftTrainer on a mesh moves the offloaded optimizer state to device "
+      "memory in its constructor (_shard_optimizer); the first step raises MemoryKindError"
+    ),
+  )
+)
+
+
+def _is_offloaded(v: Any) -> bool:
+  """Whether `v` is a Variable of offlax's state in host memory (`rebox`'s metadata)."""
+  return _memory_kind_of(v) == _HOST
+
+
+def _wrap_get_named_sharding(original: Callable[..., Any]) -> Callable[..., Any]:
+  from flax import nnx
+
+  @functools.wraps(original)
+  def get_named_sharding(tree, mesh):
+    shardings = original(tree, mesh)
+    is_leaf = lambda x: isinstance(x, nnx.Variable)
+    if not any(_is_offloaded(v) for v in jax.tree.leaves(tree, is_leaf=is_leaf)):
+      return shardings  # no Variable of offlax's in host memory: Flax's answer as it is
+
+    def keep(v, s):
+      if not _is_offloaded(v):
+        return s
+      if isinstance(s, nnx.Variable):
+        return s.replace(s.get_value().with_memory_kind(_HOST))
+      return s.with_memory_kind(_HOST)
+
+    return jax.tree.map(keep, tree, shardings, is_leaf=is_leaf)
+
+  return get_named_sharding
+
+
+def _eager_on_host(v: Any) -> bool:
+  """Whether `v` is a Variable of offlax's holding a concrete (untraced) array in host memory."""
+  if not _is_offloaded(v):
+    return False
+  value = v.get_value()
+  return (
+    isinstance(value, jax.Array)
+    and not isinstance(value, jax.core.Tracer)
+    and getattr(value.sharding, "memory_kind", None) == _HOST
+  )
+
+
+def _wrap_with_sharding_constraint(original: Callable[..., Any]) -> Callable[..., Any]:
+  from flax import nnx
+
+  @functools.wraps(original)
+  def with_sharding_constraint(x, shardings, *args, **kwargs):
+    is_variable = lambda v: isinstance(v, nnx.Variable)
+    eager = any(_eager_on_host(v) for v in jax.tree.leaves(x, is_leaf=is_variable))
+    mesh = compat.context_mesh() if eager else None  # (only outside jit: no tracers)
+    if mesh is None:
+      return original(x, shardings, *args, **kwargs)  # JAX's, as it is
+    is_spec = lambda s: isinstance(s, jax.sharding.PartitionSpec)
+
+    def keep(s, v):
+      # A bare spec (no memory kind) for a host array of offlax's: the spec in host memory.
+      spec = s.get_value() if is_variable(s) else s
+      if not (is_spec(spec) and _eager_on_host(v)):
+        return s
+      host = jax.sharding.NamedSharding(mesh, spec, memory_kind=_HOST)
+      return s.replace(host) if is_variable(s) else host
+
+    try:
+      shardings = jax.tree.map(keep, shardings, x, is_leaf=lambda s: is_spec(s) or is_variable(s))
+    except ValueError:  # shardings not of x's structure (a prefix): JAX's rules, unchanged
+      pass
+    return original(x, shardings, *args, **kwargs)
+
+  return with_sharding_constraint
+
+
 def install_sharding_fixes() -> None:
   """Keeps offloaded state in host memory where NNX frameworks place it by partition specs.
 
-  Idempotent. Two places where a partition spec, which has no memory kind,
-  becomes a sharding in device memory:
+  Idempotent; ``OFFLAX_NO_PATCHES=1`` leaves both functions as they are. Two
+  process-wide patches (docs/patches.md), each acting only on trees holding
+  Variables of offlax's state in host memory (``memory_kind`` metadata, from
+  `rebox`) and handing every other call through unchanged:
 
   * ``nnx.get_named_sharding(state, mesh)`` (Tunix's restore target for the
-    optimizer state): here the sharding of a Variable whose metadata names a
-    ``memory_kind`` gets that memory kind.
-  * ``jax.lax.with_sharding_constraint(x, P(...))`` outside ``jit`` (Tunix's
+    optimizer state): the sharding of such a Variable gets its memory kind.
+  * ``jax.lax.with_sharding_constraint(state, specs)`` outside ``jit`` (Tunix's
     ``_shard_optimizer``): eagerly JAX moves a host array given a bare
     `PartitionSpec` to device memory, while inside ``jit`` the same constraint
-    keeps its memory kind; here eager calls keep it as ``jit`` does. Shardings
-    passed as `jax.sharding.Sharding`s (which name a memory kind) are as given.
+    keeps its memory kind; such a Variable's array keeps it eagerly too.
   """
   from flax import nnx
   from flax.nnx import spmd
 
-  if not getattr(spmd.get_named_sharding, "offlax_memory_kinds", False):
-    original = spmd.get_named_sharding
-
-    def get_named_sharding(tree, mesh):
-      shardings = original(tree, mesh)
-      is_leaf = lambda x: isinstance(x, nnx.Variable)
-
-      def keep(v, s):
-        kind = _memory_kind_of(v)
-        if kind is None:
-          return s
-        if isinstance(s, nnx.Variable):
-          return s.replace(s.get_value().with_memory_kind(kind))
-        return s.with_memory_kind(kind)
-
-      return jax.tree.map(keep, tree, shardings, is_leaf=is_leaf)
-
-    get_named_sharding.offlax_memory_kinds = True  # type: ignore[attr-defined]
-    spmd.get_named_sharding = get_named_sharding
-    nnx.get_named_sharding = get_named_sharding
-
-  if not getattr(jax.lax.with_sharding_constraint, "offlax_memory_kinds", False):
-    wsc = jax.lax.with_sharding_constraint
-
-    def with_sharding_constraint(x, shardings):
-      from jax._src import mesh as mesh_lib
-
-      mesh = mesh_lib.get_concrete_mesh()
-      if mesh is None or mesh.empty:
-        mesh = mesh_lib.thread_resources.env.physical_mesh
-      is_spec = lambda s: isinstance(s, jax.sharding.PartitionSpec)
-
-      def keep(s, leaf):
-        if (
-          is_spec(s)
-          and not mesh.empty
-          and isinstance(leaf, jax.Array)
-          and not isinstance(leaf, jax.core.Tracer)
-          and getattr(leaf.sharding, "memory_kind", None) == _HOST
-        ):
-          return jax.sharding.NamedSharding(mesh, s, memory_kind=_HOST)
-        return s
-
-      try:
-        shardings = jax.tree.map(keep, shardings, x, is_leaf=is_spec)
-      except ValueError:  # a prefix tree of shardings: JAX's own rules, unchanged
-        pass
-      return wsc(x, shardings)
-
-    with_sharding_constraint.offlax_memory_kinds = True  # type: ignore[attr-defined]
-    jax.lax.with_sharding_constraint = with_sharding_constraint
+  patches.replace(
+    NAMED_SHARDING,
+    spmd,
+    "get_named_sharding",
+    _wrap_get_named_sharding,
+    also=[(nnx, "get_named_sharding")],
+  )
+  patches.replace(
+    SHARDING_CONSTRAINT, jax.lax, "with_sharding_constraint", _wrap_with_sharding_constraint
+  )

@@ -286,7 +286,7 @@ def transformer_params(
     }  # fmt: skip
   if vocab:
     shapes["embed"] = (vocab, d)
-  sharding = _one_device(None)
+  sharding = one_device(None)
   return jax.tree.map(
     lambda s: jax.ShapeDtypeStruct(s, jax.numpy.dtype(dtype), sharding=sharding),
     shapes,
@@ -366,7 +366,7 @@ def state_specs(state: Any) -> Any:
   return jax.tree.map(_spec, state)
 
 
-def _one_device(memory_kind: str | None) -> jax.sharding.NamedSharding:
+def one_device(memory_kind: str | None) -> jax.sharding.NamedSharding:
   mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:1]), ("_offlax",))
   return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(), memory_kind=memory_kind)
 
@@ -425,7 +425,7 @@ def _spec(x: Any) -> Any:
     return x
   sharding = getattr(x, "sharding", None)
   if sharding is None or isinstance(sharding, jax.sharding.SingleDeviceSharding):
-    sharding = _one_device(getattr(sharding, "memory_kind", None))
+    sharding = one_device(getattr(sharding, "memory_kind", None))
   elif (
     isinstance(sharding, jax.sharding.NamedSharding)
     and sharding.mesh.devices.flat[0].platform != "cpu"

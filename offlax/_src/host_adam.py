@@ -50,6 +50,7 @@ import numpy as np
 import optax
 from optax._src import numerics
 
+from offlax._src import apply as apply_lib
 from offlax._src import ffi
 
 _TARGET = "offlax_adam_f32"
@@ -71,7 +72,7 @@ def adam(
   *,
   nesterov: bool = False,
   native_update: bool = False,
-) -> optax.GradientTransformationExtraArgs:
+) -> AdamTransformation:
   """`optax.adam`, with the moments updated by one native pass on XLA:CPU.
 
   Same arguments, state and results (bit for bit) as `optax.adam`. In an
@@ -102,7 +103,8 @@ def adam(
       rounds optax's update in a form that depends on the program around it.
 
   Returns:
-    A `optax.GradientTransformationExtraArgs` with `optax.adam`'s state.
+    An `AdamTransformation` (an `optax.GradientTransformationExtraArgs`, with
+    a fused `update_and_apply`) with `optax.adam`'s state.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, offlax
@@ -132,7 +134,7 @@ def adamw(
   *,
   nesterov: bool = False,
   native_update: bool = False,
-) -> optax.GradientTransformationExtraArgs:
+) -> AdamTransformation:
   """`optax.adamw`, with the moments updated by one native pass on XLA:CPU.
 
   Same arguments, state and results (bit for bit) as `optax.adamw`; see `adam`.
@@ -153,7 +155,8 @@ def adamw(
     native_update: the kernel writes the update too (see `adam`).
 
   Returns:
-    A `optax.GradientTransformationExtraArgs` with `optax.adamw`'s state;
+    An `AdamTransformation` (an `optax.GradientTransformationExtraArgs`, with
+    a fused `update_and_apply`) with `optax.adamw`'s state;
     `update` requires `params`.
 
   Example:
@@ -195,7 +198,7 @@ def _fused(reference, learning_rate, betas, weight_decay, mask, nesterov, mu_dty
   )
 
   def hyperparameters(state):
-    """(new count, new schedule state, `_Hyper`) of this step, as optax computes them."""
+    """(new count, new schedule state, `Hyper`) of this step, as optax computes them."""
     adam_state, lr_state = state[0], state[-1]
     count_inc = numerics.safe_increment(adam_state.count)
     if callable(learning_rate):
@@ -203,7 +206,7 @@ def _fused(reference, learning_rate, betas, weight_decay, mask, nesterov, mu_dty
       lr_state = type(lr_state)(count=numerics.safe_increment(lr_state.count))
     else:
       step_size = -1 * learning_rate
-    hyper = _Hyper(
+    hyper = Hyper(
       b1,
       b2,
       _bias_correction(b1, count_inc),
@@ -293,9 +296,23 @@ def _fused(reference, learning_rate, betas, weight_decay, mask, nesterov, mu_dty
     new_params, state, _ = done
     return new_params, state
 
-  update_fn.offlax_whole_step = whole_step  # type: ignore[attr-defined]
-  update_fn.offlax_update_and_apply = update_and_apply_fn  # type: ignore[attr-defined]
-  return optax.GradientTransformationExtraArgs(reference.init, update_fn)
+  return AdamTransformation(reference.init, update_fn, update_and_apply_fn, whole_step)
+
+
+class AdamTransformation(apply_lib.FusedTransformation):
+  """What `adam` and `adamw` return: a `FusedTransformation` with its `whole_step`.
+
+  ``whole_step(grads, state, weights, low=None, *, out=OUT_NONE)`` runs the
+  whole step in one native pass, or returns None where it does not apply;
+  `master_weights` runs it on its float32 master.
+  """
+
+  whole_step: Any = None
+
+  def __new__(cls, init, update, update_and_apply=None, whole_step=None):
+    self = super().__new__(cls, init, update, update_and_apply)
+    self.whole_step = whole_step
+    return self
 
 
 @functools.partial(jax.jit, inline=True)
@@ -338,7 +355,7 @@ def _decay_flags(updates, mask) -> list[bool] | bool:
   return [bool(m) for m in flat]
 
 
-class _Hyper(NamedTuple):
+class Hyper(NamedTuple):
   """One step's hyperparameters, as optax holds them (Python floats or arrays)."""
 
   b1: Any
@@ -363,11 +380,11 @@ class _Hyper(NamedTuple):
     return jnp.stack([jnp.asarray(x, jnp.float32) for x in values])
 
 
-def _moments(g, m, v, hyper: _Hyper):
+def _moments(g, m, v, hyper: Hyper):
   return (1 - hyper.b1) * g + hyper.b1 * m, (1 - hyper.b2) * (g * g) + hyper.b2 * v
 
 
-def _adam(g, m, v, p, hyper: _Hyper, decay: bool, moments=None):
+def _adam(g, m, v, p, hyper: Hyper, decay: bool, moments=None):
   """(update, m, v) of one leaf in optax's expressions; `moments(g, m, v)`: the moments."""
   m, v = _moments(g, m, v, hyper) if moments is None else moments(g, m, v)
   u = (m / hyper.bc1.astype(m.dtype)) / (
@@ -379,7 +396,7 @@ def _adam(g, m, v, p, hyper: _Hyper, decay: bool, moments=None):
   return step_size * u, m, v
 
 
-def _step(g, m, v, p, hyper: _Hyper, vector, decay: bool, native_update: bool):
+def _step(g, m, v, p, hyper: Hyper, vector, decay: bool, native_update: bool):
   """One leaf: moments by the native kernel on XLA:CPU, else by JAX; update by JAX.
 
   The update is left to XLA, in optax's expressions, so that XLA fuses it with
@@ -399,7 +416,7 @@ def _step(g, m, v, p, hyper: _Hyper, vector, decay: bool, native_update: bool):
   return _adam(g, m, v, p, hyper, decay, moments)
 
 
-def _whole_step(g, m, v, w, low, hyper: _Hyper, vector, decay: bool, out: int):
+def _whole_step(g, m, v, w, low, hyper: Hyper, vector, decay: bool, out: int):
   """One leaf's whole step: (result, m, v, w); see `whole_step` in `_fused`.
 
   Native on XLA:CPU; elsewhere (a GPU program) plain JAX with the same

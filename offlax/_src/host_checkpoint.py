@@ -24,7 +24,7 @@ from etils import epath
 from offlax._src import errors
 from offlax._src.checkpoint import placed
 from offlax._src.nvme import array_files
-from offlax._src.nvme.format import _write_json
+from offlax._src.nvme.format import write_json
 
 _LAYOUT = "host_state.json"
 _FORMAT = 1
@@ -87,11 +87,11 @@ class _HostStateHandler(ocp.handlers.CheckpointHandler):
     crcs = array_files.write_files(
       items, progress=args.progress, desc=f"offlax: saving host state to {path}"
     )
-    _write_json(
+    write_json(
       path, f"crc32c.{here}.json", {os.path.basename(p): c for p, c in crcs.items()}, fsync=True
     )
     if here == 0:
-      _write_json(path, _LAYOUT, {"format": _FORMAT, "leaves": layout}, fsync=True)
+      write_json(path, _LAYOUT, {"format": _FORMAT, "leaves": layout}, fsync=True)
 
   def restore(self, directory: epath.Path, args: HostStateRestore) -> Any:
     path = os.fspath(directory)

@@ -18,24 +18,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from offlax._src import layout as layout_lib
+from offlax._src import memory
 from offlax._src import sharding as sharding_lib
 from offlax._src.compat import compute_on
 
-
-def on_host(x: Any) -> bool:
-  """Whether `x` (an array, tracer or `ShapeDtypeStruct`) lives in host memory."""
-  if isinstance(x, jax.ShapeDtypeStruct) or not hasattr(x, "dtype"):
-    kind = getattr(getattr(x, "sharding", None), "memory_kind", None)
-    return kind in ("pinned_host", "unpinned_host")
-  try:
-    return getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
-  except TypeError:
-    return False
-
-
-def any_on_host(tree: Any) -> bool:
-  """Whether some leaf of `tree` lives in host memory."""
-  return any(on_host(x) for x in jax.tree.leaves(tree))
+# One definition of "in host memory" (`memory.py`), under the names other modules use here.
+on_host = memory.on_host
+any_on_host = memory.any_on_host
+as_device_value = memory.as_device_value
 
 
 def fetch(tree: Any) -> Any:
@@ -59,9 +50,7 @@ def fetch(tree: Any) -> Any:
     >>> jax.jit(lambda w: offlax.fetch(w) * 2)(w)
     Array([2., 2., 2.], dtype=float32)
   """
-  return jax.tree.map(
-    lambda x: jax.device_put(x, jax.memory.Space.Device) if on_host(x) else x, tree
-  )
+  return jax.tree.map(lambda x: memory.to_device(x) if memory.on_host(x) else x, tree)
 
 
 def to_host(tree: Any, memory_kind: str = "pinned_host") -> Any:
@@ -119,7 +108,7 @@ def init(init_fn: Any, params: Any, *, via_host: bool = False) -> Any:
     return init_fn(jax.tree.map(as_device_value, params))
 
   run = compute_on(on_cpu, compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)
-  mesh, _ = sharding_lib.mesh_of(jax.tree_util.tree_flatten_with_path(params)[0])
+  mesh, _ = layout_lib.mesh_of(jax.tree_util.tree_flatten_with_path(params)[0])
   if mesh is None:
     return jax.jit(run)(params)
   # A mesh with Explicit axes types the arrays with it: the jitted call must run inside it.
@@ -133,10 +122,10 @@ def _in_host_memory(x: Any) -> Any:
   An array is copied eagerly, leaf by leaf (nothing model-sized passes through
   the device); a traced value by the program's own transfer.
   """
-  if not hasattr(x, "dtype") or on_host(x):
+  if not hasattr(x, "dtype") or memory.on_host(x):
     return x
   if isinstance(x, jax.core.Tracer):
-    return jax.device_put(x, jax.memory.Space.Host)
+    return memory.to_host(x)
   return to_host(x)
 
 
@@ -152,12 +141,24 @@ def zeros_like(x: Any, dtype: Any, *, host: bool) -> Any:
   return make()
 
 
-def as_device_value(x: Any) -> Any:
-  """`x` typed as a device value, as values inside a host computation must be.
+def global_norm(tree: Any) -> jax.Array:
+  """`optax.global_norm(tree)`, on the device, for a tree with leaves in host memory.
 
-  Ops in a host computation make constants typed as device values, and an op
-  needs one memory space; the data does not move (it is a relabel).
+  Each host leaf's sum of squares is computed on the host CPU, where it lies,
+  and only that scalar crosses to the device.
   """
-  if not hasattr(x, "dtype") or not on_host(x):
-    return x
-  return jax.device_put(x, jax.memory.Space.Device)
+
+  def square_sum(x):
+    x = memory.as_device_value(x)
+    return jnp.sum(jnp.square(x.real) + jnp.square(x.imag))
+
+  sums = []
+  for x in jax.tree.leaves(tree):
+    if memory.on_host(x):
+      host = compute_on(
+        square_sum, compute_type="device_host", out_memory_spaces=jax.memory.Space.Host
+      )
+      sums.append(jax.device_put(host(x), jax.memory.Space.Device))
+    else:
+      sums.append(square_sum(x))
+  return jnp.sqrt(sum(sums)) if sums else jnp.zeros(())

@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 import jax
 import numpy as np
 
-from offlax._src import errors, host_params, telemetry
+from offlax._src import errors, host_params, memory, telemetry
 from offlax._src import layout as layout_lib
 from offlax._src import sharding as sharding_lib
 from offlax._src import tier as tier_lib
@@ -174,8 +174,7 @@ class HostTier(tier_lib.Tier):
     mesh = None if spec is None else spec.mesh
 
     def back(x):  # a leaf the placement keeps on the device
-      on_host = getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
-      x = self.to_device(x) if on_host else x
+      x = memory.to_device(x) if memory.on_host(x) else x
       if mesh is not None and getattr(getattr(x, "sharding", None), "mesh", None) != mesh:
         # Scalars made by `init` (a step count) sit on one device: replicate them
         # over the params' mesh, so the state is one set of global arrays.
@@ -216,13 +215,13 @@ class HostTier(tier_lib.Tier):
         )
 
   def to_host(self, x: jax.Array) -> jax.Array:
-    """Moves `x` to this tier's host memory; valid inside and outside jit."""
-    return jax.device_put(x, jax.memory.Space.Host)
+    """Moves `x` to this tier's host memory (``pinned_host``); valid inside and outside jit."""
+    return memory.to_host(x)
 
   @staticmethod
   def to_device(x: jax.Array) -> jax.Array:
     """Moves `x` to device memory; valid inside and outside jit."""
-    return jax.device_put(x, jax.memory.Space.Device)
+    return memory.to_device(x)
 
   # -- the `Tier` protocol ---------------------------------------------------
 
@@ -277,7 +276,11 @@ class HostTier(tier_lib.Tier):
 class HostIO:
   """Moves slices between the host tier and the device inside the jitted step."""
 
-  loops = True  # slices may be taken at traced offsets (see `streaming.Stream.loop`)
+  # The items are arrays in host memory: the stream slices them (at traced
+  # offsets in loops) and writes them back in place; a read waits for the
+  # slice before written back, which bounds device memory to a few slices.
+  prefetch_depth = 1
+  writes_in_place = True
 
   def __init__(
     self,

@@ -140,7 +140,7 @@ def inspect_store(
   root = os.path.abspath(os.fspath(path))
   if not os.path.isdir(root):
     raise errors.StoreError(f"inspect: {root} is not a directory.")
-  if os.path.exists(os.path.join(root, store_format._METADATA)):
+  if os.path.exists(os.path.join(root, store_format.METADATA)):
     return [_inspect_nvme(root, verify, progress)]
   reports = []
   for directory, dirs, files in os.walk(root):
@@ -151,23 +151,25 @@ def inspect_store(
     if _TMP_MARK in os.path.basename(directory):
       dirs.clear()  # an unfinished save: orbax ignores it, and so do we
       continue
-    if store_format._METADATA in files:
+    if store_format.METADATA in files:
       reports.append(_inspect_nvme(directory, verify, progress))
       dirs.clear()
     elif host_checkpoint.is_host_state(directory):
       reports.append(_inspect_host_state(directory, verify, progress))
       dirs.clear()
-    elif "_METADATA" in files:
+    elif _ORBAX_ITEM_METADATA & set(files):
       reports.append(_inspect_orbax(directory, verify))
       dirs.clear()
   if not reports:
     raise errors.StoreError(
-      f"inspect: {root} holds no offlax store (no {store_format._METADATA}) and no orbax "
+      f"inspect: {root} holds no offlax store (no {store_format.METADATA}) and no orbax "
       "checkpoint item (no _METADATA)."
     )
   return reports
 
 
+# A pytree item's metadata file: `_METADATA` from orbax 0.11 on, `METADATA` before.
+_ORBAX_ITEM_METADATA = {"_METADATA", "METADATA"}
 _SKIPPED = {"site-packages", "dist-packages", "node_modules", "__pycache__"}
 
 
@@ -201,7 +203,7 @@ def _inspect_nvme(path: str, verify: bool, progress: bool) -> StoreReport:
   pairs = list(zip(report.leaves, store.records, strict=True))
   work = [(leaf, r, s, g) for s, g in store.kept for leaf, r in pairs]
   desc = f"offlax: verifying {path}"
-  for leaf, r, step, gen in store_lib._progress(work, progress and verify, desc):
+  for leaf, r, step, gen in store_lib.progress_bar(work, progress and verify, desc):
     problem = _check_item(store, r, gen, verify)
     if problem is not None:
       report.problems.append(f"step {step}: {problem}")
@@ -219,7 +221,7 @@ def _check_item(store: store_lib.Store, r: store_format.LeafRecord, gen: int, ve
   """The first problem of item `r` in generation `gen`, or None."""
   if not verify:
     return store.check_files(r, gen)
-  buffer = direct_io._aligned_empty(r.chunk_nbytes)
+  buffer = direct_io.aligned_empty(r.chunk_nbytes)
   for c, first, end in store._chunks(r, 0, r.size):
     try:
       store._read_chunk(r, gen, c, buffer[: (end - first) * np.dtype(r.dtype).itemsize])
@@ -230,7 +232,7 @@ def _check_item(store: store_lib.Store, r: store_format.LeafRecord, gen: int, ve
 
 def _locked(path: str) -> bool:
   try:
-    fd = os.open(os.path.join(path, store_format._LOCK), os.O_RDONLY | os.O_NOFOLLOW)
+    fd = os.open(os.path.join(path, store_format.LOCK), os.O_RDONLY | os.O_NOFOLLOW)
   except OSError:
     return False
   try:

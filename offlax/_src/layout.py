@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
+import sys
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import numpy as np
 import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from offlax._src import coupling as coupling_lib
+from offlax._src import errors
 
 MASKED = optax.MaskedNode
 MASK = object()  # a state item left out of a slice
@@ -18,6 +22,9 @@ MASK = object()  # a state item left out of a slice
 
 def is_masked(x: Any) -> bool:
   return isinstance(x, MASKED)
+
+
+_nnx_registered = False
 
 
 @jax.tree_util.register_static
@@ -32,6 +39,17 @@ class OnDisk:
   index: int
   shape: tuple[int, ...]
   dtype: str
+
+  def __post_init__(self):
+    # Flax NNX would drop a leafless node from `nnx.state`, and orbax save the
+    # state without these arrays: `flax_on_disk` makes NNX keep it, where orbax
+    # refuses it. Registered once NNX is imported, before it can see a placeholder.
+    global _nnx_registered
+    if not _nnx_registered and "flax.nnx" in sys.modules:
+      from offlax._src import flax_on_disk
+
+      flax_on_disk.register(OnDisk)
+      _nnx_registered = True
 
 
 def is_slot(x: Any) -> bool:
@@ -87,6 +105,47 @@ class ParamSpec:
     dummy = self.treedef.unflatten([0] * self.treedef.num_leaves)
     flat = jax.tree_util.tree_flatten_with_path(dummy, is_leaf=is_masked)[0]
     return [jax.tree_util.keystr(p) for p, _ in flat]
+
+  @classmethod
+  def of(cls, tree: Any, what: str = "params") -> ParamSpec:
+    """The spec of the params tree `tree` (or of updates of its structure).
+
+    Args:
+      tree: a pytree of arrays (`jax.Array`, numpy arrays, Python numbers or
+        `jax.ShapeDtypeStruct`s); `optax.MaskedNode` slots are kept as slots.
+      what: what `tree` is, for the error message ("params", "updates").
+
+    Returns:
+      Its `ParamSpec`: treedef, shapes, bytes, and the mesh and each leaf's
+      `PartitionSpec` where the leaves are sharded on one.
+
+    Raises:
+      LeafTypeError: a leaf is not an array.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from offlax._src.layout import ParamSpec
+      >>> spec = ParamSpec.of({"b": jnp.zeros(3), "w": jax.ShapeDtypeStruct((2, 3), jnp.float32)})
+      >>> spec.shapes, spec.nbytes, spec.paths
+      (((3,), (2, 3)), 36, ["['b']", "['w']"])
+    """
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_masked)
+    shapes: list[tuple[int, ...] | None] = []
+    n = 0
+    for path, leaf in flat:
+      if is_masked(leaf):
+        shapes.append(None)
+      elif is_array(leaf) and not isinstance(leaf, (str, bytes)):
+        shapes.append(tuple(np.shape(leaf)))
+        n += nbytes(leaf)
+      else:
+        raise errors.LeafTypeError(
+          f"{what} leaf {jax.tree_util.keystr(path) or '<root>'} is a "
+          f"{type(leaf).__name__} ({leaf!r:.60}); expected an array (jax.Array, "
+          "numpy array, Python number or jax.ShapeDtypeStruct)."
+        )
+    mesh, specs = mesh_of(flat, what)
+    return cls(treedef, tuple(shapes), n, mesh, specs)
 
 
 class StateLayout:
@@ -170,3 +229,43 @@ def leaf_bytes(items: Sequence[Any], owners: Sequence[int], n_leaves: int, count
     if owner != coupling_lib.GLOBAL and counted(x):
       total[owner] += nbytes(x)
   return total
+
+
+def is_array(x: Any) -> bool:
+  """Whether `x` is an array leaf: a `jax.Array`, numpy array, number or `ShapeDtypeStruct`."""
+  return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct, numbers.Number))
+
+
+def mesh_of(
+  flat: Sequence[tuple[Any, Any]], what: str = "params"
+) -> tuple[Mesh | None, tuple[PartitionSpec | None, ...]]:
+  """The mesh of (key path, leaf) pairs sharded on one, and each leaf's spec.
+
+  Leaves without a `NamedSharding` (numbers, numpy arrays, tracers, masked
+  slots) get None. A mesh of one device counts as no mesh: nothing changes.
+  """
+  mesh: Any = None
+  specs: list[PartitionSpec | None] = []
+  for path, leaf in flat:
+    sharding = _named(leaf)
+    if sharding is None or sharding.mesh.size == 1:
+      specs.append(None)
+      continue
+    if mesh is None:
+      mesh = sharding.mesh
+    elif sharding.mesh != mesh:
+      raise errors.TreeMismatchError(
+        f"{what} leaf {jax.tree_util.keystr(path)} is on mesh {sharding.mesh}, other leaves on "
+        f"{mesh}: offload needs every sharded {what} leaf on one mesh."
+      )
+    specs.append(sharding.spec)
+  if mesh is None:
+    return None, ()
+  return mesh, tuple(specs)
+
+
+def _named(leaf: Any) -> NamedSharding | None:
+  if isinstance(leaf, jax.core.Tracer):
+    return None
+  sharding = getattr(leaf, "sharding", None)
+  return sharding if isinstance(sharding, NamedSharding) else None

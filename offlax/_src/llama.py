@@ -88,7 +88,7 @@ def shaped(n_params: float, layers: int, *, tokens: int = 2048, vocab: int = 320
 
 def param_specs(m: Llama, memory_kind: str | None, dtype=jnp.bfloat16):
   """`ShapeDtypeStruct`s of the params, layers stacked along a first axis."""
-  sharding = gpu_compile._one_device(memory_kind)
+  sharding = gpu_compile.one_device(memory_kind)
   s = lambda *shape: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
   L, d, f = m.layers, m.d, m.ffn
   layers = {
@@ -167,7 +167,58 @@ def compile_step(
     tx = inner
     state = gpu_compile.state_specs(jax.eval_shape(tx.init, params))
   step = jax.jit(train_step(m, tx, offloaded=offloaded), donate_argnums=(0, 1))
-  tokens = jax.ShapeDtypeStruct((m.tokens,), jnp.int32, sharding=gpu_compile._one_device(None))
+  tokens = jax.ShapeDtypeStruct((m.tokens,), jnp.int32, sharding=gpu_compile.one_device(None))
   return gpu_compile.compile_for_gpu(
     step, params, state, tokens, target=target, n_params=m.n_params, **compile_options
+  )
+
+
+def from_config(name: str, *, tokens: int = 2048) -> Llama:
+  """The `Llama` shape of a Tunix model config (``qwen3_14b``) or of a JSON file of shapes.
+
+  A JSON file holds ``{"layers", "d", "ffn", "vocab", "heads"}`` and optionally
+  ``"kv_heads"``. A name is a classmethod of the ``ModelConfig`` of
+  ``tunix.models.llama3``, ``qwen3`` or ``gemma3`` (Tunix installed).
+
+  Raises:
+    InvalidOptionError: the name is neither a file nor a Tunix config.
+  """
+  import json
+  import os
+
+  from offlax._src import errors
+
+  if name.endswith(".json") or os.path.isfile(name):
+    with open(name) as f:
+      shape = json.load(f)
+    missing = {"layers", "d", "ffn", "vocab", "heads"} - set(shape)
+    if missing:
+      raise errors.InvalidOptionError(
+        f"--model {name}: the shapes lack {sorted(missing)} (expected layers, d, ffn, vocab, "
+        "heads and optionally kv_heads)."
+      )
+    return Llama(tokens=tokens, **{k: int(v) for k, v in shape.items()})
+  import importlib
+
+  known = []
+  for family in ("llama3", "qwen3", "gemma3"):
+    try:
+      config_cls = importlib.import_module(f"tunix.models.{family}.model").ModelConfig
+    except ImportError:
+      continue
+    known += [n for n in dir(config_cls) if not n.startswith("_") and "b" in n]
+    make = getattr(config_cls, name, None)
+    if callable(make):
+      c = make()
+      d = c.embed_dim
+      return Llama(
+        layers=c.num_layers, d=d, ffn=c.hidden_dim, vocab=c.vocab_size,
+        heads=d // c.head_dim, kv_heads=max(1, c.num_kv_heads * d // (c.head_dim * c.num_heads)),
+        tokens=tokens,
+      )  # fmt: skip
+  raise errors.InvalidOptionError(
+    f"--model {name!r}: not a JSON file of shapes nor a Tunix model config"
+    + (
+      f" (known: {', '.join(sorted(set(known))[:12])}, ...)" if known else " (Tunix not installed)"
+    )
   )

@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from offlax._src import errors
+from offlax._src import apply as apply_lib
+from offlax._src import errors, host_adam
 from offlax._src.host_adam import OUT_DELTA, OUT_PARAM
 
 
@@ -26,7 +27,7 @@ class MasterWeightsState(NamedTuple):
 
 def master_weights(
   inner: optax.GradientTransformation, *, dtype: Any = jnp.float32
-) -> optax.GradientTransformationExtraArgs:
+) -> apply_lib.FusedTransformation:
   """Updates a `dtype` master copy of the params and returns updates that round to it.
 
   Mixed precision as in ZeRO-Offload: the model's params are low precision
@@ -54,7 +55,7 @@ def master_weights(
     dtype: the master dtype.
 
   Returns:
-    A `optax.GradientTransformationExtraArgs` whose state is a
+    A `FusedTransformation` (an `optax.GradientTransformationExtraArgs`) whose state is a
     `MasterWeightsState`; `update` requires `params`.
 
   Example:
@@ -83,7 +84,11 @@ def master_weights(
 
   # `offlax.adam`/`adamw` run the whole step (moments, master, new params) in
   # one native pass on XLA:CPU; None where they cannot (other dtypes, no library).
-  whole_step = getattr(inner.update, "offlax_whole_step", None) if dtype == jnp.float32 else None
+  whole_step = (
+    inner.whole_step
+    if isinstance(inner, host_adam.AdamTransformation) and dtype == jnp.float32
+    else None
+  )
 
   def check_params(params):
     if params is None:
@@ -124,5 +129,4 @@ def master_weights(
     updates, state = update_fn(grads, state, params, **extra_args)
     return optax.apply_updates(params, updates), state
 
-  update_fn.offlax_update_and_apply = update_and_apply_fn  # type: ignore[attr-defined]
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return apply_lib.FusedTransformation(init_fn, update_fn, update_and_apply_fn)

@@ -37,24 +37,24 @@ def bus(nbytes: int) -> float:
 
 def disk(directory: str | None, nbytes: int) -> float:
   """Sequential write then read of `nbytes` with direct I/O where the filesystem allows."""
-  from offlax._src.nvme.direct_io import _O_DIRECT, _aligned_empty, _pread_into, _pwrite_all
+  from offlax._src.nvme.direct_io import O_DIRECT, aligned_empty, pread_into, pwrite_all
 
-  data = _aligned_empty(nbytes)
+  data = aligned_empty(nbytes)
   data[:] = 1
   with tempfile.TemporaryDirectory(dir=directory) as tmp:
     name = os.path.join(tmp, "probe")
-    flags = os.O_CREAT | os.O_RDWR | _O_DIRECT
+    flags = os.O_CREAT | os.O_RDWR | O_DIRECT
     try:
       fd = os.open(name, flags, 0o600)
     except OSError:
-      fd = os.open(name, flags & ~_O_DIRECT, 0o600)
+      fd = os.open(name, flags & ~O_DIRECT, 0o600)
     try:
       start = time.perf_counter()
-      _pwrite_all(fd, [data], 0)
+      pwrite_all(fd, [data], 0)
       os.fsync(fd)
       write_s = time.perf_counter() - start
       start = time.perf_counter()
-      _pread_into(fd, data, 0)
+      pread_into(fd, data, 0)
       read_s = time.perf_counter() - start
     finally:
       os.close(fd)

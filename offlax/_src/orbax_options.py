@@ -4,7 +4,25 @@ from __future__ import annotations
 
 import orbax.checkpoint as ocp
 
-from offlax._src import errors
+from offlax._src import errors, patches
+
+NO_COMPRESSION = patches.register(
+  patches.Patch(
+    name="orbax-handler-compression",
+    target="orbax.checkpoint.StandardCheckpointHandler._impl",
+    scope="object",
+    upstream=(
+      "StandardCheckpointHandler takes no use_compression: it builds its "
+      "PyTreeCheckpointHandler (_impl) with zstd compression always on "
+      "(orbax/checkpoint/_src/handlers/standard_checkpoint_handler.py)"
+    ),
+    versions="orbax-checkpoint 0.12.8",
+    failure=(
+      "checkpoint_handler(compression=False) would compress anyway: saves of "
+      "optimizer moments several times slower than the disk (docs/checkpoint_speed.md)"
+    ),
+  )
+)
 
 
 def checkpoint_handler(
@@ -70,14 +88,21 @@ def checkpoint_handler(
     restore_concurrent_gb=restore_concurrent_gb,
     use_ocdbt=ocdbt,
   )
-  # StandardCheckpointHandler does all its work through this pytree handler and
-  # passes it no `use_compression`; a subclass would lose the registration of
-  # StandardSave/StandardRestore (orbax matches the exact type).
-  # tests/test_checkpoint_speed.py checks that the options reach the disk.
-  handler._impl = ocp.PyTreeCheckpointHandler(
-    save_concurrent_gb=save_concurrent_gb,
-    restore_concurrent_gb=restore_concurrent_gb,
-    use_ocdbt=ocdbt,
-    use_compression=compression,
-  )
+  if not compression:
+    # StandardCheckpointHandler does all its work through this pytree handler and
+    # passes it no `use_compression`; a subclass would lose the registration of
+    # StandardSave/StandardRestore (orbax matches the exact type). Only this
+    # handler changes (docs/patches.md); tests/test_checkpoint_speed.py checks
+    # that the options reach the disk.
+    patches.set_on(
+      NO_COMPRESSION,
+      handler,
+      "_impl",
+      ocp.PyTreeCheckpointHandler(
+        save_concurrent_gb=save_concurrent_gb,
+        restore_concurrent_gb=restore_concurrent_gb,
+        use_ocdbt=ocdbt,
+        use_compression=compression,
+      ),
+    )
   return handler

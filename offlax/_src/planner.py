@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import optax
 
-from offlax._src import errors, flax_glue
+from offlax._src import errors, flax_glue, plan_advice
 from offlax._src.nvme.format import DEFAULT_KEEP
 from offlax._src.telemetry import format_bytes
 
@@ -32,6 +32,10 @@ SLICES_ON_DEVICE = 2
 # Device memory the plan leaves free: XLA's temporaries and fragmentation, the
 # runtime and the collectives' buffers need some beyond the figures counted here.
 DEVICE_RESERVE = 0.05
+# The NVMe tier's RAM: a share caches state, the rest (and at least this many
+# slices) is kept for its buffers.
+_NVME_CACHE_SHARE = 0.75
+_NVME_BUFFERS = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,8 +61,11 @@ class Plan:
     disk_bytes_per_step: bytes read and written on disk per step.
     overhead_s: estimated extra seconds per step if no transfer overlapped
       compute (an upper bound; the streamed tier hides most of it).
-    advice: what to change, when it does not fit or could do better.
+    advice: what to change, when it does not fit or could do better; when it
+      does not fit, offlax's own ways out first, each with what it needs.
     assumptions: the figures the estimates used.
+    code: the lines that build the optimizer of `mode` (``inner`` stands for
+      the optimizer planned); empty for ``"none"``.
   """
 
   mode: str
@@ -72,9 +79,10 @@ class Plan:
   overhead_s: float
   advice: list[str]
   assumptions: dict[str, Any]
+  code: str = ""
 
-  def table(self) -> str:
-    """A readable summary."""
+  def table(self, inner: str = "inner") -> str:
+    """A readable summary; `inner`: the optimizer's code, in the code lines."""
     a = self.assumptions
     lines = [
       f"offlax plan: {a['params']:,} params ({format_bytes(a['param_bytes'])}), "
@@ -104,6 +112,9 @@ class Plan:
       f"(bus {format_bytes(a['bus_bytes_per_s'])}/s, disk {format_bytes(a['disk_bytes_per_s'])}/s, "
       f"host Adam {a['host_adam_params_per_s'] / 1e9:.2f} G params/s, no overlap)",
     ]
+    if self.code:
+      code = re.sub(r"\binner\b", lambda _: inner, self.code)
+      lines += ["code:", *(f"  {line}" for line in code.splitlines())]
     lines += [f"- {x}" for x in self.advice]
     return "\n".join(lines)
 
@@ -184,7 +195,7 @@ def plan(
   small = state - sum(b for _, b in big)
   fixed = 2 * param_bytes + activation_bytes  # params and gradients
   usable = int(device_bytes * (1 - DEVICE_RESERVE))
-  slices = _slices(params, state, n_params, chunk_bytes)
+  stream_slices = slices = _slices(params, state, n_params, chunk_bytes)
   if not fused:
     slices += _whole_updates(tx, params, state, chunk_bytes)
   assumptions = {
@@ -202,7 +213,17 @@ def plan(
     "host_adam_params_per_s": host_adam_params_per_s,
   }
 
-  def make(mode, fits, placement, dev, host, nvme, bus, disk, overhead, advice, fraction=1.0):
+  # Host compute: no state slices on the device, gradients out, updates back (into
+  # the gradients' buffer, or a new one where their dtype differs: master_weights').
+  fixed_host = fixed + (0 if fused else _whole_updates(tx, params, state, 0))
+
+  def make(mode, fits, placement, dev, host, nvme, bus, disk, overhead, advice, fraction=1.0,
+           cache=0):  # fmt: skip
+    if fits and not activation_bytes and not mode.startswith("params_host"):
+      advice = [
+        *advice,
+        plan_advice.activations_note(dev, usable, fixed + slices + small, fixed_host),
+      ]
     return Plan(
       mode,
       fits,
@@ -215,6 +236,7 @@ def plan(
       overhead,
       advice,
       assumptions,
+      plan_advice.code(mode, fraction, cache, fused or mode.startswith("params_host")),
     )
 
   everywhere = lambda where: {k: where for k, _ in leaves}
@@ -234,14 +256,10 @@ def plan(
   if room >= 0 and host <= host_bytes:
     # Rounded down, so that HostTier(fraction=) stops at the same leaf.
     fraction = 1.0 if host == state - small else math.nextafter(host / (state - small), 0)
-    advice = [] if fraction == 1.0 else [f"offload(inner, fraction={fraction:.3f})"]
     return make(
       "host", True, placement, fixed + slices + small + on_device, host, 0,
-      2 * host, 0, 2 * host / bus_bytes_per_s, advice, fraction,
+      2 * host, 0, 2 * host / bus_bytes_per_s, [], fraction,
     )  # fmt: skip
-  # Host compute: no state slices on the device, gradients out, updates back (into
-  # the gradients' buffer, or a new one where their dtype differs: master_weights').
-  fixed_host = fixed + (0 if fused else _whole_updates(tx, params, state, 0))
   if fixed_host <= usable and state <= host_bytes:
     bus = 2 * param_bytes
     overhead = bus / bus_bytes_per_s + n_params / host_adam_params_per_s
@@ -252,7 +270,7 @@ def plan(
       if room < 0 else [],
     )  # fmt: skip
   # The NVMe tier: RAM caches what it can (a quarter kept for slices and buffers).
-  cache = max(0, int(host_bytes * 0.75) - 8 * chunk_bytes)
+  cache = max(0, int(host_bytes * _NVME_CACHE_SHARE) - _NVME_BUFFERS * chunk_bytes)
   on_disk = max(0, state - small - cache)
   # The store holds all of the state (cached arrays too) once per generation.
   store_bytes = (DEFAULT_KEEP + 1) * (state - small)
@@ -272,8 +290,8 @@ def plan(
     bus = 2 * (state - small)
     overhead = max(bus / bus_bytes_per_s, disk / disk_bytes_per_s)
     return make(
-      "nvme", True, placement, fixed + slices + small, cached + 8 * chunk_bytes,
-      store_bytes, bus, disk, overhead, [f"NVMeTier(path, cache_bytes={cache})"],
+      "nvme", True, placement, fixed + slices + small, cached + _NVME_BUFFERS * chunk_bytes,
+      store_bytes, bus, disk, overhead, [], cache=cache,
     )  # fmt: skip
   if layers and fixed > usable:
     host_plan = _params_on_host(
@@ -283,27 +301,19 @@ def plan(
     )  # fmt: skip
     if host_plan is not None:
       return host_plan
-  advice = []
-  if fixed > usable:
-    advice.append(
-      f"params and gradients alone need {format_bytes(fixed)} of device memory "
-      f"({format_bytes(usable)} usable of {format_bytes(device_bytes)}): shard them over "
-      f"{math.ceil(fixed / usable)}+ devices (a jax Mesh), use lower-precision params, "
-      "or train fewer of them (LoRA-style adapters)"
-    )
-  if not fused and fixed <= usable < fixed_host and state <= host_bytes:
-    advice.append(
-      f"host compute needs {format_bytes(fixed_host)} of device memory ({format_bytes(usable)} "
-      f"usable): {format_bytes(fixed_host - fixed)} of it for the updates it returns; step "
-      "with offlax.update_and_apply (plan --fused), which writes the new params instead"
-    )
-  if not advice and fixed <= usable:
-    advice.append(
-      f"params, gradients and slices of state need {format_bytes(fixed + slices + small)}"
-      f" of device memory ({format_bytes(usable)} usable), and the state "
-      f"{format_bytes(state)} ({format_bytes(host_bytes)} of host RAM, "
-      f"{format_bytes(nvme_bytes)} of NVMe)"
-    )
+  figures = plan_advice.Figures(
+    param_bytes=param_bytes, state=state, small=small, activation_bytes=activation_bytes,
+    usable=usable, device_bytes=device_bytes, host_bytes=host_bytes, nvme_bytes=nvme_bytes,
+    chunk_bytes=chunk_bytes, slices=slices, updates=slices - stream_slices,
+    n_slices=stream_slices // chunk_bytes,
+    smaller_chunk=_smaller_chunk(
+      tx, params, state, n_params, chunk_bytes, fused, usable - fixed - small
+    ),
+    store_bytes=store_bytes, nvme_ram=_NVME_BUFFERS * chunk_bytes,
+    host_nvme_ram=2 * param_bytes + int(_NVME_BUFFERS * chunk_bytes / _NVME_CACHE_SHARE) + 1,
+    layers=layers, fused=fused, fixed_host=fixed_host,
+  )  # fmt: skip
+  advice = plan_advice.ways_out(figures)
   if state > host_bytes and store_bytes > nvme_bytes:
     advice.append(
       f"the optimizer state needs {format_bytes(state)}: add host RAM "
@@ -345,8 +355,9 @@ def _params_on_host(
   compute = n_params / host_adam_params_per_s
   why = (
     "params and gradients do not fit on the device: params in host memory, layers "
-    f"streamed by offlax.scan_layers ({format_bytes(layer)} per layer), the step on the host "
-    "(offlax.update_and_apply); device figure: the step's working set, activation_bytes "
+    f"streamed by offlax.scan_layers ({format_bytes(layer)} per layer), or a Flax NNX model "
+    "as it is by offlax.offload_params(model), the step on the host (offlax.update_and_apply, "
+    "or nnx.Optimizer's update); device figure: the step's working set, activation_bytes "
     "(or a layer's params and gradients; plan --compile measures it)"
   )
   if 2 * param_bytes + state <= host_bytes:
@@ -354,7 +365,9 @@ def _params_on_host(
       "params_host", True, everywhere("host"), device, 2 * param_bytes + state, 0, bus, 0,
       bus / bus_bytes_per_s + compute, [why],
     )  # fmt: skip
-  cache = max(0, int((host_bytes - 2 * param_bytes) * 0.75) - 8 * chunk_bytes)
+  cache = max(
+    0, int((host_bytes - 2 * param_bytes) * _NVME_CACHE_SHARE) - _NVME_BUFFERS * chunk_bytes
+  )
   store_bytes = (DEFAULT_KEEP + 1) * (state - small)
   if cache <= 0 or store_bytes > nvme_bytes:
     return None
@@ -362,9 +375,68 @@ def _params_on_host(
   bus += 2 * (state - small)
   return make(
     "params_host_nvme", True, everywhere("nvme"), device, 2 * param_bytes + cache, store_bytes,
-    bus, disk, max(bus / bus_bytes_per_s, disk / disk_bytes_per_s) + compute,
-    [why, f"NVMeTier(path, cache_bytes={cache})"],
+    bus, disk, max(bus / bus_bytes_per_s, disk / disk_bytes_per_s) + compute, [why],
+    cache=cache,
   )  # fmt: skip
+
+
+def mode_bytes(
+  params: Any,
+  tx: optax.GradientTransformation,
+  mode: str,
+  *,
+  chunk_bytes: int = 64 * 2**20,
+  fused: bool = False,
+  activation_bytes: int = 0,
+) -> int:
+  """The device bytes `plan` counts for `mode`, with all the state it offloads off the device.
+
+  Params, gradients and `activation_bytes`, and besides: for ``device`` the
+  whole state; for ``host`` and ``nvme`` the streamed slices, the state's
+  scalars and (unless `fused`) the updates written whole; for
+  ``host_compute`` (unless `fused`) updates of another dtype than the
+  gradients'. A device of ``mode_bytes / (1 - DEVICE_RESERVE)`` holds that mode.
+
+  Args:
+    params: the params, or their `jax.ShapeDtypeStruct`s.
+    tx: the optimizer to offload (the inner one, not wrapped by `offload`).
+    mode: ``"device"``, ``"host"``, ``"host_compute"`` or ``"nvme"``.
+    chunk_bytes: the slice size.
+    fused: the step applies with `offlax.update_and_apply` (see `plan`).
+    activation_bytes: the step's activations and other temporaries.
+
+  Returns:
+    Device bytes, as `plan(...).bytes["device"]` gives them when it picks `mode`
+    and offloads all of the state's arrays.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, offlax
+    >>> from offlax._src import planner
+    >>> params = {"w": jax.ShapeDtypeStruct((1024, 1024), jnp.float32)}
+    >>> need = planner.mode_bytes(params, optax.adam(1e-3), "host", chunk_bytes=2**18)
+    >>> need  # params and gradients (4 MiB each), two slices, adam's step count
+    8912900
+    >>> p = offlax.plan(
+    ...   params, optax.adam(1e-3), device_bytes=10 * 2**20, host_bytes=2**30, chunk_bytes=2**18
+    ... )
+    >>> p.mode, p.bytes["device"] == need
+    ('host', True)
+  """
+  modes = ("device", "host", "host_compute", "nvme")
+  if mode not in modes:
+    raise ValueError(f"mode_bytes: mode must be one of {modes}, got {mode!r}.")
+  params = flax_glue.unbox(params)
+  state_leaves = [_nbytes(x) for x in jax.tree.leaves(jax.eval_shape(tx.init, params))]
+  state = sum(state_leaves)
+  small = sum(b for b in state_leaves if b <= 64)  # scalars stay on the device
+  fixed = 2 * sum(_nbytes(x) for x in jax.tree.leaves(params)) + activation_bytes
+  if mode == "device":
+    return fixed + state
+  if mode == "host_compute":
+    return fixed + (0 if fused else _whole_updates(tx, params, state, 0))
+  n_params = sum(int(np.prod(np.shape(x))) for x in jax.tree.leaves(params))
+  slices = _slices(params, state, n_params, chunk_bytes)
+  return fixed + slices + small + (0 if fused else _whole_updates(tx, params, state, chunk_bytes))
 
 
 def _slices(params: Any, state_bytes: int, n_params: int, chunk_bytes: int) -> int:
@@ -372,6 +444,21 @@ def _slices(params: Any, state_bytes: int, n_params: int, chunk_bytes: int) -> i
   largest = max((int(np.prod(np.shape(x))) for x in jax.tree.leaves(params)), default=0)
   split = largest * state_bytes > chunk_bytes * max(n_params, 1)  # its state needs pieces
   return (SLICES_ON_DEVICE if split else 1) * chunk_bytes
+
+
+def _smaller_chunk(
+  tx: Any, params: Any, state: int, n_params: int, chunk_bytes: int, fused: bool, room: int
+) -> int:
+  """The largest chunk_bytes down to 1 MiB (halving) whose streaming fits `room`; 0 if none."""
+  chunk = chunk_bytes // 2
+  while chunk >= min(2**20, chunk_bytes // 2) and room > 0:
+    need = _slices(params, state, n_params, chunk)
+    if need <= room and not fused:
+      need += _whole_updates(tx, params, state, chunk)
+    if need <= room:
+      return chunk
+    chunk //= 2
+  return 0
 
 
 def _whole_updates(tx: Any, params: Any, state_bytes: int, chunk_bytes: int) -> int:

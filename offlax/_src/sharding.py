@@ -25,41 +25,6 @@ from offlax._src import errors
 from offlax._src import layout as layout_lib
 
 
-def mesh_of(
-  flat: Sequence[tuple[Any, Any]],
-) -> tuple[Mesh | None, tuple[PartitionSpec | None, ...]]:
-  """The mesh of (key path, leaf) pairs sharded on one, and each leaf's spec.
-
-  Leaves without a `NamedSharding` (numbers, numpy arrays, tracers, masked
-  slots) get None. A mesh of one device counts as no mesh: nothing changes.
-  """
-  mesh: Any = None
-  specs: list[PartitionSpec | None] = []
-  for path, leaf in flat:
-    sharding = _named(leaf)
-    if sharding is None or sharding.mesh.size == 1:
-      specs.append(None)
-      continue
-    if mesh is None:
-      mesh = sharding.mesh
-    elif sharding.mesh != mesh:
-      raise errors.TreeMismatchError(
-        f"params leaf {jax.tree_util.keystr(path)} is on mesh {sharding.mesh}, other leaves on "
-        f"{mesh}: offload needs every sharded param on one mesh."
-      )
-    specs.append(sharding.spec)
-  if mesh is None:
-    return None, ()
-  return mesh, tuple(specs)
-
-
-def _named(leaf: Any) -> NamedSharding | None:
-  if isinstance(leaf, jax.core.Tracer):
-    return None
-  sharding = getattr(leaf, "sharding", None)
-  return sharding if isinstance(sharding, NamedSharding) else None
-
-
 def _axes(entry: Any) -> tuple[str, ...]:
   if entry is None:
     return ()

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from offlax._src import coupling as coupling_lib
-from offlax._src import host_params
+from offlax._src import host_params, memory
 from offlax._src import layout as layout_lib
 from offlax._src import schedule as schedule_lib
 from offlax._src.compat import compute_on
@@ -80,378 +80,462 @@ def _follows(p: Piece, q: Piece, n: int) -> bool:
   )  # fmt: skip
 
 
-class Stream:
-  """One streamed update; `run` returns the new updates and state items.
+@dataclasses.dataclass(frozen=True)
+class StreamSpec:
+  """What one streamed update is: fixed while its slices are traced.
+
+  Attributes:
+    update: the inner update of a slice (see `Update`).
+    layout: the state's `StateLayout`.
+    io: the tier's `TierIO`: its capabilities choose the strategy
+      (``writes_in_place``: the stream slices and writes the items; else the
+      tier's `load`/`store`; `prefetch_depth`: what a read waits for).
+    on_host: run each slice's update on the host CPU (state stays in place).
+    apply: return the new params (each slice's updates added to its params
+      piece, written over the params) instead of the updates.
+    p_slots: the flat params (`optax.MaskedNode` where masked), or None.
+    by_leaf: per param leaf (`coupling.GLOBAL` for none), its state items.
+    out_host: per leaf, whether its result buffer lives in host memory.
+  """
+
+  update: Update
+  layout: Any
+  io: Any
+  on_host: bool
+  apply: bool
+  p_slots: list[Any] | None
+  by_leaf: dict[int, list[int]]
+  out_host: list[bool]
+
+  @property
+  def globals(self) -> list[int]:
+    """The items no param owns (a step count): every slice reads and writes them."""
+    return self.by_leaf.get(coupling_lib.GLOBAL, [])
+
+
+@dataclasses.dataclass
+class Buffers:
+  """What the slices write, slice after slice: the current buffer of each result.
+
+  Attributes:
+    grads: the gradients, as given.
+    out: per leaf, where its result goes: the params' buffer with `apply`,
+      else the gradients' (overwritten in place) until an update of another
+      dtype needs its own.
+    over_grads: per leaf, whether `out` is the gradients' buffer.
+    items: the current buffer of each state item.
+    globals_in: the global items, on the device.
+    new_globals: the new global items (every slice computes the same), once known.
+    parts: pieces to join by `concatenate` at the end: ``("u", leaf)`` or
+      ``("item", j)`` keys (a dtype that changes, or a tier without in-place writes).
+    taken: items the tier has taken (`TierIO.store` returned None).
+  """
+
+  grads: list[Any]
+  out: list[Any]
+  over_grads: list[bool]
+  items: list[Any]
+  globals_in: list[Any] = dataclasses.field(default_factory=list)
+  new_globals: list[Any] | None = None
+  parts: dict[Any, list[Any]] = dataclasses.field(default_factory=dict)
+  taken: set[int] = dataclasses.field(default_factory=set)
+
+  def grads_of(self, leaf: int) -> Any:
+    """The buffer holding `leaf`'s gradients (pieces not yet updated where overwritten)."""
+    return self.out[leaf] if self.over_grads[leaf] else self.grads[leaf]
+
+
+def run(
+  update: Update, u_slots, p_slots, layout, items, io, slices, *, on_host=False, apply=False
+) -> tuple[list[Any], list[Any]]:
+  """The streamed update of `slices`: the new update (or param) slots and state items.
 
   Args:
     update: the inner update of a slice (see `Update`).
     u_slots, p_slots: the flat updates and params (`optax.MaskedNode` where masked).
     layout: the state's `StateLayout`; `items` its split state.
-    io: moves state between the tier and the device (`to_device`, `to_tier`;
-      a tier whose state needs its own reads, the NVMe tier, has `load`/`store`
-      and `loops = False`).
+    io: the tier's `TierIO`, opened for this step.
+    slices: the schedule (`schedule.build`): per slice, its pieces.
     on_host: run each slice's update on the host CPU (state stays in place).
-    apply: return the new params (each slice's updates added to its params
-      piece, written over the params) instead of the updates.
+    apply: return the new params instead of the updates.
   """
-
-  def __init__(
-    self, update: Update, u_slots, p_slots, layout, items, io, on_host=False, apply=False
-  ):
-    self.update, self.layout, self.io, self.on_host = update, layout, io, on_host
-    self.p_slots, self.apply = p_slots, apply
-    self.u = list(u_slots)  # the gradients
-    # Where results go: the params' buffers with `apply`, else the gradients'
-    # (overwritten in place) until an update of another dtype needs its own.
-    self.out = list(p_slots) if apply else list(u_slots)
-    self.over_grads = [not apply] * len(self.u)
-    self.out_host = [not layout_lib.is_masked(x) and host_params.on_host(x) for x in self.out]
-    self.items = list(items)  # the current buffer of each state item
-    self.shapes_u = [
-      layout_lib.shape_of(x) if not layout_lib.is_masked(x) else None for x in u_slots
-    ]
-    self.shapes_items = [layout_lib.shape_of(x) for x in items]
-    self.by_leaf: dict[int, list[int]] = {}
-    for j, o in enumerate(layout.owners):
-      self.by_leaf.setdefault(o, []).append(j)
-    self.globals = self.by_leaf.get(coupling_lib.GLOBAL, [])
-    self.new_globals: list[Any] | None = None
-    self.parts: dict[Any, list[Any]] = {}  # leaves whose pieces change dtype: joined at the end
-    self.stored_none: set[int] = set()
-
-  # -- the slice's arithmetic ------------------------------------------------
-
-  def compute(self, pieces, keys, u_in, p_in, state_in, globals_in):
-    """The inner update of one slice (on the device, or inside a host computation)."""
-    slice_items: list[Any] = [layout_lib.MASK] * len(self.items)
-    for j, x in zip(self.globals, globals_in, strict=True):
-      slice_items[j] = x
-    for (j, _), x in zip(keys, state_in, strict=True):
-      slice_items[j] = x
-    u_slots: list[Any] = [layout_lib.MASKED()] * len(self.u)
-    p_slots: list[Any] | None = None if self.p_slots is None else list(u_slots)
-    for n, p in enumerate(pieces):
-      u_slots[p.leaf] = u_in[n]
-      if p_slots is not None:
-        p_slots[p.leaf] = p_in[n]
-    out, out_state = self.update(u_slots, self.layout.merge(slice_items), p_slots, self.apply)
-    out_items = self.layout.split(out_state)
-    new = [out[p.leaf] for p in pieces]
-    return (
-      new,
-      [out_items[j] for j, _ in keys],
-      [out_items[j] for j in self.globals],
-    )
-
-  # -- buffers ------------------------------------------------------------------
-
-  def _view(self, x, p: Piece):
-    return x.reshape(-1) if p.flat and x.ndim != 1 else x
-
-  def _take(self, x, p: Piece, start):
-    x = self._view(x, p)
-    if p.start is None:
-      return x
-    return jax.lax.dynamic_slice_in_dim(x, start, p.rows, p.axis)
-
-  def _put(self, buffers: list[Any], key: Any, i: int, value, p: Piece, start) -> None:
-    """Writes piece `p` of buffer `i` (its new `value`), in place where dtypes allow."""
-    if p.start is None:
-      buffers[i] = value
-      return
-    old = self._view(buffers[i], p)
-    if key in self.parts or (value.dtype != old.dtype and key[0] == "item"):
-      self.parts.setdefault(key, []).append(value)  # joined by `concatenate` at the end
-      return
-    if value.dtype != old.dtype:  # updates of another dtype than the gradients: a new buffer
-      old = host_params.zeros_like(old, value.dtype, host=self.out_host[i])
-      self.over_grads[i] = False
-    buffers[i] = jax.lax.dynamic_update_slice_in_dim(old, value, start, p.axis)
-
-  def _grads(self, leaf: int):
-    """The buffer holding `leaf`'s gradients (pieces not yet updated where overwritten)."""
-    return self.out[leaf] if self.over_grads[leaf] else self.u[leaf]
-
-  def _p_piece(self, p: Piece, start):
-    if self.p_slots is None:
-      return None
-    # With `apply`, from the buffer being written: each piece is read before it
-    # is written, and the old params are not kept alive beside the new.
-    return self._take((self.out if self.apply else self.p_slots)[p.leaf], p, start)
-
-  def _where(self, leaf: int, x):
-    """A result piece `x` of `leaf`, moved to the memory its buffer lives in."""
-    return jax.device_put(x, jax.memory.Space.Host) if self.out_host[leaf] else x
-
-  # -- one slice, one run -------------------------------------------------------
-
-  def slice(self, k: int, pieces, keys, after) -> Any:
-    """Slice `k`; returns what the next slice's fetch waits for (see `run`).
-
-    Its state is fetched not before `after` exists (streamed). Host compute
-    does not move the state, but its gradient and param pieces go to the host
-    not before `after` exists, and it returns device values (its updates):
-    XLA groups independent host work of one computation into one host call,
-    whose inputs, every such slice's pieces, were all copied to the host at
-    once (3.9 GB of host temporaries for a 7B model; one slice since).
-    """
-    io = self.io
-    u_in = [self._take(self._grads(p.leaf), p, p.start) for p in pieces]
-    p_in = [self._p_piece(p, p.start) for p in pieces]
-    starts = [p.start for _, p in keys]
-    if self.on_host:
-      if after is not None:  # ordered through a device value: see above
-        _, (u_in, p_in) = jax.lax.optimization_barrier((after, (u_in, p_in)))
-      new_u, new_g, stored = self._host_slice(pieces, keys, u_in, p_in, starts)
-      for (j, p), x in zip(keys, stored, strict=True):
-        self._put(self.items, ("item", j), j, x, p, p.start)
+  out = list(p_slots) if apply else list(u_slots)
+  by_leaf: dict[int, list[int]] = {}
+  for j, o in enumerate(layout.owners):
+    by_leaf.setdefault(o, []).append(j)
+  plan = StreamSpec(
+    update, layout, io, on_host, apply, p_slots, by_leaf,
+    [not layout_lib.is_masked(x) and memory.on_host(x) for x in out],
+  )  # fmt: skip
+  b = Buffers(list(u_slots), out, [not apply] * len(u_slots), list(items))
+  keys = [[(j, p) for p in pieces for j in by_leaf.get(p.leaf, [])] for pieces in slices]
+  io.plan(keys)
+  b.globals_in = [io.to_device(j, b.items[j]) for j in plan.globals]
+  done: list[Any] = []  # per slice, what a later slice's read waits for
+  for part in runs(slices):
+    if isinstance(part, _Run):
+      u_dtype = _loopable(plan, b, part)
+      if u_dtype is not None:
+        done += [_loop(plan, b, part, done[-1] if done else None, u_dtype)] * part.count
+        continue
+      ks: Sequence[int] = range(part.k, part.k + part.count)
     else:
-      if io.loops:
-        # The wait is on the whole arrays, so that no piece is taken before it.
-        sources = [self.items[j] for j, _ in keys]
-        if after is not None:
-          _, sources = jax.lax.optimization_barrier((after, sources))
-        state_in = [
-          io.to_device(j, self._take(x, p, p.start))
-          for (j, p), x in zip(keys, sources, strict=True)
-        ]
-      else:
-        state_in = io.load(k, after)
-      new_u, new_state, new_g = self.compute(
-        pieces, keys, host_params.fetch(u_in), host_params.fetch(p_in), state_in,
-        self.device_globals,
-      )  # fmt: skip
-      new_u = [self._where(p.leaf, x) for p, x in zip(pieces, new_u, strict=True)]
-      if io.loops:
-        stored = [io.to_tier(j, x) for (j, _), x in zip(keys, new_state, strict=True)]
-      else:
-        stored = io.store(k, new_state)
-      for (j, p), x in zip(keys, stored, strict=True):
-        if x is None:  # written to disk by the tier
-          self.stored_none.add(j)
-        else:
-          self._put(self.items, ("item", j), j, x, p, p.start)
-    for p, x in zip(pieces, new_u, strict=True):
-      if io.loops or self.apply or self.out_host[p.leaf]:
-        self._put(self.out, ("u", p.leaf), p.leaf, x, p, p.start)
-      elif p.start is None:
-        self.out[p.leaf] = x
-      else:
-        # The NVMe tier's slices are not looped: joined by a `concatenate` that
-        # XLA fuses into `apply_updates` (written into the gradients' buffer,
-        # the updates would be a second copy of them in RAM). Into params, or
-        # into gradients in host memory (no concatenate on host), it is in place.
-        self.parts.setdefault(("u", p.leaf), []).append(x)
-    if self.new_globals is None:
-      self.new_globals = new_g
-    if not io.loops:  # the NVMe tier's reads run ahead in its own threads: see `run`
-      return (new_u, new_state)
-    # What the next slice's fetch waits for: this one's state written back.
-    # Waiting for less (its computation, or the slice before) lets XLA's GPU
-    # scheduler hold many slices' state on the device (measured: 0.2-0.6 B/param
-    # more at 1B), however the waits are chained.
-    if self.on_host:
-      # Host compute: its updates on the device; with params in host memory, the
-      # host arrays its results were written into. XLA:GPU returns a host call's
-      # results through device memory, and left unordered it wrote them back at
-      # the end of the step (13B, 1024 tokens: 2.55 GB of device peak -> 1.17).
-      device = [x for x in new_u if not host_params.on_host(x)]
-      return device or [self.items[j] for j, _ in keys] + [self.out[p.leaf] for p in pieces]
-    return stored
+      ks = (part,)
+    for k in ks:
+      # Slice k's read waits for slice k - prefetch_depth (`TierIO`).
+      lag = io.prefetch_depth
+      after = done[k - lag] if k >= lag else None
+      done.append(_slice(plan, b, k, slices[k], keys[k], after))
+  return _joined(plan, b, slices, [_shape(x) for x in u_slots], [_shape(x) for x in items])
 
-  def _host_slice(self, pieces, keys, u_in, p_in, starts, sources=None):
-    """One slice's update on the host CPU: new update pieces, globals and state pieces.
 
-    Offloaded state goes into the host computation whole (`sources`, or the
-    current buffers) and is sliced there: a piece sliced outside it is copied
-    to the device, where XLA:GPU's host call reads its operands from (measured:
-    one piece more of device memory, and the piece twice more over the bus).
-    The new pieces come back for the caller to write into the host arrays (in
-    place); pieces of items kept on the device go to the host and come back.
-    """
-    io = self.io
-    sources = [self.items[j] for j, _ in keys] if sources is None else sources
-    host = [bool(io.offloaded[j]) for j, _ in keys]
+# -- the slice's arithmetic ------------------------------------------------------
+
+
+def _compute(plan: StreamSpec, pieces, keys, u_in, p_in, state_in, globals_in):
+  """The inner update of one slice (on the device, or inside a host computation)."""
+  n_items, n_slots = len(plan.layout.owners), len(plan.out_host)
+  slice_items: list[Any] = [layout_lib.MASK] * n_items
+  for j, x in zip(plan.globals, globals_in, strict=True):
+    slice_items[j] = x
+  for (j, _), x in zip(keys, state_in, strict=True):
+    slice_items[j] = x
+  u_slots: list[Any] = [layout_lib.MASKED()] * n_slots
+  p_slots: list[Any] | None = None if plan.p_slots is None else list(u_slots)
+  for n, p in enumerate(pieces):
+    u_slots[p.leaf] = u_in[n]
+    if p_slots is not None:
+      p_slots[p.leaf] = p_in[n]
+  out, out_state = plan.update(u_slots, plan.layout.merge(slice_items), p_slots, plan.apply)
+  out_items = plan.layout.split(out_state)
+  new = [out[p.leaf] for p in pieces]
+  return (
+    new,
+    [out_items[j] for j, _ in keys],
+    [out_items[j] for j in plan.globals],
+  )
+
+
+# -- buffers ---------------------------------------------------------------------
+
+
+def _view(x, p: Piece):
+  return x.reshape(-1) if p.flat and x.ndim != 1 else x
+
+
+def _take(x, p: Piece, start):
+  x = _view(x, p)
+  if p.start is None:
+    return x
+  return jax.lax.dynamic_slice_in_dim(x, start, p.rows, p.axis)
+
+
+def _put(
+  plan: StreamSpec, b: Buffers, buffers: list[Any], key: Any, i: int, value, p: Piece, start
+):
+  """Writes piece `p` of buffer `i` (its new `value`), in place where dtypes allow."""
+  if p.start is None:
+    buffers[i] = value
+    return
+  old = _view(buffers[i], p)
+  if key in b.parts or (value.dtype != old.dtype and key[0] == "item"):
+    b.parts.setdefault(key, []).append(value)  # joined by `concatenate` at the end
+    return
+  if value.dtype != old.dtype:  # updates of another dtype than the gradients: a new buffer
+    old = host_params.zeros_like(old, value.dtype, host=plan.out_host[i])
+    b.over_grads[i] = False
+  buffers[i] = jax.lax.dynamic_update_slice_in_dim(old, value, start, p.axis)
+
+
+def _p_piece(plan: StreamSpec, b: Buffers, p: Piece, start):
+  if plan.p_slots is None:
+    return None
+  # With `apply`, from the buffer being written: each piece is read before it
+  # is written, and the old params are not kept alive beside the new.
+  return _take((b.out if plan.apply else plan.p_slots)[p.leaf], p, start)
+
+
+def _where(plan: StreamSpec, leaf: int, x):
+  """A result piece `x` of `leaf`, moved to the memory its buffer lives in."""
+  return memory.to_host(x) if plan.out_host[leaf] else x
+
+
+# -- one slice -------------------------------------------------------------------
+
+
+def _slice(plan: StreamSpec, b: Buffers, k: int, pieces, keys, after) -> Any:
+  """Slice `k`; returns what a later slice's read waits for (see `run`)."""
+  u_in = [_take(b.grads_of(p.leaf), p, p.start) for p in pieces]
+  p_in = [_p_piece(plan, b, p, p.start) for p in pieces]
+  if plan.on_host:
+    new_u, new_state, new_g, stored = _slice_on_host(plan, b, pieces, keys, u_in, p_in, after)
+  else:
+    new_u, new_state, new_g, stored = _slice_streamed(plan, b, k, pieces, keys, u_in, p_in, after)
+  for p, x in zip(pieces, new_u, strict=True):
+    if plan.io.writes_in_place or plan.apply or plan.out_host[p.leaf]:
+      _put(plan, b, b.out, ("u", p.leaf), p.leaf, x, p, p.start)
+    elif p.start is None:
+      b.out[p.leaf] = x
+    else:
+      # A tier that writes its own state (the NVMe tier) has no loops: the
+      # pieces are joined by a `concatenate` that XLA fuses into
+      # `apply_updates` (written into the gradients' buffer, the updates would
+      # be a second copy of them in RAM). Into params, or into gradients in
+      # host memory (no concatenate on host), it is in place.
+      b.parts.setdefault(("u", p.leaf), []).append(x)
+  if b.new_globals is None:
+    b.new_globals = new_g
+  if not plan.io.writes_in_place:  # the tier's reads run ahead (`prefetch_depth`)
+    return (new_u, new_state)
+  # What the next slice's read waits for: this one's state written back.
+  # Waiting for less (its computation, or the slice before) lets XLA's GPU
+  # scheduler hold many slices' state on the device, however the waits are
+  # chained.
+  if plan.on_host:
+    # Host compute: its updates on the device; with params in host memory, the
+    # host arrays its results were written into. XLA:GPU returns a host call's
+    # results through device memory, and left unordered it writes them back at
+    # the end of the step, holding every slice's on the device.
+    device = [x for x in new_u if not memory.on_host(x)]
+    return device or [b.items[j] for j, _ in keys] + [b.out[p.leaf] for p in pieces]
+  return stored
+
+
+def _slice_streamed(plan: StreamSpec, b: Buffers, k: int, pieces, keys, u_in, p_in, after):
+  """Slice `k` on the device: its state read not before `after` exists, and written back."""
+  io = plan.io
+  if io.writes_in_place:
+    # The wait is on the whole arrays, so that no piece is taken before it.
+    sources = [b.items[j] for j, _ in keys]
+    if after is not None:
+      _, sources = jax.lax.optimization_barrier((after, sources))
     state_in = [
-      b if h else io.to_host(self._take(b, p, s))
-      for b, (_, p), h, s in zip(sources, keys, host, starts, strict=True)
+      io.to_device(j, _take(x, p, p.start)) for (j, p), x in zip(keys, sources, strict=True)
     ]
-    # A loop's starts are traced and go in as arguments; the others stay Python
-    # ints (a flat leaf's may pass int32).
-    traced = {i: io.to_host(s) for i, s in enumerate(starts) if isinstance(s, jax.Array)}
-    # Pieces already in host memory (params and gradients there) are passed as they are.
-    to_host = lambda xs: [
-      x if x is None or host_params.on_host(x) else io.to_host(x) for x in xs
-    ]  # fmt: skip
-
-    def on_host(u_in, p_in, state_in, traced, globals_in):
-      args = jax.tree.map(host_params.as_device_value, (u_in, p_in, state_in, traced, globals_in))
-      u_in, p_in, state_in, traced, globals_in = args
-      state_in = [
-        self._take(x, p, traced.get(i, starts[i])) if h else x
-        for i, (x, (_, p), h) in enumerate(zip(state_in, keys, host, strict=True))
-      ]
-      return self.compute(pieces, keys, u_in, p_in, state_in, globals_in)
-
-    run = compute_on(on_host, compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)
-    new_u, new_state, new_g = run(
-      to_host(u_in), to_host(p_in), state_in, traced, to_host(self.device_globals)
-    )
-    new_state = [x if h else _to_device(x) for x, h in zip(new_state, host, strict=True)]
-    new_u = [
-      x if self.out_host[p.leaf] else _to_device(x) for p, x in zip(pieces, new_u, strict=True)
-    ]
-    new_g = [
-      x if io.offloaded[j] else _to_device(x) for j, x in zip(self.globals, new_g, strict=True)
-    ]
-    return new_u, new_g, new_state
-
-  def loop(self, run: _Run, after, u_dtype) -> Any:
-    """The pieces of `run` in one `fori_loop` whose carries are the leaf's buffers.
-
-    The updates are written over the gradients where they have their dtype;
-    otherwise (`master_weights`: fp32 updates of bf16 params) into a new array.
-    With `apply` the new params are written over the params.
-    """
-    p0, size, leaf = run.piece, run.piece.rows, run.piece.leaf
-    js = self.by_leaf.get(leaf, [])
-    keys = [(j, p0) for j in js]
-    grads = self._view(self._grads(leaf), p0)
-    in_place = self.over_grads[leaf] and grads.dtype == u_dtype  # the gradients are the carry
-    if in_place or not self.over_grads[leaf]:  # (the params with `apply`)
-      out = self._view(self.out[leaf], p0)
+  else:
+    state_in = io.load(k, after)
+  new_u, new_state, new_g = _compute(
+    plan, pieces, keys, host_params.fetch(u_in), host_params.fetch(p_in), state_in, b.globals_in
+  )
+  new_u = [_where(plan, p.leaf, x) for p, x in zip(pieces, new_u, strict=True)]
+  if io.writes_in_place:
+    stored = [io.to_tier(j, x) for (j, _), x in zip(keys, new_state, strict=True)]
+  else:
+    stored = io.store(k, new_state)
+  for (j, p), x in zip(keys, stored, strict=True):
+    if x is None:  # taken by the tier
+      b.taken.add(j)
     else:
-      out = host_params.zeros_like(grads, u_dtype, host=self.out_host[leaf])
-      self.over_grads[leaf] = False
-    bufs = [self._view(self.items[j], p0) for j in js]
-    if after is not None:  # the state's fetch is what needs ordering
-      _, bufs = jax.lax.optimization_barrier((after, bufs))
-    init = (out, bufs)
-
-    def body(i, carry):
-      (u_buf, bufs), _ = carry
-      start = p0.start + i * size
-      u_in = [jax.lax.dynamic_slice_in_dim(u_buf if in_place else grads, start, size, p0.axis)]
-      if self.apply:
-        p_in = [jax.lax.dynamic_slice_in_dim(u_buf, start, size, p0.axis)]
-      else:
-        p_in = [self._p_piece(p0, start)]
-      if self.on_host:
-        new_u, new_g, new_state = self._host_slice((p0,), keys, u_in, p_in, [start] * len(js), bufs)
-        bufs = [
-          jax.lax.dynamic_update_slice_in_dim(b, x, start, p0.axis)
-          for b, x in zip(bufs, new_state, strict=True)
-        ]
-      else:
-        state_in = [jax.lax.dynamic_slice_in_dim(b, start, size, p0.axis) for b in bufs]
-        state_in = [self.io.to_device(j, x) for j, x in zip(js, state_in, strict=True)]
-        new_u, new_state, new_g = self.compute(
-          (p0,), keys, host_params.fetch(u_in), host_params.fetch(p_in), state_in,
-          self.device_globals,
-        )  # fmt: skip
-        new_u = [self._where(leaf, new_u[0])]
-        bufs = [
-          jax.lax.dynamic_update_slice_in_dim(b, self.io.to_tier(j, x), start, p0.axis)
-          for j, b, x in zip(js, bufs, new_state, strict=True)
-        ]
-      u_buf = jax.lax.dynamic_update_slice_in_dim(u_buf, new_u[0], start, p0.axis)
-      return (u_buf, bufs), new_g
-
-    # Every piece computes the same new globals (a step count): the carry keeps one.
-    (u_buf, bufs), new_g = jax.lax.fori_loop(0, run.count, body, (init, list(self.device_globals)))
-    self.out[leaf] = u_buf
-    for j, b in zip(js, bufs, strict=True):
-      self.items[j] = b
-    if self.new_globals is None:
-      self.new_globals = new_g
-    return bufs
-
-  def loopable(self, run: _Run) -> Any:
-    """The dtype of the run's update pieces if its state pieces keep their dtypes, else None.
-
-    A loop carries the state buffers, so their dtypes must not change.
-    """
-    if not self.io.loops:
-      return None
-    p0 = run.piece
-    js = self.by_leaf.get(p0.leaf, [])
-    keys = [(j, p0) for j in js]
-    # Plain shapes: `compute` sees its inputs on the device (moved there, or relabelled inside a
-    # host computation), while JAX >= 0.11 keeps a host array's memory space in `eval_shape`.
-    chunk = lambda x: _plain(jax.eval_shape(lambda y: self._take(y, p0, p0.start), x))
-    u_in = [chunk(self._grads(p0.leaf))]
-    p_in = [None if self.p_slots is None else chunk(self.p_slots[p0.leaf])]
-    state_in = [chunk(self.items[j]) for j in js]
-    g_in = [jax.ShapeDtypeStruct(jnp.shape(x), layout_lib.dtype_of(x)) for x in self.device_globals]
-    out = jax.eval_shape(lambda *a: self.compute((p0,), keys, *a), u_in, p_in, state_in, g_in)
-    same = lambda a, b: [(x.shape, x.dtype) for x in a] == [(x.shape, x.dtype) for x in b]
-    if not (same(out[1], state_in) and same(out[2], g_in)) or out[0][0].shape != u_in[0].shape:
-      return None
-    return out[0][0].dtype
-
-  # -- the whole update ---------------------------------------------------------
-
-  def run(self, slices: Sequence[tuple[Piece, ...]]) -> tuple[list[Any], list[Any]]:
-    keys = [[(j, p) for p in pieces for j in self.by_leaf.get(p.leaf, [])] for pieces in slices]
-    self.io.plan(keys)
-    self.device_globals = [self.io.to_device(j, self.items[j]) for j in self.globals]
-    done: list[Any] = []  # per slice, what the next one waits for
-    for part in runs(slices):
-      if isinstance(part, _Run):
-        u_dtype = self.loopable(part)
-        if u_dtype is not None:
-          done += [self.loop(part, done[-1] if done else None, u_dtype)] * part.count
-          continue
-        ks: Sequence[int] = range(part.k, part.k + part.count)
-      else:
-        ks = (part,)
-      for k in ks:
-        # The NVMe tier's slice k waits for slice k - 2 computed, as its reads
-        # are planned (`DiskIO`); the host tier's for slice k - 1 written back.
-        lag = 1 if self.io.loops else 2
-        after = done[k - lag] if k >= lag else None
-        done.append(self.slice(k, slices[k], keys[k], after))
-    return self._joined(slices)
-
-  def _joined(self, slices):
-    """The final update leaves and state items, in their own shapes."""
-    pieces_of: dict[int, list[Piece]] = {}
-    for pieces in slices:
-      for p in pieces:
-        pieces_of.setdefault(p.leaf, []).append(p)
-    u = list(self.out)
-    for leaf, shape in enumerate(self.shapes_u):
-      if ("u", leaf) in self.parts:
-        u[leaf] = schedule_lib.join(pieces_of[leaf], self.parts[("u", leaf)], shape)
-      elif shape is not None and leaf in pieces_of:
-        u[leaf] = u[leaf].reshape(shape)
-    items = list(self.items)
-    for j, o in enumerate(self.layout.owners):
-      if o == coupling_lib.GLOBAL:
-        new = self.new_globals[self.globals.index(j)] if self.new_globals is not None else items[j]
-        items[j] = self.io.to_tier(j, new) if not self.on_host else new
-      elif j in self.stored_none:
-        items[j] = None
-      elif ("item", j) in self.parts:
-        # Pieces whose dtype changed (an update that casts its state): joined on
-        # the device, as XLA:GPU would turn a join on host memory into host compute.
-        parts = [self.io.to_device(j, x) for x in self.parts[("item", j)]]
-        items[j] = self.io.to_tier(j, schedule_lib.join(pieces_of[o], parts, self.shapes_items[j]))
-      elif o in pieces_of:
-        items[j] = items[j].reshape(self.shapes_items[j])
-    if not self.apply:
-      # A leaf written piece by piece is whole before it leaves: XLA's GPU compiler
-      # otherwise fuses its last `dynamic_update_slice` into the caller's
-      # `apply_updates`, whose output is then a new leaf-sized buffer (7B: one
-      # more slice at 16 layers, 6 at 2), not the params updated in place.
-      for leaf, pieces in pieces_of.items():
-        if ("u", leaf) not in self.parts and any(p.start is not None for p in pieces):
-          u[leaf] = jax.lax.optimization_barrier(u[leaf])
-    return u, items
+      _put(plan, b, b.items, ("item", j), j, x, p, p.start)
+  return new_u, new_state, new_g, stored
 
 
-def _to_device(x):
-  return jax.device_put(x, jax.memory.Space.Device)
+def _slice_on_host(plan: StreamSpec, b: Buffers, pieces, keys, u_in, p_in, after):
+  """A slice on the host CPU: the state does not move; its new pieces are written in place.
+
+  Its gradient and param pieces go to the host not before `after` exists, and
+  it returns device values (its updates): XLA groups independent host work of
+  one computation into one host call, whose inputs, every such slice's
+  pieces, would all be copied to the host at once (docs/gpu_memory.md).
+  """
+  if after is not None:  # ordered through a device value: see above
+    _, (u_in, p_in) = jax.lax.optimization_barrier((after, (u_in, p_in)))
+  starts = [p.start for _, p in keys]
+  new_u, new_g, stored = _host_slice(plan, b, pieces, keys, u_in, p_in, starts)
+  for (j, p), x in zip(keys, stored, strict=True):
+    _put(plan, b, b.items, ("item", j), j, x, p, p.start)
+  return new_u, None, new_g, stored
+
+
+def _host_slice(plan: StreamSpec, b: Buffers, pieces, keys, u_in, p_in, starts, sources=None):
+  """One slice's update on the host CPU: new update pieces, globals and state pieces.
+
+  Offloaded state goes into the host computation whole (`sources`, or the
+  current buffers) and is sliced there: a piece sliced outside it is copied
+  to the device, where XLA:GPU's host call reads its operands from: one piece
+  more of device memory, and the piece twice more over the bus.
+  The new pieces come back for the caller to write into the host arrays (in
+  place); pieces of items kept on the device go to the host and come back.
+  """
+  io = plan.io
+  sources = [b.items[j] for j, _ in keys] if sources is None else sources
+  host = [bool(io.offloaded[j]) for j, _ in keys]
+  state_in = [
+    x if h else io.to_host(_take(x, p, s))
+    for x, (_, p), h, s in zip(sources, keys, host, starts, strict=True)
+  ]
+  # A loop's starts are traced and go in as arguments; the others stay Python
+  # ints (a flat leaf's may pass int32).
+  traced = {i: io.to_host(s) for i, s in enumerate(starts) if isinstance(s, jax.Array)}
+  # Pieces already in host memory (params and gradients there) are passed as they are.
+  to_host = lambda xs: [x if x is None or memory.on_host(x) else io.to_host(x) for x in xs]
+
+  def host_update(u_in, p_in, state_in, traced, globals_in):
+    args = jax.tree.map(memory.as_device_value, (u_in, p_in, state_in, traced, globals_in))
+    u_in, p_in, state_in, traced, globals_in = args
+    state_in = [
+      _take(x, p, traced.get(i, starts[i])) if h else x
+      for i, (x, (_, p), h) in enumerate(zip(state_in, keys, host, strict=True))
+    ]
+    return _compute(plan, pieces, keys, u_in, p_in, state_in, globals_in)
+
+  call = compute_on(
+    host_update, compute_type="device_host", out_memory_spaces=jax.memory.Space.Host
+  )
+  new_u, new_state, new_g = call(
+    to_host(u_in), to_host(p_in), state_in, traced, to_host(b.globals_in)
+  )
+  new_state = [x if h else memory.to_device(x) for x, h in zip(new_state, host, strict=True)]
+  new_u = [
+    x if plan.out_host[p.leaf] else memory.to_device(x) for p, x in zip(pieces, new_u, strict=True)
+  ]
+  new_g = [
+    x if io.offloaded[j] else memory.to_device(x) for j, x in zip(plan.globals, new_g, strict=True)
+  ]
+  return new_u, new_g, new_state
+
+
+# -- a run of equal pieces: one loop -----------------------------------------------
+
+
+def _loop(plan: StreamSpec, b: Buffers, run: _Run, after, u_dtype) -> Any:
+  """The pieces of `run` in one `fori_loop` whose carries are the leaf's buffers.
+
+  The updates are written over the gradients where they have their dtype;
+  otherwise (`master_weights`: fp32 updates of bf16 params) into a new array.
+  With `apply` the new params are written over the params.
+  """
+  p0, size, leaf = run.piece, run.piece.rows, run.piece.leaf
+  js = plan.by_leaf.get(leaf, [])
+  keys = [(j, p0) for j in js]
+  grads = _view(b.grads_of(leaf), p0)
+  in_place = b.over_grads[leaf] and grads.dtype == u_dtype  # the gradients are the carry
+  if in_place or not b.over_grads[leaf]:  # (the params with `apply`)
+    out = _view(b.out[leaf], p0)
+  else:
+    out = host_params.zeros_like(grads, u_dtype, host=plan.out_host[leaf])
+    b.over_grads[leaf] = False
+  bufs = [_view(b.items[j], p0) for j in js]
+  if after is not None:  # the state's fetch is what needs ordering
+    _, bufs = jax.lax.optimization_barrier((after, bufs))
+  piece = _piece_on_host if plan.on_host else _piece_streamed
+
+  def body(i, carry):
+    (u_buf, bufs), _ = carry
+    start = p0.start + i * size
+    u_in = [jax.lax.dynamic_slice_in_dim(u_buf if in_place else grads, start, size, p0.axis)]
+    if plan.apply:
+      p_in = [jax.lax.dynamic_slice_in_dim(u_buf, start, size, p0.axis)]
+    else:
+      p_in = [_p_piece(plan, b, p0, start)]
+    new_u, bufs, new_g = piece(plan, b, p0, keys, u_in, p_in, start, bufs)
+    u_buf = jax.lax.dynamic_update_slice_in_dim(u_buf, new_u[0], start, p0.axis)
+    return (u_buf, bufs), new_g
+
+  # Every piece computes the same new globals (a step count): the carry keeps one.
+  (u_buf, bufs), new_g = jax.lax.fori_loop(0, run.count, body, ((out, bufs), list(b.globals_in)))
+  b.out[leaf] = u_buf
+  for j, x in zip(js, bufs, strict=True):
+    b.items[j] = x
+  if b.new_globals is None:
+    b.new_globals = new_g
+  return bufs
+
+
+def _piece_on_host(plan: StreamSpec, b: Buffers, p0: Piece, keys, u_in, p_in, start, bufs):
+  """One piece of a loop on the host CPU: its state sliced and written back in host memory."""
+  new_u, new_g, new_state = _host_slice(plan, b, (p0,), keys, u_in, p_in, [start] * len(keys), bufs)
+  bufs = [
+    jax.lax.dynamic_update_slice_in_dim(x, s, start, p0.axis)
+    for x, s in zip(bufs, new_state, strict=True)
+  ]
+  return new_u, bufs, new_g
+
+
+def _piece_streamed(plan: StreamSpec, b: Buffers, p0: Piece, keys, u_in, p_in, start, bufs):
+  """One piece of a loop on the device: its state moved in and out through the tier's I/O."""
+  io = plan.io
+  state_in = [jax.lax.dynamic_slice_in_dim(x, start, p0.rows, p0.axis) for x in bufs]
+  state_in = [io.to_device(j, x) for (j, _), x in zip(keys, state_in, strict=True)]
+  new_u, new_state, new_g = _compute(
+    plan, (p0,), keys, host_params.fetch(u_in), host_params.fetch(p_in), state_in, b.globals_in
+  )
+  new_u = [_where(plan, p0.leaf, new_u[0])]
+  bufs = [
+    jax.lax.dynamic_update_slice_in_dim(x, io.to_tier(j, s), start, p0.axis)
+    for (j, _), x, s in zip(keys, bufs, new_state, strict=True)
+  ]
+  return new_u, bufs, new_g
+
+
+def _loopable(plan: StreamSpec, b: Buffers, run: _Run) -> Any:
+  """The dtype of the run's update pieces if its state pieces keep their dtypes, else None.
+
+  A loop carries the state buffers, so their dtypes must not change; a tier
+  that does not write in place has no loops.
+  """
+  if not plan.io.writes_in_place:
+    return None
+  p0 = run.piece
+  js = plan.by_leaf.get(p0.leaf, [])
+  keys = [(j, p0) for j in js]
+  # Plain shapes: `_compute` sees its inputs on the device (moved there, or relabelled inside a
+  # host computation), while JAX >= 0.11 keeps a host array's memory space in `eval_shape`.
+  chunk = lambda x: _plain(jax.eval_shape(lambda y: _take(y, p0, p0.start), x))
+  u_in = [chunk(b.grads_of(p0.leaf))]
+  p_in = [None if plan.p_slots is None else chunk(plan.p_slots[p0.leaf])]
+  state_in = [chunk(b.items[j]) for j in js]
+  g_in = [jax.ShapeDtypeStruct(jnp.shape(x), layout_lib.dtype_of(x)) for x in b.globals_in]
+  out = jax.eval_shape(lambda *a: _compute(plan, (p0,), keys, *a), u_in, p_in, state_in, g_in)
+  same = lambda a, b: [(x.shape, x.dtype) for x in a] == [(x.shape, x.dtype) for x in b]
+  if not (same(out[1], state_in) and same(out[2], g_in)) or out[0][0].shape != u_in[0].shape:
+    return None
+  return out[0][0].dtype
+
+
+# -- the end of the update ---------------------------------------------------------
+
+
+def _joined(plan: StreamSpec, b: Buffers, slices, shapes_u, shapes_items):
+  """The final update leaves and state items, in their own shapes."""
+  pieces_of: dict[int, list[Piece]] = {}
+  for pieces in slices:
+    for p in pieces:
+      pieces_of.setdefault(p.leaf, []).append(p)
+  u = list(b.out)
+  for leaf, shape in enumerate(shapes_u):
+    if ("u", leaf) in b.parts:
+      u[leaf] = schedule_lib.join(pieces_of[leaf], b.parts[("u", leaf)], shape)
+    elif shape is not None and leaf in pieces_of:
+      u[leaf] = u[leaf].reshape(shape)
+  items = list(b.items)
+  io, globals_ = plan.io, plan.globals
+  for j, o in enumerate(plan.layout.owners):
+    if o == coupling_lib.GLOBAL:
+      new = b.new_globals[globals_.index(j)] if b.new_globals is not None else items[j]
+      items[j] = io.to_tier(j, new) if not plan.on_host else new
+    elif j in b.taken:
+      items[j] = None
+    elif ("item", j) in b.parts:
+      # Pieces whose dtype changed (an update that casts its state): joined on
+      # the device, as XLA:GPU would turn a join on host memory into host compute.
+      parts = [io.to_device(j, x) for x in b.parts[("item", j)]]
+      items[j] = io.to_tier(j, schedule_lib.join(pieces_of[o], parts, shapes_items[j]))
+    elif o in pieces_of:
+      items[j] = items[j].reshape(shapes_items[j])
+  if not plan.apply:
+    # A leaf written piece by piece is whole before it leaves: XLA's GPU compiler
+    # otherwise fuses its last `dynamic_update_slice` into the caller's
+    # `apply_updates`, whose output is then a new leaf-sized buffer, not the
+    # params updated in place.
+    for leaf, pieces in pieces_of.items():
+      if ("u", leaf) not in b.parts and any(p.start is not None for p in pieces):
+        u[leaf] = jax.lax.optimization_barrier(u[leaf])
+  return u, items
+
+
+def _shape(x: Any) -> Any:
+  return None if layout_lib.is_masked(x) else layout_lib.shape_of(x)
 
 
 def _plain(x: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:

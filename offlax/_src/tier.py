@@ -25,15 +25,64 @@ The data flow of one `update` inside the caller's `jax.jit`::
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar, NamedTuple, Protocol, runtime_checkable
 
 import jax
 import optax
 
-from offlax._src import errors, telemetry
+from offlax._src import errors, memory, telemetry
 from offlax._src import layout as layout_lib
 from offlax._src.layout import ParamSpec
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True, eq=False)
+class TierRef:
+  """The tier an `OffloadState` lives in: a pytree node without leaves.
+
+  Static data of the state's treedef, so it survives `jax.jit`,
+  `jax.eval_shape` and any optax wrapper that keeps the state's structure:
+  `offlax.abstract_state` finds each `offload`'s tier in
+  ``jax.eval_shape(tx.init, params)``. Two refs are equal when their tiers
+  are of one type: a state keeps its structure whatever its tier's options
+  (``chunk_bytes``, ...), so a checkpoint made under one tier restores into a
+  target built with another (`offlax.abstract_state`'s default). What a step
+  does is its transformation's tier, which ``update`` writes into the state
+  it returns.
+  """
+
+  tier: Any
+
+  @property
+  def kind(self) -> type:
+    """The tier's type (kept by a pickled ref, which drops the live tier)."""
+    return self.tier.kind if isinstance(self.tier, DetachedTier) else type(self.tier)
+
+  def __eq__(self, other: object) -> bool:
+    return isinstance(other, TierRef) and self.kind is other.kind
+
+  # A tier is a live resource (a store's files, locks and threads): copies of a
+  # state share it, and a pickle keeps only its type.
+  def __copy__(self) -> TierRef:
+    return self
+
+  def __deepcopy__(self, memo: dict) -> TierRef:
+    return self
+
+  def __reduce__(self) -> tuple:
+    return TierRef, (DetachedTier(self.kind),)
+
+  def __hash__(self) -> int:
+    return hash(self.kind)
+
+
+@dataclasses.dataclass(frozen=True)
+class DetachedTier:
+  """The tier of an unpickled state: its type, without the live tier."""
+
+  kind: type
 
 
 class OffloadState(NamedTuple):
@@ -45,11 +94,28 @@ class OffloadState(NamedTuple):
     spec: the parameter tree the state was built for (static, no leaves).
     step: the tier's step (`Tier.init`, then `TierIO.next_step`): for the NVMe
       tier the last committed step (an int32 scalar); None for the host tier.
+    tier_ref: the tier holding the state (a `TierRef`: static, no leaves), or
+      None for a state built by hand; `tier` reads it.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, offlax
+    >>> tier = offlax.HostTier()
+    >>> state = offlax.offload(optax.adam(1e-3), tier).init({"w": jnp.ones(3)})
+    >>> state.tier is tier, state.inner_state[0].mu["w"].sharding.memory_kind
+    (True, 'pinned_host')
   """
 
   inner_state: Any
   spec: ParamSpec
   step: Any = None
+  tier_ref: TierRef | None = None
+
+  @property
+  def tier(self) -> Any:
+    """The tier holding this state (`offload`'s), or None if unknown (or unpickled)."""
+    if self.tier_ref is None or isinstance(self.tier_ref.tier, DetachedTier):
+      return None
+    return self.tier_ref.tier
 
 
 @runtime_checkable
@@ -58,20 +124,38 @@ class TierIO(Protocol):
 
   `offload` cuts the state into slices (`offlax._src.schedule`); slice k is a
   list of keys `(j, piece)`: item j of the split state (`layout.StateLayout`)
-  and the piece of it the slice updates. `streaming.Stream` calls, in order,
-  `plan`, then per slice either `to_device`/`to_tier` on pieces it takes
-  itself (`loops = True`: the items are JAX arrays it may slice, also at
-  traced offsets inside a `fori_loop`) or `load`/`store` (`loops = False`: the
-  tier produces each slice), then `finish`, then `next_step`.
+  and the piece of it the slice updates. `streaming` calls, in order, `plan`,
+  then per slice the moves its capabilities name, then `finish`, then
+  `next_step`:
+
+  - ``writes_in_place = True``: the items are JAX arrays that the stream
+    slices itself (`piece.take`, also at traced offsets inside a `fori_loop`
+    over a run of equal pieces) and writes back in place
+    (`dynamic_update_slice`), moving each piece with `to_device` and the new
+    one with `to_tier`. The tier's schedule cuts leaves into equal pieces, so
+    that runs loop. The host tier's I/O.
+  - ``writes_in_place = False``: only the tier can read and write its items:
+    the stream asks `load` for slice k's pieces and hands the new ones to
+    `store`. The NVMe tier's I/O, and a tier keeping state outside JAX.
+
+  With the tier's ``compute="host"`` the update runs on the host CPU where the
+  state lies: the stream moves gradient pieces in with `to_host` and needs
+  ``writes_in_place`` (a host computation slices the arrays itself).
 
   Attributes:
-    loops: whether the items are arrays `Stream` may slice itself (then runs
-      of equal pieces become one `fori_loop`), rather than read by `load`.
+    prefetch_depth: how many slices ahead a read may run. 1: slice k's read
+      waits for slice k-1's state written back (about one slice in flight
+      each way: the host tier). ``d > 1``: it waits for slice k-d's update
+      computed, so d slices of reads may be in flight (the NVMe tier's
+      read-ahead, `d = 2`).
+    writes_in_place: whether the stream slices the items and writes them
+      back itself (see above), or the tier does (`load`, `store`).
     offloaded: per item, whether it lives off the device (items on the
       device, e.g. scalars, are used in place).
   """
 
-  loops: bool
+  prefetch_depth: int
+  writes_in_place: bool
   offloaded: Sequence[bool]
 
   def plan(self, keys: Sequence[Sequence[tuple[int, Any]]]) -> None:
@@ -82,7 +166,7 @@ class TierIO(Protocol):
     """
 
   def to_host(self, x: jax.Array) -> jax.Array:
-    """`x`, a value of the step, moved into the host computation (`compute="host"`)."""
+    """`x`, a value of the step, moved into the host computation (``compute="host"``)."""
     ...
 
   def to_device(self, j: int, x: jax.Array) -> jax.Array:
@@ -94,7 +178,7 @@ class TierIO(Protocol):
     ...
 
   def load(self, k: int, after: Any) -> list[Any]:
-    """Slice k's state pieces on the device, one per key (`loops = False` only).
+    """Slice k's state pieces on the device, one per key (``writes_in_place = False`` only).
 
     Args:
       k: the slice.
@@ -106,7 +190,7 @@ class TierIO(Protocol):
     ...
 
   def store(self, k: int, values: Sequence[Any]) -> list[Any]:
-    """Hands slice k's new state pieces to the tier (`loops = False` only).
+    """Hands slice k's new state pieces to the tier (``writes_in_place = False`` only).
 
     Returns:
       Per key, the piece as the caller should write it into the item, or None
@@ -288,9 +372,7 @@ def stats(state: Any, tier: Any, *, sync: bool = False) -> telemetry.OffloadStat
 
 def is_offloaded(x: Any) -> bool:
   """Whether a state item lives off the device (where the tier's `init` put it)."""
-  if isinstance(x, layout_lib.OnDisk):
-    return True
-  return getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
+  return isinstance(x, layout_lib.OnDisk) or memory.on_host(x)
 
 
 def resident(inner_state: Any) -> dict[str, int]:
@@ -300,11 +382,5 @@ def resident(inner_state: Any) -> dict[str, int]:
     if isinstance(x, layout_lib.OnDisk):
       out["nvme"] += layout_lib.nbytes(x)
     elif hasattr(x, "shape") and hasattr(x, "dtype"):
-      out[_kind(x)] += layout_lib.nbytes(x)
+      out[memory.sharding_kind(x)] += layout_lib.nbytes(x)
   return out
-
-
-def _kind(x: Any) -> str:
-  concrete = isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) and not isinstance(x, jax.core.Tracer)
-  kind = getattr(x.sharding, "memory_kind", None) if concrete else None
-  return "host" if kind in ("pinned_host", "unpinned_host") else "device"

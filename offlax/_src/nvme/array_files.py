@@ -26,7 +26,7 @@ import crc32c
 import numpy as np
 
 from offlax._src import errors
-from offlax._src.nvme.direct_io import _aligned_empty, _pwrite_all, _set_direct
+from offlax._src.nvme.direct_io import aligned_empty, pwrite_all, set_direct
 
 RANGE_BYTES = 64 << 20  # one thread's unit of work; a multiple of the alignment
 BLOCK_BYTES = 8 << 20  # a write copies this much into its aligned buffer at a time
@@ -48,7 +48,7 @@ def _ranges(size: int) -> range:
 def _open(path: str, flags: int) -> tuple[int, bool]:
   """Opens with direct I/O where the filesystem has it; returns (fd, direct)."""
   fd = os.open(path, flags, 0o600)
-  return fd, _set_direct(fd)
+  return fd, set_direct(fd)
 
 
 class _Pending:
@@ -118,7 +118,7 @@ def write_files(
         if f.direct and n % _ALIGN:  # only the file's last block
           length = _padded(n)
           buffer[n:length] = 0
-        _pwrite_all(f.fd, [buffer[:length]], offset)
+        pwrite_all(f.fd, [buffer[:length]], offset)
     crcs[f.path][k] = crc
     f.done_range()
     return end - start
@@ -152,7 +152,7 @@ def _buffer() -> Iterator[np.ndarray]:
   with _free_lock:
     buffer = _free.pop() if _free else None
   if buffer is None or len(buffer) != BLOCK_BYTES:  # BLOCK_BYTES changed (tests do)
-    buffer = _aligned_empty(BLOCK_BYTES)
+    buffer = aligned_empty(BLOCK_BYTES)
   try:
     yield buffer
   finally:
@@ -189,7 +189,7 @@ def read_files(
           f"{path} holds {actual} bytes, expected {sizes[i]} "
           f"({np.dtype(dtype).name}{list(shape)}): the checkpoint is corrupted."
         )
-      arrays[i] = _aligned_empty(_padded(sizes[i]) if direct else sizes[i])
+      arrays[i] = aligned_empty(_padded(sizes[i]) if direct else sizes[i])
       yield from ((i, k, start) for k, start in enumerate(_ranges(sizes[i])))
 
   def read(i: int, k: int, start: int) -> int:
@@ -218,7 +218,7 @@ def read_files(
     for i, _ in enumerate(items):  # empty arrays have no range to read
       if not left[i]:
         fds[i] = _open(items[i][0], os.O_RDONLY | os.O_NOFOLLOW)[0]
-        arrays[i] = _aligned_empty(0)
+        arrays[i] = aligned_empty(0)
         yield whole(i)
     for i, _, _ in _run(jobs(), read, sum(sizes), progress, desc):
       left[i] -= 1
@@ -266,11 +266,19 @@ def _run(
       bar.close()
 
 
+# A bar shows once its work has run this long: work done sooner (a store of a few MB)
+# prints nothing.
+BAR_DELAY_S = 2.0
+
+
 def byte_bar(total: int, desc: str) -> Any:
-  """A progress bar in bytes (tqdm), as offlax's long I/O shows them; `close()` it."""
+  """A progress bar in bytes (tqdm), as offlax's long I/O shows them; `close()` it.
+
+  It appears only once the work has run `BAR_DELAY_S`.
+  """
   from tqdm.auto import tqdm
 
-  return tqdm(total=total, desc=desc, unit="B", unit_scale=True, leave=False)
+  return tqdm(total=total, desc=desc, unit="B", unit_scale=True, leave=False, delay=BAR_DELAY_S)
 
 
 def _completed(running: dict, bar) -> Iterator[tuple]:

@@ -8,14 +8,14 @@ import jax
 
 from offlax._src import errors
 from offlax._src.nvme import direct_copy
-from offlax._src.nvme.direct_io import _syncfs
+from offlax._src.nvme.direct_io import syncfs
 from offlax._src.nvme.format import (
-  _MESH,
-  _METADATA,
-  _read_json,
-  _shard_dir,
-  _write_json,
-  _write_metadata,
+  MESH,
+  METADATA,
+  read_json,
+  shard_dir,
+  write_json,
+  write_metadata,
 )
 from offlax._src.nvme.store import Store
 
@@ -32,7 +32,7 @@ def copy_store(src: str, dest: str, *, progress: bool = True) -> int:
   The copy keeps only the committed step. The caller keeps `src` from changing
   (holds its lock, between steps). Returns the step.
   """
-  if os.path.exists(os.path.join(dest, _METADATA)):
+  if os.path.exists(os.path.join(dest, METADATA)):
     raise errors.StoreExistsError(f"{dest} already holds an offlax store; choose another path.")
   store = Store(src, fsync=True)
   store.read_metadata()
@@ -52,8 +52,8 @@ def copy_store(src: str, dest: str, *, progress: bool = True) -> int:
           os.makedirs(target, mode=0o700)
           pairs.append((os.path.join(source, "zarr.json"), os.path.join(target, "zarr.json")))
     direct_copy.copy_files(pairs, progress=progress, desc=f"offlax: copying {src} -> {dest}")
-    _syncfs(dest)
-    _write_metadata(dest, store.metadata(store.step, gen, [(store.step, gen)]), fsync=True)
+    syncfs(dest)
+    write_metadata(dest, store.metadata(store.step, gen, [(store.step, gen)]), fsync=True)
   except OSError as e:
     raise errors.StoreError(f"cannot copy the store {src} to {dest}: {e}") from e
   return store.step
@@ -61,14 +61,14 @@ def copy_store(src: str, dest: str, *, progress: bool = True) -> int:
 
 def copy_sharded(src: str, dest: str, *, progress: bool = True) -> int:
   """`copy_store` for a sharded store: this process's shards (as recorded), then the record."""
-  record = _read_json(os.path.join(src, _MESH))
+  record = read_json(os.path.join(src, MESH))
   here = jax.process_index()
   mine = [i for i, p in enumerate(record.get("processes", [])) if p == here]
   step = 0
   os.makedirs(dest, mode=0o700, exist_ok=True)
   for i in mine:
     step = copy_store(
-      os.path.join(src, _shard_dir(i)), os.path.join(dest, _shard_dir(i)), progress=progress
+      os.path.join(src, shard_dir(i)), os.path.join(dest, shard_dir(i)), progress=progress
     )
-  _write_json(dest, _MESH, record, fsync=True)
+  write_json(dest, MESH, record, fsync=True)
   return step

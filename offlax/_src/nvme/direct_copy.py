@@ -25,7 +25,7 @@ import threading
 from collections.abc import Sequence
 
 from offlax._src.nvme import array_files
-from offlax._src.nvme.direct_io import _clear_direct, _pwrite_all, _set_direct
+from offlax._src.nvme.direct_io import clear_direct, pwrite_all, set_direct
 
 # One read and one write per block: a whole chunk file of the NVMe tier's
 # default 16 MiB chunks but its unaligned last bytes. A multiple of every
@@ -101,7 +101,7 @@ def copy_file(src: str, dst: str, mode: int = 0o600, buffer: mmap.mmap | None = 
     size = os.fstat(rfd).st_size
     wfd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
     try:
-      if size < SMALL_BYTES or not _set_direct(wfd):
+      if size < SMALL_BYTES or not set_direct(wfd):
         _sendfile(rfd, wfd, src, size)
       elif buffer is not None:
         _blocks(rfd, wfd, src, size, buffer)
@@ -136,9 +136,9 @@ def _blocks(rfd: int, wfd: int, src: str, size: int, buffer: mmap.mmap) -> None:
           raise OSError(f"{src} ended after {offset + got} of {size} bytes")
         got += read
       aligned = n - n % _ALIGN
-      _pwrite_all(wfd, [view[:aligned]], offset)
+      pwrite_all(wfd, [view[:aligned]], offset)
       if aligned < n:  # the file's last bytes: direct I/O writes whole blocks only
-        _clear_direct(wfd)
-        _pwrite_all(wfd, [view[aligned:n]], offset + aligned)
+        clear_direct(wfd)
+        pwrite_all(wfd, [view[aligned:n]], offset + aligned)
   finally:
     view.release()

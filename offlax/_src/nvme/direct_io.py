@@ -13,7 +13,7 @@ import crc32c
 import numpy as np
 
 
-def _crc(data: np.ndarray, zeros: int) -> int:
+def chunk_crc(data: np.ndarray, zeros: int) -> int:
   """crc32c of `data` followed by `zeros` zero bytes (the GIL is released)."""
   crc = crc32c.crc32c(data.data)
   while zeros:
@@ -28,7 +28,7 @@ _ZERO_BLOCK = 1 << 20
 
 @functools.cache
 def _zero_block() -> np.ndarray:
-  block = _aligned_empty(_ZERO_BLOCK)  # aligned: direct I/O writes padding from it
+  block = aligned_empty(_ZERO_BLOCK)  # aligned: direct I/O writes padding from it
   block[:] = 0
   return block
 
@@ -38,24 +38,24 @@ def _zeros(n: int) -> memoryview:
   return _zero_block().data[:n]
 
 
-def _zero_parts(n: int) -> list[memoryview]:
+def zero_parts(n: int) -> list[memoryview]:
   """`n` zero bytes as blocks of at most `_ZERO_BLOCK`."""
   return [_zeros(min(_ZERO_BLOCK, n - i)) for i in range(0, n, _ZERO_BLOCK)]
 
 
-_BLOCK = 4096  # direct I/O alignment (offsets, sizes and addresses)
+BLOCK = 4096  # direct I/O alignment (offsets, sizes and addresses)
 
 
-_O_DIRECT = getattr(os, "O_DIRECT", 0)
+O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
-def _supports_direct(path: str) -> bool:
+def supports_direct(path: str) -> bool:
   """Whether files under `path` can be opened with O_DIRECT."""
-  if not _O_DIRECT:
+  if not O_DIRECT:
     return False
   probe = os.path.join(path, f".direct-probe-{os.getpid()}-{threading.get_ident()}")
   try:
-    fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_DIRECT, 0o600)
+    fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | O_DIRECT, 0o600)
   except OSError:
     return False
   os.close(fd)
@@ -63,34 +63,34 @@ def _supports_direct(path: str) -> bool:
   return True
 
 
-def _clear_direct(fd: int) -> None:
-  fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_DIRECT)
+def clear_direct(fd: int) -> None:
+  fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~O_DIRECT)
 
 
-def _set_direct(fd: int) -> bool:
+def set_direct(fd: int) -> bool:
   """Turns on direct I/O for `fd`; False where the platform or the filesystem has none.
 
   Set on an open file rather than passed to `open`: an `O_CREAT` open that the
   filesystem refuses for `O_DIRECT` (EINVAL) may already have made the file,
   and a fallback `O_EXCL` open of it would then fail.
   """
-  if not _O_DIRECT:
+  if not O_DIRECT:
     return False
   try:
-    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | _O_DIRECT)
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | O_DIRECT)
   except OSError:  # EINVAL: this filesystem has no direct I/O
     return False
   return True
 
 
-def _aligned_empty(nbytes: int) -> np.ndarray:
+def aligned_empty(nbytes: int) -> np.ndarray:
   """`nbytes` uninitialised bytes starting on a direct I/O block boundary."""
-  raw = np.empty(nbytes + _BLOCK, np.uint8)
-  start = -raw.ctypes.data % _BLOCK
+  raw = np.empty(nbytes + BLOCK, np.uint8)
+  start = -raw.ctypes.data % BLOCK
   return raw[start : start + nbytes]
 
 
-def _pread_into(fd: int, data: np.ndarray, offset: int) -> None:
+def pread_into(fd: int, data: np.ndarray, offset: int) -> None:
   view = data.data.cast("B")
   done = 0
   while done < len(view):
@@ -100,7 +100,7 @@ def _pread_into(fd: int, data: np.ndarray, offset: int) -> None:
     done += n
 
 
-def _pwrite_all(fd: int, parts: Sequence[Any], offset: int) -> None:
+def pwrite_all(fd: int, parts: Sequence[Any], offset: int) -> None:
   """Writes `parts` back to back at `offset` (one pwritev, repeated if short)."""
   views = [memoryview(p).cast("B") for p in parts if len(p)]
   while views:
@@ -114,7 +114,7 @@ def _pwrite_all(fd: int, parts: Sequence[Any], offset: int) -> None:
       views[0] = views[0][n:]
 
 
-def _drop_cached(names) -> None:
+def drop_cached(names) -> None:
   """Drops the page cache of files (clean pages only; dirty ones stay)."""
   for name in names:
     try:
@@ -127,7 +127,7 @@ def _drop_cached(names) -> None:
       os.close(fd)
 
 
-def _syncfs(path: str) -> None:
+def syncfs(path: str) -> None:
   """Flushes the filesystem holding `path` (Linux syncfs), else everything."""
   fd = os.open(path, os.O_RDONLY)
   try:
@@ -142,7 +142,7 @@ def _syncfs(path: str) -> None:
 
 
 @functools.cache
-def _bound_malloc() -> None:
+def bound_malloc() -> None:
   """Makes glibc return freed slice-sized buffers to the OS.
 
   glibc raises its mmap threshold each time a large mmapped block is freed, up

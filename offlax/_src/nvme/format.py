@@ -65,13 +65,13 @@ FORMAT_VERSION = 3  # 2: chunk_bytes recorded; step I/O on chunk files. 3: keep 
 DEFAULT_KEEP = 2  # committed steps kept: the current one and one to roll back to
 
 
-_METADATA = "offlax.json"
+METADATA = "offlax.json"
 
 
-_MESH = "offlax-mesh.json"
+MESH = "offlax-mesh.json"
 
 
-_LOCK = ".lock"
+LOCK = ".lock"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +106,7 @@ class LeafRecord:
     return self.chunk_size * np.dtype(self.dtype).itemsize
 
 
-def _metadata_problem(records, step, generation, chunk_bytes, generations, kept) -> str | None:
+def metadata_problem(records, step, generation, chunk_bytes, generations, kept) -> str | None:
   """What makes these fields of `offlax.json` impossible, or None.
 
   Checked before any is used: `generation` and `index` name directories, and a
@@ -147,44 +147,44 @@ def _metadata_problem(records, step, generation, chunk_bytes, generations, kept)
   return None
 
 
-def _write_metadata(directory: str, meta: dict, *, fsync: bool) -> None:
+def write_metadata(directory: str, meta: dict, *, fsync: bool) -> None:
   """Replaces `offlax.json` atomically: write, fsync, rename, fsync the directory."""
-  _write_json(directory, _METADATA, meta, fsync=fsync)
+  write_json(directory, METADATA, meta, fsync=fsync)
 
 
-def _is_key(x: Any) -> bool:
+def is_key(x: Any) -> bool:
   return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
-def _key_impl(x: Any) -> str | None:
+def key_impl(x: Any) -> str | None:
   """The implementation of a typed PRNG key array (or its shape), else None."""
-  if not _is_key(x):
+  if not is_key(x):
     return None
   if not isinstance(x, jax.Array):  # a ShapeDtypeStruct: a key of its dtype tells
     x = jnp.zeros((), x.dtype)
   return str(jax.random.key_impl(x))
 
 
-def _key_data(x: Any) -> Any:
+def key_data(x: Any) -> Any:
   """`x`, or a typed PRNG key array's key data: what the store holds of it."""
-  return jax.random.key_data(x) if _is_key(x) else x
+  return jax.random.key_data(x) if is_key(x) else x
 
 
-def _stored(x: Any) -> Any:
+def stored_form(x: Any) -> Any:
   """The shape and dtype the store holds for a state item of `x`'s (key data for keys)."""
-  return jax.eval_shape(jax.random.key_data, x) if _is_key(x) else x
+  return jax.eval_shape(jax.random.key_data, x) if is_key(x) else x
 
 
-def _shard_dir(i: int) -> str:
+def shard_dir(i: int) -> str:
   return f"shard_{i:05d}"
 
 
-def _shapes_record(spec: layout_lib.ParamSpec) -> dict[str, Any]:
+def shapes_record(spec: layout_lib.ParamSpec) -> dict[str, Any]:
   """Each param's global shape, as the mesh record keeps it (JSON)."""
   return {p: None if s is None else list(s) for p, s in zip(spec.paths, spec.shapes, strict=True)}
 
 
-def _read_json(name: str) -> dict:
+def read_json(name: str) -> dict:
   try:
     with open(name) as f:
       meta = json.load(f)
@@ -195,7 +195,7 @@ def _read_json(name: str) -> dict:
   return meta
 
 
-def _write_json(directory: str, filename: str, meta: dict, *, fsync: bool) -> None:
+def write_json(directory: str, filename: str, meta: dict, *, fsync: bool) -> None:
   """Replaces `directory/filename` atomically: write, fsync, rename, fsync the directory.
 
   The temporary file is this process's own (processes of one job may share
@@ -218,7 +218,7 @@ def _write_json(directory: str, filename: str, meta: dict, *, fsync: bool) -> No
       os.close(dir_fd)
 
 
-def _mesh_text(record: dict) -> str:
+def mesh_text(record: dict) -> str:
   try:
     axes = dict(zip(record["axis_names"], record["axis_sizes"], strict=True))
   except (KeyError, TypeError, ValueError):
@@ -228,10 +228,10 @@ def _mesh_text(record: dict) -> str:
 
 def is_sharded(path: str) -> bool:
   """Whether `path` holds a sharded store (one store per device, see the module docstring)."""
-  return os.path.exists(os.path.join(path, _MESH))
+  return os.path.exists(os.path.join(path, MESH))
 
 
-def _item_paths(state: Any, layout: layout_lib.StateLayout) -> list[str]:
+def item_paths(state: Any, layout: layout_lib.StateLayout) -> list[str]:
   """The key path of each item of `layout.split(state)`."""
   flat = jax.tree_util.tree_flatten_with_path(state, is_leaf=layout_lib.is_masked)[0]
   by_id = {id(x): jax.tree_util.keystr(p) for p, x in flat}

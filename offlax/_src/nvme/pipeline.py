@@ -1,11 +1,9 @@
-"""The Python side of a step's callbacks: reads ahead, writes behind, the commit, Ctrl-C."""
+"""The Python side of a step's callbacks: reads ahead, writes behind, the commit."""
 
 from __future__ import annotations
 
-import _thread
 import concurrent.futures
 import contextlib
-import signal
 import threading
 import time
 from typing import Any
@@ -14,11 +12,12 @@ import jax
 import numpy as np
 
 from offlax._src import errors
-from offlax._src.nvme.direct_io import _BLOCK, _aligned_empty
+from offlax._src.nvme import interrupts
+from offlax._src.nvme.direct_io import BLOCK, aligned_empty
 from offlax._src.nvme.store import Store
 
 
-class _Reader:
+class Reader:
   """The Python side of one traced step's callbacks; reused by every call.
 
   Slice k is read into one buffer (from a small pool, so the step does not
@@ -51,7 +50,7 @@ class _Reader:
       offsets, total = [], 0
       for index, a, b, _ in slice_reads:
         offsets.append(total)
-        total += -(-(b - a) * np.dtype(store.records[index].dtype).itemsize // _BLOCK) * _BLOCK
+        total += -(-(b - a) * np.dtype(store.records[index].dtype).itemsize // BLOCK) * BLOCK
       self.offsets.append(np.array(offsets, np.int64))
       self._nbytes.append(total)
 
@@ -59,7 +58,7 @@ class _Reader:
     for i, b in enumerate(self._buffers):
       if b.nbytes >= nbytes:
         return self._buffers.pop(i)
-    return _aligned_empty(nbytes)
+    return aligned_empty(nbytes)
 
   def _issue(self, k: int, prefetch: bool = True) -> None:
     # Keyed by step: XLA may run the callbacks of one step out of order, and a
@@ -90,6 +89,8 @@ class _Reader:
       self._futures.clear()
       self._consumed.clear()
       kept = sorted(s for s, _ in self.store.kept)
+      if int(step) > self.store.step:
+        raise errors.StaleStateError(self._missing(int(step), kept))
       raise errors.StaleStateError(
         f"this state is from step {int(step)}, but {self.store.path} has committed step "
         f"{self.store.step}: an NVMe-tier state can be updated once; use the state the "
@@ -99,6 +100,22 @@ class _Reader:
         "and init again; or continue from the committed step with the params of that step."
       )
 
+  def _missing(self, step: int, kept: list[int]) -> str:
+    """The message for a state ahead of its store: the store never held its arrays."""
+    fresh = " (a new store)" if kept == [0] else ""
+    return (
+      f"this state is from step {step}, but the store at {self.store.path}{fresh} has "
+      f"committed only step {self.store.step} (it keeps steps {kept}): the arrays of step "
+      f"{step} are not in this store. The state was most likely restored from a checkpoint "
+      "that does not hold the store (ocp.args.StandardSave of nnx.state(optimizer) "
+      "filtered to nnx.optimizer.OptState, a Tunix checkpoint, or another save of the "
+      "state's small leaves alone) beside a store that is not the one it was trained with. "
+      "Open that store (NVMeTier(its path, resume=True)), or restore a checkpoint saved "
+      "with offlax.NVMeStoreSave(tier) (offlax.NVMeStoreRestore(path), then "
+      "NVMeTier(path, resume=True)); a checkpoint without the store cannot bring the "
+      "optimizer's arrays back."
+    )
+
   def _settle(self) -> None:
     with self._lock:
       old = [f for e, f in self._writes if e < self._epoch]
@@ -106,22 +123,18 @@ class _Reader:
     concurrent.futures.wait(old)  # their errors were the failed step's
 
   @contextlib.contextmanager
-  def _failing_bumps_epoch(self, ends_step: bool = False):
-    """Around each callback: a failure ends its step's epoch; Ctrl-C waits for the commit.
+  def _failing_bumps_epoch(self):
+    """Around each callback: a failure ends its step's epoch; Ctrl-C waits for the step.
 
-    `ends_step`: the commit's callback; after it (or a failure) an interrupt that
-    came during the step is raised.
+    A Ctrl-C meanwhile is raised once the step's call has returned (`interrupts`).
     """
     try:
-      with _interrupts_deferred():
+      with interrupts.deferred():
         yield
     except BaseException:
       with self._lock:
         self._epoch += 1
-      _deliver_deferred_interrupt()
       raise
-    if ends_step:
-      _deliver_deferred_interrupt()
 
   def read(self, k: int, step, after) -> list[np.ndarray]:
     with self._failing_bumps_epoch():
@@ -205,7 +218,7 @@ class _Reader:
         del self._buffers[: -2 * self.readahead - 2]  # more only for an odd schedule
 
   def commit(self, hot: list[int], n_tickets: int, step, *args) -> None:
-    with self._failing_bumps_epoch(ends_step=True):
+    with self._failing_bumps_epoch():
       self._commit(hot, n_tickets, step, *args)
 
   def _commit(self, hot: list[int], n_tickets: int, step, *args) -> None:
@@ -230,7 +243,7 @@ class _Reader:
       self._in_use.clear()
 
 
-def _wait_for_dispatched_steps() -> None:
+def wait_for_dispatched_steps() -> None:
   """Waits until every step dispatched so far has run, its commit included.
 
   A step's commit is an unordered callback, which `jax.effects_barrier` does
@@ -246,85 +259,18 @@ def _wait_for_dispatched_steps() -> None:
   jax.effects_barrier()
 
 
-_DEFERRED_INTERRUPT = threading.Event()
-
-
-@contextlib.contextmanager
-def _interrupts_deferred():
-  """Holds back Ctrl-C while a callback of the step runs (in the main thread).
-
-  On XLA:CPU the callbacks may run in the thread that called the step, where
-  Python raises KeyboardInterrupt: inside a callback it would fail the step
-  (as a JaxRuntimeError, which `except KeyboardInterrupt` misses), possibly
-  after its commit, losing its result. Held back, it is raised once the step
-  has committed (or failed), in the caller's code: see
-  `_deliver_deferred_interrupt`. Only Python's own SIGINT handler is replaced.
-  """
-  if (
-    threading.current_thread() is not threading.main_thread()
-    or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
-  ):
-    yield
-    return
-  previous = signal.signal(signal.SIGINT, _defer_interrupt)
-  try:
-    yield
-  finally:
-    signal.signal(signal.SIGINT, previous)
-
-
-def _defer_interrupt(signum: int, frame: Any) -> None:
-  """The SIGINT handler inside a callback: holds the interrupt back, for a while.
-
-  The step's commit delivers it (`_deliver_deferred_interrupt`); should no commit
-  come within `_INTERRUPT_LATEST_S` (the callbacks are unordered: this one may
-  have run after the step's last delivery), it is delivered then all the same.
-  """
-  _DEFERRED_INTERRUPT.set()
-
-  def deliver_late():
-    time.sleep(_INTERRUPT_LATEST_S)
-    _deliver_deferred_interrupt()
-
-  threading.Thread(target=deliver_late, name="offlax-interrupt-late", daemon=True).start()
-
-
-def _deliver_deferred_interrupt() -> None:
-  """Raises a held-back Ctrl-C in the main thread once it has left the callbacks.
-
-  A callback that raised it would fail the step: another thread interrupts the
-  main thread a moment later, when the step has returned its results (a
-  callback of the next step would hold it back again, until that one commits).
-  """
-  if not _DEFERRED_INTERRUPT.is_set():
-    return
-  _DEFERRED_INTERRUPT.clear()
-
-  def interrupt():
-    time.sleep(_INTERRUPT_DELAY_S)
-    _thread.interrupt_main()
-
-  threading.Thread(target=interrupt, name="offlax-interrupt", daemon=True).start()
-
-
-_INTERRUPT_DELAY_S = 0.05
-
-
-_INTERRUPT_LATEST_S = 1.0
-
-
-class _ByShard:
-  """The callbacks of a step on a mesh: each goes to the `_Reader` of its device's shard.
+class ByShard:
+  """The callbacks of a step on a mesh: each goes to the `Reader` of its device's shard.
 
   The shard (a mesh position) comes first in each callback's arguments.
   """
 
-  def __init__(self, readers: dict[int, _Reader]):
+  def __init__(self, readers: dict[int, Reader]):
     self.readers = readers
     first = next(iter(readers.values()))
     self.reads, self.offsets = first.reads, first.offsets  # the same plan for every shard
 
-  def _of(self, shard) -> _Reader:
+  def _of(self, shard) -> Reader:
     reader = self.readers.get(int(shard))
     if reader is None:  # the mesh puts a device of another process's stores here
       raise errors.StoreError(

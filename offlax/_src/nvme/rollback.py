@@ -44,13 +44,13 @@ def rollback(path: str | os.PathLike, step: int) -> int:
   store.lock()
   try:
     store.read_metadata()
-    _rollback_locked(store, step, "rollback")
+    rollback_locked(store, step, "rollback")
   finally:
     store.close()
   return int(step)
 
 
-def _rollback_locked(store: Store, step: int, where: str) -> None:
+def rollback_locked(store: Store, step: int, where: str) -> None:
   """`rollback` of a store this process has locked and read."""
   gens = {s: g for s, g in store.kept}
   if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step not in gens:

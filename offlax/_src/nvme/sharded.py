@@ -15,17 +15,17 @@ from offlax._src import errors
 from offlax._src import layout as layout_lib
 from offlax._src import sharding as sharding_lib
 from offlax._src.nvme.format import (
-  _MESH,
-  _METADATA,
-  _item_paths,
-  _mesh_text,
-  _read_json,
-  _shapes_record,
-  _shard_dir,
-  _write_json,
+  MESH,
+  METADATA,
+  item_paths,
+  mesh_text,
+  read_json,
+  shapes_record,
+  shard_dir,
+  write_json,
 )
 from offlax._src.nvme.rollback import rollback
-from offlax._src.nvme.store import Store, _progress
+from offlax._src.nvme.store import Store, progress_bar
 
 
 def _shard_on(x: Any, device: Any) -> Any:
@@ -58,7 +58,7 @@ def _check_mesh(path: str, saved: dict, now: dict, *, shapes_only: bool = False)
   for key, what in (("axis_names", "mesh axes"), ("axis_sizes", "mesh axis sizes")):
     if not shapes_only and saved.get(key) != now[key]:
       raise errors.StoreMismatchError(
-        f"{path} was written on {_mesh_text(saved)}; these params are on {_mesh_text(now)} "
+        f"{path} was written on {mesh_text(saved)}; these params are on {mesh_text(now)} "
         f"(different {what}). {_RESHARD}"
       )
   for key, what in (("specs", "is sharded as"), ("shapes", "has shape")):
@@ -88,13 +88,13 @@ def read_sharded(
   With several processes every one calls it, and all raise if one fails.
   """
   # Every process has closed its tier on `path` (its lock) before any reads.
-  _all_processes(np.zeros(1))
+  all_processes(np.zeros(1))
   error: Exception | None = None
   try:
     result = _read_sharded(path, inner, params, spec, progress)
   except Exception as e:  # shared below, so that no process waits on this one
     error = e
-  failed = _all_processes(np.array([error is not None]))[:, 0]
+  failed = all_processes(np.array([error is not None]))[:, 0]
   if error is not None:
     raise error
   if failed.any():
@@ -105,15 +105,15 @@ def read_sharded(
 
 
 def _read_sharded(path, inner, params, spec, progress) -> tuple[Any, int, dict[str, int]]:
-  name = os.path.join(path, _MESH)
+  name = os.path.join(path, MESH)
   if not os.path.exists(name):
-    raise errors.StoreError(f"{path} holds no sharded offlax store ({_MESH}).")
-  record = _read_json(name)
+    raise errors.StoreError(f"{path} holds no sharded offlax store ({MESH}).")
+  record = read_json(name)
   abstract = jax.eval_shape(inner.init, params)
   layout = layout_lib.StateLayout(abstract, spec)
   shapes = layout.split(abstract)
-  paths = _item_paths(abstract, layout)
-  now = {"shapes": _shapes_record(spec)}
+  paths = item_paths(abstract, layout)
+  now = {"shapes": shapes_record(spec)}
   _check_mesh(path, record, now, shapes_only=True)
   try:
     sizes = dict(zip(record["axis_names"], record["axis_sizes"], strict=True))
@@ -125,8 +125,8 @@ def _read_sharded(path, inner, params, spec, progress) -> tuple[Any, int, dict[s
   specs = sharding_lib.item_specs(old, layout, shapes, paths)
   values = [np.empty(x.shape, x.dtype) for x in shapes]
   steps = set()
-  for position in _progress(range(mesh.size), progress, f"offlax: reading {path}"):
-    store = Store(os.path.join(path, _shard_dir(position)), fsync=False)
+  for position in progress_bar(range(mesh.size), progress, f"offlax: reading {path}"):
+    store = Store(os.path.join(path, shard_dir(position)), fsync=False)
     if not store.exists():
       raise errors.StoreCorruptedError(f"{store.path}: the shard's store is missing.")
     store.lock(shared=True)  # no process may be writing it; readers may share it
@@ -175,7 +175,7 @@ def _agree(path: str, shards: dict[int, Any]) -> None:
   big = np.iinfo(np.int64).max
   summary = np.array([min(steps.values(), default=big), max(steps.values(), default=-1)])
   local = np.append(summary, [len(missing), error is not None]).astype(np.int64)
-  gathered = _all_processes(local)
+  gathered = all_processes(local)
   if error is not None:
     raise error
   if gathered[:, 3].any():
@@ -186,7 +186,7 @@ def _agree(path: str, shards: dict[int, Any]) -> None:
   summary = np.array([gathered[:, 0].min(), gathered[:, 1].max(), gathered[:, 2].sum()])
   low, high, n_missing = (int(v) for v in summary)
   if n_missing:
-    names = ", ".join(_shard_dir(i) for i in missing) or "another process's"
+    names = ", ".join(shard_dir(i) for i in missing) or "another process's"
     raise errors.StoreCorruptedError(
       f"{path}: the store of {n_missing} shard(s) is missing ({names}; this process's devices "
       "are at mesh positions " + ", ".join(str(i) for i in shards) + "): a store is restored "
@@ -200,12 +200,12 @@ def _agree(path: str, shards: dict[int, Any]) -> None:
         rollback(shards[i].path, low)
       except errors.StepNotKeptError:
         raise errors.StoreCorruptedError(
-          f"{path}: {_shard_dir(i)} committed step {step}, another shard only step {low}, which "
-          f"{_shard_dir(i)} no longer keeps (NVMeTier(keep=...)): the shards cannot agree."
+          f"{path}: {shard_dir(i)} committed step {step}, another shard only step {low}, which "
+          f"{shard_dir(i)} no longer keeps (NVMeTier(keep=...)): the shards cannot agree."
         ) from None
 
 
-def _all_processes(values: np.ndarray) -> np.ndarray:
+def all_processes(values: np.ndarray) -> np.ndarray:
   """`values` of every process, one row each (a collective: every process must call it)."""
   if jax.process_count() == 1:
     return values[None]
@@ -233,18 +233,18 @@ def init_sharded(
   abstract = jax.eval_shape(inner.init, params)
   layout = layout_lib.StateLayout(abstract, spec)
   shapes = layout.split(abstract)
-  specs = sharding_lib.item_specs(spec, layout, shapes, _item_paths(abstract, layout))
+  specs = sharding_lib.item_specs(spec, layout, shapes, item_paths(abstract, layout))
   record = sharding_lib.describe(mesh, spec.specs, spec.paths)
-  record["shapes"] = _shapes_record(spec)
-  name = os.path.join(tier.path, _MESH)
+  record["shapes"] = shapes_record(spec)
+  name = os.path.join(tier.path, MESH)
   # Every process looks before any writes (processes may share `path`), and
   # all of them take the same decision, so none waits on one that gave up.
-  looked = np.array([os.path.exists(name), os.path.exists(os.path.join(tier.path, _METADATA))])
-  found, plain = _all_processes(looked).astype(bool).T
+  looked = np.array([os.path.exists(name), os.path.exists(os.path.join(tier.path, METADATA))])
+  found, plain = all_processes(looked).astype(bool).T
   if plain.any():
     raise errors.StoreMismatchError(
       f"{tier.path} holds the store of params on no mesh; these params are sharded on "
-      f"{_mesh_text(record)}. Open it with params on no mesh, or choose another path."
+      f"{mesh_text(record)}. Open it with params on no mesh, or choose another path."
     )
   if found.any() and not tier.resume:
     raise errors.StoreExistsError(
@@ -255,17 +255,17 @@ def init_sharded(
     where = "" if found.size == 1 else f" (missing in processes {np.flatnonzero(~found)})"
     raise errors.StoreError(f"NVMeTier(resume=True): no offlax store in {tier.path}{where}.")
   if tier.resume:
-    _check_mesh(tier.path, _read_json(name), record)
+    _check_mesh(tier.path, read_json(name), record)
   else:
     try:
       os.makedirs(tier.path, mode=0o700, exist_ok=True)
-      _write_json(tier.path, _MESH, record, fsync=tier.store.fsync)
+      write_json(tier.path, MESH, record, fsync=tier.store.fsync)
     except OSError as e:
       raise errors.StoreError(f"cannot create the NVMe store {tier.path}: {e}") from e
   here = jax.process_index()
   positions = [i for i, d in enumerate(mesh.devices.flat) if d.process_index == here]
   shards = {
-    i: type(tier)(os.path.join(tier.path, _shard_dir(i)), resume=tier.resume, **tier._options)
+    i: type(tier)(os.path.join(tier.path, shard_dir(i)), resume=tier.resume, **tier._options)
     for i in positions
   }
   if tier.resume:

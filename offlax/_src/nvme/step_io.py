@@ -13,8 +13,8 @@ from jax.experimental import io_callback
 from offlax._src import errors, ffi
 from offlax._src import layout as layout_lib
 from offlax._src.host_tier import HostIO
-from offlax._src.nvme.format import _is_key, _key_data, _key_impl
-from offlax._src.nvme.pipeline import _ByShard, _Reader
+from offlax._src.nvme.format import is_key, key_data, key_impl
+from offlax._src.nvme.pipeline import ByShard, Reader
 
 
 class DiskIO:
@@ -37,10 +37,13 @@ class DiskIO:
 
   On a mesh the step runs per device inside `jax.shard_map`, `items` are one
   device's shards and `shard` is the device's mesh position (traced): every
-  callback gets it first, and `_ByShard` hands it to that shard's store.
+  callback gets it first, and `ByShard` hands it to that shard's store.
   """
 
-  loops = False  # its reads are planned per slice (`plan`), in the schedule's order
+  # Its reads are planned per slice (`plan`), in the schedule's order, and run
+  # ahead in the store's threads: slice k's read waits for slice k-2 (`load`).
+  prefetch_depth = 2
+  writes_in_place = False
 
   def __init__(self, tier: Any, items, offloaded, step, shard=None):
     self.tier, self.items, self.offloaded, self.step = tier, items, offloaded, step
@@ -63,11 +66,11 @@ class DiskIO:
       )
     if self.shard:
       readers = {
-        i: _Reader(t.store, reads, self.tier.readahead) for i, t in self.tier.shards.items()
+        i: Reader(t.store, reads, self.tier.readahead) for i, t in self.tier.shards.items()
       }
-      self.reader: Any = _ByShard(readers)
+      self.reader: Any = ByShard(readers)
     else:
-      self.reader = _Reader(self.tier.store, reads, self.tier.readahead)
+      self.reader = Reader(self.tier.store, reads, self.tier.readahead)
 
   def to_host(self, x):
     return self.host.to_host(x)
@@ -94,28 +97,10 @@ class DiskIO:
       # be free to run every read first and hold the whole state in memory.
       earlier = [t for i, t in self.tickets if i <= k - 2]
       dep = earlier[-1] if earlier else self.step
-      values, self.copied[k] = self._fetch(k, avals, dep)
+      values, self.copied[k] = _read_slice(self, k, avals, dep)
       for n, x in zip(self.cold[k], values, strict=True):
         out[n] = x
     return out
-
-  def _fetch(self, k, avals, dep):
-    """Slice k's values, and (where, ticket) for `_put` on XLA:CPU with the native library."""
-    read = functools.partial(self.reader.read, k)
-    via_callback = lambda shard, step, dep: (
-      io_callback(read, avals, *shard, step, dep),
-      (jnp.zeros(4, jnp.uint32), jnp.int32(0)),
-    )
-
-    def native(shard, step, dep):
-      locate = functools.partial(self.reader.locate, k)
-      where = io_callback(locate, jax.ShapeDtypeStruct((4,), jnp.uint32), *shard, step, dep)
-      out = (*avals, jax.ShapeDtypeStruct((), jnp.int32))
-      copy = jax.ffi.ffi_call("offlax_from_slice", out, has_side_effect=True)
-      *values, ticket = copy(where, offsets=self.reader.offsets[k])
-      return values, (where, ticket)
-
-    return ffi.on_cpu(native, via_callback, self.shard, self.step, dep)
 
   def store(self, k, values):
     out = [
@@ -123,56 +108,77 @@ class DiskIO:
       for n, (j, _) in enumerate(self.keys[k])
     ]
     if self.cold[k]:
-      cold = [self._same_dtype(self.keys[k][n][0], values[n]) for n in self.cold[k]]
-      self.tickets.append((k, self._put(k, cold)))
+      cold = [_same_dtype(self.tier, self.keys[k][n][0], values[n]) for n in self.cold[k]]
+      self.tickets.append((k, _write_slice(self, k, cold)))
     return out
-
-  def _put(self, k, cold):
-    """Writes slice k's new values (the other end of `_fetch`); a ticket."""
-    ticket = jax.ShapeDtypeStruct((), jnp.int32)
-    write = functools.partial(self.reader.write, k)
-    via_callback = lambda shard, copied, cold: io_callback(write, ticket, *shard, *cold)
-
-    def native(shard, copied, cold):
-      where, after = copied
-      copy = jax.ffi.ffi_call("offlax_to_slice", ticket, has_side_effect=True)
-      copied = copy(where, after, *cold, offsets=self.reader.offsets[k])
-      return io_callback(functools.partial(self.reader.submit, k), ticket, *shard, copied)
-
-    return ffi.on_cpu(native, via_callback, self.shard, self.copied[k], cold)
 
   def finish(self, items):
     items = [self.items[j] if x is None else x for j, x in enumerate(items)]
     hot = [j for j, x in enumerate(items) if not isinstance(x, layout_lib.OnDisk)]
     for j in hot:
-      self._same_dtype(j, items[j])
+      _same_dtype(self.tier, j, items[j])
     # The write tickets make the commit wait for every write callback.
     commit = functools.partial(self.reader.commit, hot, len(self.tickets))
     tickets = [t for _, t in self.tickets]
-    values = [_key_data(items[j]) for j in hot]  # (a callback takes no PRNG key)
+    values = [key_data(items[j]) for j in hot]  # (a callback takes no PRNG key)
     io_callback(commit, None, *self.shard, self.step, *tickets, *values)
     return items
 
   def next_step(self):
     return self.step + 1
 
-  def _same_dtype(self, j: int, x: Any) -> Any:
-    """`x`, the new value of item `j`, if it has the item's stored dtype (checked when traced).
 
-    A store keeps each array's dtype; bytes of another would be written into
-    its chunks, torn, and committed.
-    """
-    r = self.tier.store.records[j]
-    if r.key is not None and _key_impl(x) == r.key:
-      return x
-    if _is_key(x) or np.dtype(x.dtype) != np.dtype(r.dtype):
-      raise errors.StoreMismatchError(
-        f"the inner update returns state leaf {r.path} as {x.dtype}, but "
-        f"{self.tier.path} stores it as {r.dtype}, as init made it: the NVMe tier cannot change "
-        "a state array's dtype. (optax.inject_hyperparams, for one, promotes low-precision "
-        "moments to float32 with its float32 hyperparameters; give the moments a fixed dtype.)"
-      )
+def _read_slice(io: DiskIO, k: int, avals, dep):
+  """Slice k's values, and (where, ticket) for `_write_slice` on XLA:CPU with the native library."""
+  read = functools.partial(io.reader.read, k)
+  via_callback = lambda shard, step, dep: (
+    io_callback(read, avals, *shard, step, dep),
+    (jnp.zeros(4, jnp.uint32), jnp.int32(0)),
+  )
+
+  def native(shard, step, dep):
+    locate = functools.partial(io.reader.locate, k)
+    where = io_callback(locate, jax.ShapeDtypeStruct((4,), jnp.uint32), *shard, step, dep)
+    out = (*avals, jax.ShapeDtypeStruct((), jnp.int32))
+    copy = jax.ffi.ffi_call("offlax_from_slice", out, has_side_effect=True)
+    *values, ticket = copy(where, offsets=io.reader.offsets[k])
+    return values, (where, ticket)
+
+  return ffi.on_cpu(native, via_callback, io.shard, io.step, dep)
+
+
+def _write_slice(io: DiskIO, k: int, cold):
+  """Writes slice k's new values (the other end of `_read_slice`); a ticket."""
+  ticket = jax.ShapeDtypeStruct((), jnp.int32)
+  write = functools.partial(io.reader.write, k)
+  via_callback = lambda shard, copied, cold: io_callback(write, ticket, *shard, *cold)
+
+  def native(shard, copied, cold):
+    where, after = copied
+    copy = jax.ffi.ffi_call("offlax_to_slice", ticket, has_side_effect=True)
+    copied = copy(where, after, *cold, offsets=io.reader.offsets[k])
+    return io_callback(functools.partial(io.reader.submit, k), ticket, *shard, copied)
+
+  return ffi.on_cpu(native, via_callback, io.shard, io.copied[k], cold)
+
+
+def _same_dtype(tier: Any, j: int, x: Any) -> Any:
+  """`x`, the new value of item `j`, if it has the item's stored dtype (checked when traced).
+
+  A store keeps each array's dtype; bytes of another would be written into
+  its chunks, torn, and committed.
+  """
+  r = tier.store.records[j]
+  if r.key is not None and key_impl(x) == r.key:
     return x
+  if is_key(x) or np.dtype(x.dtype) != np.dtype(r.dtype):
+    raise errors.StoreMismatchError(
+      f"the inner update returns state leaf {r.path} as {x.dtype}, but "
+      f"{tier.path} stores it as {r.dtype}, as init made it: the NVMe tier cannot change "
+      "a state array's dtype. (optax.inject_hyperparams, for one, promotes low-precision "
+      "moments to float32 with its float32 hyperparameters; give the moments a fixed dtype.)"
+    )
+  return x
 
 
 def _flat_range(item: layout_lib.OnDisk, piece) -> tuple[int, int, tuple[int, ...]]:

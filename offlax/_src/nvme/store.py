@@ -6,6 +6,7 @@ import concurrent.futures
 import dataclasses
 import fcntl
 import os
+import re
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -15,33 +16,40 @@ import tensorstore as ts
 
 from offlax._src import errors
 from offlax._src import telemetry as telemetry_lib
+from offlax._src.nvme import array_files
 from offlax._src.nvme.direct_io import (
-  _BLOCK,
-  _O_DIRECT,
-  _aligned_empty,
-  _clear_direct,
-  _crc,
-  _drop_cached,
-  _pread_into,
-  _pwrite_all,
-  _supports_direct,
-  _syncfs,
-  _zero_parts,
+  BLOCK,
+  O_DIRECT,
+  aligned_empty,
+  chunk_crc,
+  clear_direct,
+  drop_cached,
+  pread_into,
+  pwrite_all,
+  supports_direct,
+  syncfs,
+  zero_parts,
 )
 from offlax._src.nvme.format import (
-  _LOCK,
-  _METADATA,
   DEFAULT_KEEP,
   FORMAT_VERSION,
+  LOCK,
+  MESH,
+  METADATA,
   LeafRecord,
-  _metadata_problem,
-  _read_json,
-  _write_metadata,
+  metadata_problem,
+  read_json,
+  write_metadata,
 )
 
 # The stores this process holds open for writing, by path: a second open names the
 # first (a notebook cell that ran again), rather than blame another process.
 _OPEN: weakref.WeakValueDictionary[str, Store] = weakref.WeakValueDictionary()
+
+# The names a store (or a mesh's stores) writes in its folder.
+_STORE_NAME = re.compile(
+  "|".join([re.escape(LOCK), re.escape(METADATA), re.escape(MESH), r"gen\d+", r"shard_\d+"])
+)
 
 
 def _lock_pid(fd: int) -> int | None:
@@ -89,10 +97,12 @@ class Store:
     """Creates the directory if needed and takes the writer lock (a reader's, if `shared`)."""
     if os.path.lexists(self.path) and not os.path.isdir(self.path):
       raise errors.StoreError(f"NVMe store path {self.path} exists and is not a directory.")
+    if not shared:
+      _refuse_foreign_folder(self.path)
     try:
       os.makedirs(self.path, mode=0o700, exist_ok=True)
       # O_NOFOLLOW: a symlink planted at .lock must not redirect the lock file.
-      fd = os.open(os.path.join(self.path, _LOCK), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+      fd = os.open(os.path.join(self.path, LOCK), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     except OSError as e:
       raise errors.StoreError(f"cannot open NVMe store {self.path}: {e}") from e
     try:
@@ -115,7 +125,7 @@ class Store:
       if pid == os.getpid():  # (a store object of ours that the registry lost)
         who = f"this process (PID {pid}), through a store that was not closed"
       raise errors.StoreLockedError(
-        f"NVMe store {self.path} is open for writing by {who} (lock {_LOCK}); stop it, or "
+        f"NVMe store {self.path} is open for writing by {who} (lock {LOCK}); stop it, or "
         "open another path.",
         pid=pid,
       ) from None
@@ -151,11 +161,11 @@ class Store:
         pass
 
   def exists(self) -> bool:
-    return os.path.exists(os.path.join(self.path, _METADATA))
+    return os.path.exists(os.path.join(self.path, METADATA))
 
   def read_metadata(self) -> dict:
-    name = os.path.join(self.path, _METADATA)
-    meta = _read_json(name)
+    name = os.path.join(self.path, METADATA)
+    meta = read_json(name)
     version = meta.get("format_version")
     if not isinstance(version, int) or version > FORMAT_VERSION:
       raise errors.StoreCorruptedError(
@@ -173,7 +183,7 @@ class Store:
         generations, kept = 2, [[step, generation]]
       else:
         generations, kept = meta["generations"], meta["kept"]
-      problem = _metadata_problem(records, step, generation, chunk_bytes, generations, kept)
+      problem = metadata_problem(records, step, generation, chunk_bytes, generations, kept)
     except (KeyError, TypeError, ValueError) as e:
       problem = repr(e)
     if problem:
@@ -268,7 +278,7 @@ class Store:
     gen = self.generation if gen is None else gen
     if out is None:
       dtype = np.dtype(r.dtype)
-      out = _aligned_empty((stop - start) * dtype.itemsize).view(dtype)
+      out = aligned_empty((stop - start) * dtype.itemsize).view(dtype)
     return self._submit(self._read, r, gen, start, stop, out)
 
   def _submit(self, fn, *args) -> concurrent.futures.Future:
@@ -310,7 +320,7 @@ class Store:
     chunk_nbytes = r.chunk_nbytes
     try:
       direct = self._direct(data)
-      fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | (_O_DIRECT if direct else 0))
+      fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | (O_DIRECT if direct else 0))
     except FileNotFoundError:
       raise errors.StoreCorruptedError(
         f"corrupted chunk in {self._where(r, gen, c)}: the file is missing."
@@ -324,12 +334,12 @@ class Store:
           f"corrupted chunk in {self._where(r, gen, c)}: {size} bytes, expected "
           f"{chunk_nbytes + 4} (truncated or overwritten)."
         )
-      _pread_into(fd, data, 0)  # direct: from the disk to `data`, no page cache copy
+      pread_into(fd, data, 0)  # direct: from the disk to `data`, no page cache copy
       if direct:
-        _clear_direct(fd)  # the 4-byte checksum is not a whole block
+        clear_direct(fd)  # the 4-byte checksum is not a whole block
       stored = int.from_bytes(os.pread(fd, 4, chunk_nbytes), "little")
       # The rest of a short last chunk is zero padding, as zarr3 writes it.
-      if _crc(data, chunk_nbytes - data.nbytes) != stored:
+      if chunk_crc(data, chunk_nbytes - data.nbytes) != stored:
         raise errors.StoreCorruptedError(
           f"corrupted chunk in {self._where(r, gen, c)}: crc32c checksum mismatch."
         )
@@ -374,15 +384,15 @@ class Store:
     directory = os.path.join(self._array_path(r.index, gen), "c")
     chunk_nbytes = r.chunk_nbytes
     pad = chunk_nbytes - data.nbytes
-    crc = _crc(data, pad).to_bytes(4, "little")
+    crc = chunk_crc(data, pad).to_bytes(4, "little")
     try:
       if directory not in self._made_dirs:
         os.makedirs(directory, mode=0o700, exist_ok=True)
         self._made_dirs.add(directory)
       name = os.path.join(directory, str(c))
       # A short last chunk too, when its zero padding is whole blocks.
-      direct = pad % _BLOCK == 0 and self._direct(data)
-      flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (_O_DIRECT if direct else 0)
+      direct = pad % BLOCK == 0 and self._direct(data)
+      flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (O_DIRECT if direct else 0)
       fd = os.open(name, flags, 0o600)
       self._written.add(name)
       try:
@@ -390,11 +400,11 @@ class Store:
         # here is never read back.
         if direct:
           # To the disk, no page cache copy or writeback.
-          _pwrite_all(fd, [data, *_zero_parts(pad)], 0)
-          _clear_direct(fd)  # the 4-byte checksum is not a whole block
-          _pwrite_all(fd, [crc], chunk_nbytes)
+          pwrite_all(fd, [data, *zero_parts(pad)], 0)
+          clear_direct(fd)  # the 4-byte checksum is not a whole block
+          pwrite_all(fd, [crc], chunk_nbytes)
         else:
-          _pwrite_all(fd, [data, *_zero_parts(pad), crc], 0)
+          pwrite_all(fd, [data, *zero_parts(pad), crc], 0)
         os.ftruncate(fd, chunk_nbytes + 4)
         if not direct:
           # Starts this chunk's writeback now (an I/O thread waits, not XLA): the
@@ -409,17 +419,17 @@ class Store:
 
   def _direct(self, data: np.ndarray) -> bool:
     """Whether `data` moves with direct I/O: whole, aligned blocks, a filesystem that can."""
-    if data.nbytes % _BLOCK or data.ctypes.data % _BLOCK:
+    if data.nbytes % BLOCK or data.ctypes.data % BLOCK:
       return False
     if self._direct_ok is None:
-      self._direct_ok = _supports_direct(self.path)
+      self._direct_ok = supports_direct(self.path)
     return self._direct_ok
 
   def commit(self, step: int) -> None:
     """Makes the next generation current, atomically; its writes are done."""
     if self.fsync:
-      _syncfs(self.path)  # flush the chunks before the pointer
-      _drop_cached(self._written)  # now clean; read again in two steps, from disk
+      syncfs(self.path)  # flush the chunks before the pointer
+      drop_cached(self._written)  # now clean; read again in two steps, from disk
     self._written.clear()
     gen = self.next_generation
     # The generation the step after this one writes is no longer a kept step.
@@ -430,9 +440,9 @@ class Store:
   def make_current(self, step: int, gen: int, kept: list[tuple[int, int]]) -> None:
     """Writes `offlax.json` naming `step` in generation `gen` as committed, atomically."""
     try:
-      _write_metadata(self.path, self.metadata(step, gen, kept), fsync=self.fsync)
+      write_metadata(self.path, self.metadata(step, gen, kept), fsync=self.fsync)
     except OSError as e:
-      name = os.path.join(self.path, _METADATA)
+      name = os.path.join(self.path, METADATA)
       raise errors.StoreError(f"cannot commit step {step} to {name}: {e}") from e
     self.step, self.generation, self.kept = step, gen, kept
 
@@ -458,9 +468,29 @@ def _chmod(name: str, mode: int, r: LeafRecord | None = None) -> None:
     raise errors.StoreError(f"I/O error on {name}{leaf}: {e}") from e
 
 
-def _progress(items, enabled: bool, desc: str):
+def progress_bar(items, enabled: bool, desc: str):
+  """`items`, with a progress bar once the work has run `array_files.BAR_DELAY_S`."""
   if not enabled:
     return items
   from tqdm.auto import tqdm
 
-  return tqdm(items, desc=desc, unit="slice", leave=False)
+  return tqdm(items, desc=desc, unit="slice", leave=False, delay=array_files.BAR_DELAY_S)
+
+
+def _refuse_foreign_folder(path: str) -> None:
+  """Refuses a folder that holds files and no store: a store's files would land among them.
+
+  A store's own names (the lock, the metadata, generations, a mesh's shards) mark
+  a folder as offlax's, even one whose store was never committed.
+  """
+  try:
+    names = os.listdir(path)
+  except (FileNotFoundError, NotADirectoryError):
+    return
+  if names and not any(_STORE_NAME.fullmatch(name) for name in names):
+    shown = ", ".join(sorted(names)[:5]) + (", ..." if len(names) > 5 else "")
+    raise errors.NotAStoreError(
+      f"NVMe store path {path} holds {len(names)} other file(s) ({shown}) and no offlax store: "
+      "a store writes .lock, offlax.json and gen0, gen1, ... there, beside them. Give the tier "
+      f"an empty or new folder, e.g. NVMeTier({os.path.join(path, 'offlax-state')!r})."
+    )

@@ -25,27 +25,27 @@ from offlax._src import telemetry as telemetry_lib
 from offlax._src import tier as tier_lib
 from offlax._src.host_tier import HostTier
 from offlax._src.nvme.copies import copy_store
-from offlax._src.nvme.direct_io import _bound_malloc
+from offlax._src.nvme.direct_io import bound_malloc
 from offlax._src.nvme.format import (
-  _MESH,
-  _METADATA,
   DEFAULT_KEEP,
+  MESH,
+  METADATA,
   LeafRecord,
-  _is_key,
-  _item_paths,
-  _key_data,
-  _key_impl,
-  _mesh_text,
-  _read_json,
-  _shard_dir,
-  _stored,
-  _write_json,
+  is_key,
+  item_paths,
+  key_data,
+  key_impl,
+  mesh_text,
+  read_json,
+  shard_dir,
+  stored_form,
+  write_json,
 )
-from offlax._src.nvme.pipeline import _wait_for_dispatched_steps
-from offlax._src.nvme.rollback import _rollback_locked
-from offlax._src.nvme.sharded import _all_processes, init_sharded
+from offlax._src.nvme.pipeline import wait_for_dispatched_steps
+from offlax._src.nvme.rollback import rollback_locked
+from offlax._src.nvme.sharded import all_processes, init_sharded
 from offlax._src.nvme.step_io import DiskIO
-from offlax._src.nvme.store import Store, _progress
+from offlax._src.nvme.store import Store, progress_bar
 
 DEFAULT_CHUNK = 16 * 2**20
 
@@ -143,7 +143,7 @@ class NVMeTier(tier_lib.Tier):
         f"{DEFAULT_CHUNK}), got {chunk_bytes!r}."
       )
     self.host = HostTier(chunk_bytes=DEFAULT_CHUNK if chunk_bytes is None else chunk_bytes)
-    _bound_malloc()
+    bound_malloc()
     self.path = os.fspath(path)
     self.cache_bytes = int(cache_bytes)
     self._chunk_bytes_given = chunk_bytes is not None
@@ -215,7 +215,7 @@ class NVMeTier(tier_lib.Tier):
   def close(self) -> None:
     """Waits for steps in flight (`jax.effects_barrier`) and releases the store's lock."""
     try:
-      _wait_for_dispatched_steps()
+      wait_for_dispatched_steps()
     except jax.errors.JaxRuntimeError:
       pass  # a failed step's error: its own outputs raise it, not closing the store
     for shard in self.shards.values():
@@ -243,16 +243,16 @@ class NVMeTier(tier_lib.Tier):
       )
     if spec.mesh is not None:
       return init_sharded(self, inner, params, spec, state)
-    if os.path.exists(os.path.join(self.path, _MESH)):
+    if os.path.exists(os.path.join(self.path, MESH)):
       raise errors.StoreMismatchError(
-        f"{self.path} holds the state of params sharded on a mesh ({_MESH}: "
-        f"{_mesh_text(_read_json(os.path.join(self.path, _MESH)))}); these params are on no "
+        f"{self.path} holds the state of params sharded on a mesh ({MESH}: "
+        f"{mesh_text(read_json(os.path.join(self.path, MESH)))}); these params are on no "
         "mesh. Put them on that mesh, or choose another path."
       )
     abstract = jax.eval_shape(inner.init, params)
     layout = layout_lib.StateLayout(abstract, spec)
     shapes = layout.split(abstract)
-    paths = _item_paths(abstract, layout)
+    paths = item_paths(abstract, layout)
     self.store.lock()
     try:
       if self.store.exists():
@@ -280,14 +280,14 @@ class NVMeTier(tier_lib.Tier):
     run it between steps (an orbax save of `offlax.NVMeStoreSave(tier)` does).
     On a mesh each process copies its own shards' stores, then the mesh record.
     """
-    _wait_for_dispatched_steps()
+    wait_for_dispatched_steps()
     if self.store._lock_fd is None or not self.store.exists():
       raise errors.StoreError(f"{self.path}: snapshot needs an open store (init it first).")
     dest = os.fspath(dest)
     if not self.shards:
       return copy_store(self.path, dest, progress=self.progress)
     local = [shard.store.step for shard in self.shards.values()]
-    steps = _all_processes(np.array([min(local), max(local)], np.int64))
+    steps = all_processes(np.array([min(local), max(local)], np.int64))
     if steps[:, 0].min() != steps[:, 1].max():
       # A step that failed on some shards (a write error) was committed by others.
       raise errors.StoreError(
@@ -297,8 +297,8 @@ class NVMeTier(tier_lib.Tier):
       )
     os.makedirs(dest, mode=0o700, exist_ok=True)
     for i, shard in self.shards.items():
-      copy_store(shard.path, os.path.join(dest, _shard_dir(i)), progress=self.progress)
-    _write_json(dest, _MESH, _read_json(os.path.join(self.path, _MESH)), fsync=True)
+      copy_store(shard.path, os.path.join(dest, shard_dir(i)), progress=self.progress)
+    write_json(dest, MESH, read_json(os.path.join(self.path, MESH)), fsync=True)
     return self.store.step
 
   def read_state(self, state: Any) -> Any:
@@ -325,7 +325,7 @@ class NVMeTier(tier_lib.Tier):
 
   def _committed_step(self) -> Any:
     try:
-      with open(os.path.join(self.path, _METADATA)) as f:
+      with open(os.path.join(self.path, METADATA)) as f:
         return json.load(f)["step"]
     except (OSError, ValueError, KeyError):  # only for the message
       return "unknown"
@@ -342,7 +342,7 @@ class NVMeTier(tier_lib.Tier):
         "offlax.NVMeStoreSave(tier) beside the params), or resume the params from step "
         f"{self.store.step}."
       )
-    _rollback_locked(self.store, step, "NVMeTier(resume=True, step=...)")
+    rollback_locked(self.store, step, "NVMeTier(resume=True, step=...)")
     logging.getLogger("offlax").warning(
       "%s: rolled back to step %d, the params' step (the store had committed step %d).",
       self.path, step, kept[-1],
@@ -354,7 +354,7 @@ class NVMeTier(tier_lib.Tier):
     hot, budget = set(), self.cache_bytes
     for j in order:
       x, o = shapes[j], layout.owners[j]
-      if x.ndim == 0 or o == coupling_lib.GLOBAL or _is_key(x):
+      if x.ndim == 0 or o == coupling_lib.GLOBAL or is_key(x):
         hot.add(j)  # scalars, global items and PRNG keys always stay in RAM
       elif layout_lib.nbytes(x) <= budget:
         hot.add(j)
@@ -368,8 +368,8 @@ class NVMeTier(tier_lib.Tier):
     hot = self._hot(shapes, layout)
     records = []
     for j, x in enumerate(shapes):
-      key = _key_impl(x)
-      x = _stored(x)
+      key = key_impl(x)
+      x = stored_form(x)
       o = layout.owners[j]
       size = int(np.prod(x.shape, dtype=np.int64))
       chunk = size
@@ -396,7 +396,9 @@ class NVMeTier(tier_lib.Tier):
 
     def writes():  # computes each group as the writes of the one before proceed
       nonlocal whole
-      for n, group in enumerate(_progress(groups, self.progress, f"offlax: writing {self.path}")):
+      for n, group in enumerate(
+        progress_bar(groups, self.progress, f"offlax: writing {self.path}")
+      ):
         group_values = whole
         if group_values is None and len(groups) > 1:
           masked = [s if i in group else layout_lib.MASKED() for i, s in enumerate(slots)]
@@ -410,7 +412,7 @@ class NVMeTier(tier_lib.Tier):
           owner = layout.owners[j]
           if n == 0 if owner == coupling_lib.GLOBAL else owner in group:
             items[j] = self._entry(r, x)
-            yield r.index, 0, np.asarray(_key_data(x))
+            yield r.index, 0, np.asarray(key_data(x))
 
     self.store.write_all(writes())
     self.store.commit(0)
@@ -447,7 +449,7 @@ class NVMeTier(tier_lib.Tier):
         f"{self.path} holds {len(records)} state arrays; this optimizer has {len(shapes)}."
       )
     for r, x, path in zip(records, shapes, paths, strict=True):
-      x = _stored(x)
+      x = stored_form(x)
       want = (path, tuple(x.shape), np.dtype(x.dtype).name)
       if (r.path, r.shape, r.dtype) != want:
         raise errors.StoreMismatchError(
@@ -461,7 +463,7 @@ class NVMeTier(tier_lib.Tier):
     records = [dataclasses.replace(r, hot=r.index in hot) for r in records]
     self.store.records = records
     items = []
-    for r in _progress(records, self.progress, f"offlax: resuming {self.path}"):
+    for r in progress_bar(records, self.progress, f"offlax: resuming {self.path}"):
       if r.hot:
         data = self.store.result(self.store.read(r.index, 0, r.size)).reshape(r.shape)
         value = jnp.asarray(data)

@@ -1,0 +1,143 @@
+"""gpu_check.py's sections that check results: offlax against optax, the examples, checkpoints.
+
+Private to `benchmarks/`; gpu_check.py's docstring says what each section measures. A section
+returns a JSON-able dict and records what fails inside it as an `error`; gpu_check.py's `main`
+records a section that raises.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import pathlib
+import shutil
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from benchmarks import _disk, _gpu
+
+
+def check_correctness(offlax, optax, jax, np):
+  with tempfile.TemporaryDirectory(prefix="offlax-gpu-check-") as tmp:
+    nvme = offlax.NVMeTier(tmp, cache_bytes=4096, chunk_bytes=64 * 1024, progress=False)
+    try:
+      return _correctness(offlax, optax, jax, np, nvme)
+    finally:
+      nvme.close()
+
+
+def _correctness(offlax, optax, jax, np, nvme):
+  shapes = _gpu.transformer_shapes(2e5, layers=2)
+  params = _gpu.materialise(shapes, 0)
+  inner = optax.adamw(1e-3)
+  host = offlax.HostTier(compute="host")
+  results = {}
+  # The last two run offlax's native kernel in the host computation (JAX lowers
+  # that region for the CPU): the moments only, then the update too (within
+  # 2e-6 relative of optax's, so not bit-exact by design).
+  for name, tier, offloaded in (
+    ("one_slice", offlax.HostTier(chunk_bytes=2**40), inner),
+    ("streamed", offlax.HostTier(chunk_bytes=64 * 1024), inner),
+    ("host_compute", host, inner),
+    ("host_compute_offlax_adamw", host, offlax.adamw(1e-3)),
+    ("host_compute_native_update", host, offlax.adamw(1e-3, native_update=True)),
+    ("host_compute_whole_step", host, offlax.master_weights(offlax.adamw(1e-3))),
+    ("nvme", nvme, inner),
+  ):
+    txs = {"plain": inner, "offlax": offlax.offload(offloaded, tier)}
+    out = {}
+    try:
+      for label, tx in txs.items():
+        p, s = params, tx.init(params)
+        step = jax.jit(_gpu.optimizer_step(tx))
+        for i in range(3):
+          p, s = step(p, s, jax.tree.map(lambda x, i=i: jax.numpy.sin(x * (i + 1)), p))
+        out[label] = jax.block_until_ready(p)
+    except Exception as e:  # recorded: the table shows which variant failed and why
+      results[name] = {"error": _gpu.error_text(e)}
+      continue
+    diff = max(
+      float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+      for a, b in zip(jax.tree.leaves(out["plain"]), jax.tree.leaves(out["offlax"]), strict=True)
+    )
+    results[name] = {"max_abs_diff": diff, "bit_exact": diff == 0.0}
+  return results
+
+
+def examples(steps: int) -> dict:
+  """The Flax examples, a few steps each: that they run here, and their last losses."""
+  root = pathlib.Path(__file__).resolve().parent.parent / "examples"
+  out = {}
+  lm = [("lm_nnx.py", ["--tier", t, "--steps", str(steps), "--no-progress"])
+        for t in ("host", "host_compute", "nvme")]  # fmt: skip
+  runs = [*lm, ("linen_train_state.py", ["--steps", str(steps)])]
+  for name, args in runs:
+    key = f"{name} {' '.join(args[:2])}"
+    spec = importlib.util.spec_from_file_location(name[:-3], root / name)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name[:-3]] = module
+    try:
+      spec.loader.exec_module(module)
+      with tempfile.TemporaryDirectory() as tmp:
+        extra = ["--dir", tmp, "--dim", "32", "--seq", "32"] if name == "lm_nnx.py" else []
+        out[key] = {"result": float(module.main([*args, *extra]))}
+    except Exception as e:  # recorded: the point is to learn what fails on this machine
+      out[key] = {"error": _gpu.error_text(e)}
+  return out
+
+
+def host_state_checkpoint(offlax, optax, jax, n_params):
+  """`HostStateSave` / `HostStateRestore` of host-tier state made on this GPU, against the raw disk.
+
+  On a GPU the state's `pinned_host` arrays are copied out to NumPy as their files are
+  written, and restored leaves are copied into pinned memory: exactness, memory kinds and
+  GB/s are what the CPU cannot show. The raw disk (direct I/O, 4 streams) is measured in
+  the same directory just before.
+  """
+  import jax.numpy as jnp
+  import orbax.checkpoint as ocp
+
+  rows = max(1, int(n_params) // 4096)
+  params = {f"w{i}": jnp.full((rows, 1024), 0.5, jnp.float32) for i in range(4)}
+  inner = optax.adam(1e-3)
+  tx = offlax.offload(inner)
+  _, state = jax.jit(lambda p, s: tx.update(jax.tree.map(jnp.sin, p), s, p))(
+    params, tx.init(params)
+  )
+  jax.block_until_ready(state)
+  nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
+  work = pathlib.Path(tempfile.mkdtemp(prefix="offlax-gpu-ckpt-"))
+  try:
+    raw = _disk.raw_python(work / "raw.bin", max(nbytes, 4 * _disk.RAW_BLOCK_BYTES), streams=4)
+    (work / "raw.bin").unlink(missing_ok=True)
+    with ocp.CheckpointManager(work / "ckpt") as mngr:
+      start = time.perf_counter()
+      mngr.save(0, args=ocp.args.Composite(opt=offlax.HostStateSave(state, progress=False)))
+      mngr.wait_until_finished()
+      os.sync()
+      save_s = time.perf_counter() - start
+      _disk.drop_page_cache(work / "ckpt")
+      target = offlax.abstract_state(inner, params)
+      start = time.perf_counter()
+      item = offlax.HostStateRestore(target, progress=False)
+      restored = jax.block_until_ready(mngr.restore(0, args=ocp.args.Composite(opt=item)).opt)
+      restore_s = time.perf_counter() - start
+    pairs = zip(jax.tree.leaves(state), jax.tree.leaves(restored), strict=True)
+    exact = all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in pairs)
+    kinds = sorted({x.sharding.memory_kind for x in jax.tree.leaves(restored) if x.ndim})
+  finally:
+    shutil.rmtree(work, ignore_errors=True)
+  return {
+    "state_bytes": nbytes,
+    "exact": exact,
+    "restored_kinds": kinds,
+    "save_gb_per_s": nbytes / save_s / 1e9,
+    "restore_gb_per_s": nbytes / restore_s / 1e9,
+    "raw_write_gb_per_s": raw["write_bytes_per_s"] / 1e9,
+    "raw_read_gb_per_s": raw["read_bytes_per_s"] / 1e9,
+    "save_vs_raw": nbytes / save_s / raw["write_bytes_per_s"],
+    "restore_vs_raw": nbytes / restore_s / raw["read_bytes_per_s"],
+  }

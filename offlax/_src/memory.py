@@ -1,0 +1,65 @@
+"""Memory kinds: whether a value lives in host or device memory, and the moves between them.
+
+Inside `jax.jit`, JAX 0.10 types one host memory space, ``pinned_host``
+(`jax.memory.Space.Host`), in a value's type (`jax.typeof(x).memory_space`);
+a `jax.ShapeDtypeStruct` names its memory in its sharding instead. Every
+module asks here, so that "on the host" means one thing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+# The memory kinds of host RAM a sharding may name.
+HOST_KINDS = ("pinned_host", "unpinned_host")
+
+
+def on_host(x: Any) -> bool:
+  """Whether `x` (an array, tracer or `ShapeDtypeStruct`) lives in host memory."""
+  if isinstance(x, jax.ShapeDtypeStruct) or not hasattr(x, "dtype"):
+    kind = getattr(getattr(x, "sharding", None), "memory_kind", None)
+    return kind in HOST_KINDS
+  try:
+    return getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
+  except TypeError:
+    return False
+
+
+def any_on_host(tree: Any) -> bool:
+  """Whether some leaf of `tree` lives in host memory."""
+  return any(on_host(x) for x in jax.tree.leaves(tree))
+
+
+def to_host(x: Any) -> Any:
+  """`x` moved to host memory (``pinned_host``); valid inside and outside `jit`."""
+  return jax.device_put(x, jax.memory.Space.Host)
+
+
+def to_device(x: Any) -> Any:
+  """`x` moved to device memory; valid inside and outside `jit`."""
+  return jax.device_put(x, jax.memory.Space.Device)
+
+
+def as_device_value(x: Any) -> Any:
+  """`x` typed as a device value, as values inside a host computation must be.
+
+  Ops in a host computation make constants typed as device values, and an op
+  needs one memory space; the data does not move (it is a relabel).
+  """
+  if not hasattr(x, "dtype") or not on_host(x):
+    return x
+  return to_device(x)
+
+
+def sharding_kind(x: Any) -> str:
+  """``"host"`` or ``"device"``: the memory a concrete array's or spec's sharding names.
+
+  The sharding, not the type: JAX 0.10 types an array with a one-device
+  sharding in ``pinned_host`` as device memory, and it still lives on the
+  host. Tracers count as device values.
+  """
+  concrete = isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) and not isinstance(x, jax.core.Tracer)
+  kind = getattr(x.sharding, "memory_kind", None) if concrete else None
+  return "host" if kind in HOST_KINDS else "device"

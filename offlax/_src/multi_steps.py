@@ -1,0 +1,156 @@
+"""`optax.MultiSteps` around offlax's fused update, for params and gradients in host memory.
+
+Gradient accumulation (Tunix's ``gradient_accumulation_steps`` wraps the
+transformation in `optax.MultiSteps`) keeps a model-sized accumulator where
+the gradients are. With params in host memory that is host memory: optax's
+own ``init`` cannot make its zeros there, and its ``update`` would add host
+arrays on the device and run the inner update and `optax.apply_updates` at
+every micro-step. Here the accumulator is made and updated on the host CPU
+(optax's running mean, rounded as optax rounds it), and every k-th micro-step
+runs the inner transformation's fused update on it, writing the new params
+over the old; the other micro-steps leave params and inner state as they are,
+as optax's selects do.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from offlax._src import errors, memory, patches
+from offlax._src.compat import compute_on
+
+INIT = patches.register(
+  patches.Patch(
+    name="optax-multisteps-init-host-params",
+    target="optax.MultiSteps.init",
+    scope="process",
+    upstream=(
+      "MultiSteps.init makes its accumulator with optax.tree.zeros_like(params), which "
+      "for a pinned_host array outside jit builds a device buffer under a host sharding "
+      "(optax/transforms/_accumulation.py)"
+    ),
+    versions="optax 0.2.8, jax 0.10.2",
+    failure=(
+      "Tunix 0.1.7's PeftTrainer with gradient_accumulation_steps and offload_params "
+      "raises 'Memory kind mismatch with xla::PjRtBuffers' in its constructor"
+    ),
+  )
+)
+
+
+def install() -> None:
+  """Makes `optax.MultiSteps.init` place its accumulator in host memory for host params."""
+
+  def wrap(original):
+    @functools.wraps(original)
+    def init_(self, params):
+      if not memory.any_on_host(params):
+        return original(self, params)
+      return init(self, params)
+
+    return init_
+
+  patches.replace(INIT, optax.MultiSteps, "init", wrap)
+
+
+def fused(tx: optax.MultiSteps, inner: Callable[..., Any]) -> Callable[..., tuple[Any, Any]]:
+  """`update_and_apply` of `tx`, given its inner transformation's fused step `inner`."""
+  return functools.partial(update_and_apply, tx, inner)
+
+
+def init(tx: optax.MultiSteps, params: Any) -> optax.MultiStepsState:
+  """``tx.init(params)`` with the accumulator in host memory where the params are."""
+  _check_default_skip(tx)
+
+  def zeros(p):
+    dtype = tx._accumulator_dtype or p.dtype
+    if not memory.on_host(p):
+      return jnp.zeros_like(p, dtype=dtype)
+    if isinstance(p, jax.ShapeDtypeStruct):
+      return jax.ShapeDtypeStruct(p.shape, dtype, sharding=p.sharding)
+    return jax.device_put(np.zeros(p.shape, dtype), p.sharding)
+
+  return optax.MultiStepsState(
+    mini_step=jnp.zeros([], dtype=jnp.int32),
+    gradient_step=jnp.zeros([], dtype=jnp.int32),  # its own buffer: a trainer donates both
+    inner_opt_state=tx.inner_opt.init(params),
+    acc_grads=jax.tree.map(zeros, params),
+    skip_state=(),
+  )
+
+
+def update_and_apply(
+  tx: optax.MultiSteps,
+  inner: Callable[..., tuple[Any, Any]],
+  grads: Any,
+  state: optax.MultiStepsState,
+  params: Any,
+  **extra_args: Any,
+) -> tuple[Any, optax.MultiStepsState]:
+  """One micro-step: accumulate `grads`; on the k-th, the fused update on their mean."""
+  k_steps = tx._every_k_schedule(state.gradient_step)
+  emit = state.mini_step == (k_steps - 1)
+  accumulate = functools.partial(_accumulate, tx, n_acc=state.mini_step, emit=emit)
+  pairs = jax.tree.map(accumulate, grads, state.acc_grads)
+  is_pair = lambda x: isinstance(x, tuple)
+  mean = jax.tree.map(lambda pair: pair[0], pairs, is_leaf=is_pair)
+  kept = jax.tree.map(lambda pair: pair[1], pairs, is_leaf=is_pair)
+
+  def step(operands):
+    mean, inner_state, params = operands
+    return inner(mean, inner_state, params, **extra_args)
+
+  def wait(operands):
+    _, inner_state, params = operands
+    return params, inner_state
+
+  params, inner_state = jax.lax.cond(emit, step, wait, (mean, state.inner_opt_state, params))
+  new_state = optax.MultiStepsState(
+    mini_step=optax.safe_increment(state.mini_step) % k_steps,
+    gradient_step=emit * optax.safe_increment(state.gradient_step)
+    + (1 - emit) * state.gradient_step,
+    inner_opt_state=inner_state,
+    acc_grads=kept,
+    skip_state=state.skip_state,
+  )
+  return params, new_state
+
+
+def _accumulate(tx: optax.MultiSteps, g: Any, acc: Any, *, n_acc: Any, emit: Any) -> tuple:
+  """(the mean to update with, in `g`'s dtype; the accumulator to keep) of one leaf."""
+
+  def both(g, acc, n_acc, emit):
+    g, acc = memory.as_device_value(g), memory.as_device_value(acc)
+    new = tx._acc_update(g, acc, n_acc=n_acc)
+    kept = jnp.astype((1 - emit) * new, tx._accumulator_dtype)
+    return new.astype(g.dtype), kept
+
+  # Where the accumulator lives decides: gradients on the device added to a host
+  # accumulator would otherwise bring it, model-sized, onto the device.
+  if not memory.on_host(acc):
+    return both(g, acc, n_acc, emit)
+  g = g if memory.on_host(g) else memory.to_host(g)
+  on_host = compute_on(both, compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)
+  return on_host(g, acc, n_acc, emit)
+
+
+def default_skip(tx: optax.MultiSteps) -> bool:
+  """Whether `tx` skips no update (optax's default ``should_skip_update_fn``)."""
+  skip = tx._should_skip_update_fn
+  return skip.__qualname__ == "MultiSteps.__init__.<locals>.should_skip_update_fn"
+
+
+def _check_default_skip(tx: optax.MultiSteps) -> None:
+  if not default_skip(tx):
+    skip = tx._should_skip_update_fn
+    raise errors.InvalidOptionError(
+      "optax.MultiSteps with params in host memory: should_skip_update_fn "
+      f"({skip.__qualname__}) is not supported; drop it, or keep the params on the device."
+    )

@@ -1,0 +1,389 @@
+"""`offlax.offload_params`: any Flax NNX model's params in host memory, the model's code unedited.
+
+Each model is trained beside the same model on the device, rematerialised the
+same way (a layer's recomputation rounds as the layer does, see
+``docs/params_off_device.md``): the params must be equal bit for bit, in
+``pinned_host`` after training, with the gradients in host memory.
+"""
+
+import functools
+import inspect
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from conftest import assert_trees_equal
+from flax import nnx
+
+import offlax
+
+D = 8
+
+
+class Block(nnx.Module):
+  def __init__(self, rngs):
+    self.norm = nnx.LayerNorm(D, rngs=rngs)
+    self.up = nnx.Linear(D, 2 * D, rngs=rngs)
+    self.down = nnx.Linear(2 * D, D, rngs=rngs)
+
+  def __call__(self, x):
+    return x + self.down(jax.nn.gelu(self.up(self.norm(x))))
+
+
+class ListModel(nnx.Module):
+  """Layers in an `nnx.List` looped over in Python; a tied embedding used by two methods."""
+
+  def __init__(self, rngs, layers=2, remat=False):
+    self.embed = nnx.Embed(11, D, rngs=rngs)
+    self.layers = nnx.List([Block(rngs) for _ in range(layers)])
+    self.remat = remat
+
+  def __call__(self, tokens):
+    x = self.embed(tokens)
+    for layer in self.layers:
+      x = nnx.remat(lambda m, x: m(x))(layer, x) if self.remat else layer(x)
+    return self.embed.attend(x)
+
+
+class MLP(nnx.Module):
+  """No repeated blocks."""
+
+  def __init__(self, rngs):
+    self.a = nnx.Linear(D, 16, rngs=rngs)
+    self.b = nnx.Linear(16, 11, rngs=rngs)
+
+  def __call__(self, tokens):
+    return self.b(jax.nn.relu(self.a(jax.nn.one_hot(tokens, D))))
+
+
+class Stacked(nnx.Module):
+  """Layers made by `nnx.vmap`, run by `nnx.scan` (params stacked on a first axis)."""
+
+  def __init__(self, rngs, layers=3, remat=False):
+    @nnx.split_rngs(splits=layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs):
+      return Block(rngs)
+
+    self.embed = nnx.Embed(11, D, rngs=rngs)
+    self.blocks = make(rngs)
+    self.remat = remat
+
+  def __call__(self, tokens):
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+    def run(x, block):
+      return nnx.remat(lambda b, x: b(x))(block, x) if self.remat else block(x)
+
+    return self.embed.attend(run(self.embed(tokens), self.blocks))
+
+
+TOKENS = jnp.array([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]])
+
+
+def loss_fn(model):
+  logits = model(TOKENS[:, :-1])
+  return optax.softmax_cross_entropy_with_integer_labels(logits, TOKENS[:, 1:]).mean()
+
+
+def train(model, tx, steps=3, wrt=nnx.Param):
+  optimizer = nnx.Optimizer(model, tx, wrt=wrt)
+
+  @nnx.jit
+  def step(model, optimizer):
+    loss, grads = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, wrt))(model)
+    optimizer.update(model, grads)  # Flax's own call: offlax's fused update where it applies
+    return loss
+
+  return [float(step(model, optimizer)) for _ in range(steps)]
+
+
+def kinds(tree):
+  return {x.sharding.memory_kind for x in jax.tree.leaves(tree)}
+
+
+@pytest.mark.parametrize(
+  "make, remat",
+  [(ListModel, True), (MLP, False), (Stacked, True)],
+  ids=["list-of-layers", "mlp", "nnx-scan"],
+)
+def test_trains_as_on_the_device(make, remat):
+  want_model = make(nnx.Rngs(0), remat=True) if remat else make(nnx.Rngs(0))
+  want = train(want_model, optax.adamw(1e-2))
+  model = make(nnx.Rngs(0))
+  assert offlax.offload_params(model) is model
+  assert kinds(nnx.state(model, nnx.Param)) == {"pinned_host"}
+  got = train(model, offlax.offload(optax.adamw(1e-2), compute="host"))
+  assert kinds(nnx.state(model, nnx.Param)) == {"pinned_host"}
+  if make is not Stacked:
+    assert got == want
+    assert_trees_equal(nnx.state(model, nnx.Param), nnx.state(want_model, nnx.Param))
+    return
+  # Inside `nnx.scan` each of a block's sub-modules is its own rematerialised unit (the
+  # block owns no params itself), and the reference rematerialises the whole block: their
+  # XLA:CPU fusions round differently, by an ulp of a step's loss.
+  assert got == pytest.approx(want, rel=1e-6)
+  for a, b in zip(jax.tree.leaves(nnx.state(model, nnx.Param)),
+                  jax.tree.leaves(nnx.state(want_model, nnx.Param)), strict=True):  # fmt: skip
+    assert jnp.max(jnp.abs(jax.device_get(a) - jax.device_get(b))) < 1e-6
+
+
+def test_gradients_land_in_host_memory_and_equal_the_devices():
+  want = nnx.jit(nnx.grad(loss_fn))(ListModel(nnx.Rngs(0), remat=True))
+  model = offlax.offload_params(ListModel(nnx.Rngs(0)))
+  grads = nnx.jit(nnx.grad(loss_fn))(model)
+  assert kinds(nnx.state(grads)) == {"pinned_host"}
+  assert_trees_equal(nnx.state(grads), nnx.state(want))
+
+
+@pytest.mark.parametrize("offload_activations", [False, True])
+def test_the_wrapped_methods_and_eager_calls(offload_activations):
+  model = offlax.offload_params(ListModel(nnx.Rngs(0)), offload_activations=offload_activations)
+  want = ListModel(nnx.Rngs(0))
+  # `attend` (the tied embedding's decode) and `__call__` of the embedding both fetch.
+  assert jnp.array_equal(model(TOKENS), want(TOKENS))  # eagerly
+  grads = nnx.jit(nnx.grad(loss_fn))(model)
+  assert kinds(nnx.state(grads)) == {"pinned_host"}
+
+
+def test_lora_adapters_stay_on_the_device():
+  class Lora(nnx.Module):
+    def __init__(self, rngs):
+      self.a = nnx.LoRALinear(D, D, lora_rank=2, rngs=rngs)
+      self.b = nnx.LoRALinear(D, 11, lora_rank=2, rngs=rngs)
+
+    def __call__(self, tokens):
+      return self.b(self.a(jax.nn.one_hot(tokens, D)))
+
+  want_model = Lora(nnx.Rngs(0))
+  want = train(want_model, optax.adam(1e-2), wrt=nnx.LoRAParam)
+  model = offlax.offload_params(Lora(nnx.Rngs(0)), wrt=nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))
+  got = train(model, optax.adam(1e-2), wrt=nnx.LoRAParam)
+  assert got == want
+  assert_trees_equal(nnx.state(model), nnx.state(want_model))
+  assert model.a.kernel[...].sharding.memory_kind == "pinned_host"
+  assert model.a.lora.lora_a[...].sharding.memory_kind == "device"
+
+
+def test_master_weights_with_bf16_params():
+  """bf16 params, fp32 master in host memory: optax's results to bf16 rounding.
+
+  Not bit for bit: the first step is (gradients and params equal), later steps
+  differ by a bf16 ulp here and there, which the next steps carry. Every unit is
+  rematerialised here, the tied embedding included, where the reference keeps the
+  embedding's bf16 products from the forward pass; the rounding that differs was
+  not traced further (see docs/tunix_full_finetune.md).
+  """
+
+  def bf16(model):
+    nnx.update(model, jax.tree.map(lambda x: x.astype(jnp.bfloat16), nnx.state(model, nnx.Param)))
+    return model
+
+  tx = offlax.master_weights(optax.adamw(1e-2))
+  want_model = bf16(ListModel(nnx.Rngs(0), remat=True))
+  want = train(want_model, tx)
+  model = offlax.offload_params(bf16(ListModel(nnx.Rngs(0))))
+  got = train(model, offlax.offload(tx, compute="host"))
+  assert got[0] == want[0]
+  assert got == pytest.approx(want, rel=1e-4)
+  for a, b in zip(jax.tree.leaves(nnx.state(model, nnx.Param)),
+                  jax.tree.leaves(nnx.state(want_model, nnx.Param)), strict=True):  # fmt: skip
+    a, b = (jax.device_get(x).astype(jnp.float32) for x in (a, b))
+    assert jnp.all(jnp.abs(a - b) <= 2 * 2**-8 * jnp.maximum(jnp.abs(b), 1e-3))  # 2 bf16 ulps
+
+
+def test_onload_params_is_the_inverse():
+  model = offlax.offload_params(ListModel(nnx.Rngs(0)))
+  want = ListModel(nnx.Rngs(0))
+  offlax.onload_params(model)
+  assert kinds(nnx.state(model, nnx.Param)) == {"device"}
+  assert type(model.layers[0]) is Block
+  assert nnx.graphdef(model) == nnx.graphdef(want)
+  with pytest.raises(offlax.InvalidOptionError, match="not given to offload_params"):
+    offlax.onload_params(model)
+
+
+def test_an_abstract_model_gets_host_specs():
+  model = nnx.eval_shape(lambda: ListModel(nnx.Rngs(0)))
+  offlax.offload_params(model)
+  specs = jax.tree.leaves(nnx.state(model, nnx.Param))
+  assert all(isinstance(s, jax.ShapeDtypeStruct) for s in specs)
+  assert {s.sharding.memory_kind for s in specs} == {"pinned_host"}
+
+
+def test_bad_input():
+  model = offlax.offload_params(MLP(nnx.Rngs(0)))
+  with pytest.raises(offlax.InvalidOptionError, match=r"already offloaded.*model\.a"):
+    offlax.offload_params(model)
+  with pytest.raises(offlax.InvalidOptionError, match="expected a Flax NNX module"):
+    offlax.offload_params({"w": jnp.ones(3)})
+
+  class Outside(nnx.Module):
+    """Reads its child's param from its own method, which offlax does not wrap."""
+
+    def __init__(self, rngs):
+      self.a = nnx.Linear(D, D, rngs=rngs)
+
+    def __call__(self, x):
+      return x @ self.a.kernel[...]
+
+  model = offlax.offload_params(Outside(nnx.Rngs(0)))
+  with pytest.raises(offlax.MemoryKindError, match=r"model\.a"):
+    nnx.jit(lambda m: m(jnp.ones((1, D))))(model)
+
+
+def test_flax_still_needs_the_optimizer_patch():
+  """Canary (docs/patches.md): Flax's update and optax's norm still fail on host params."""
+  from offlax._src import nnx_hooks
+
+  model = offlax.offload_params(MLP(nnx.Rngs(0)))
+  optimizer = nnx.Optimizer(model, offlax.offload(optax.sgd(0.1), compute="host"), wrt=nnx.Param)
+  grads = nnx.jit(nnx.grad(loss_fn))(model)
+  assert nnx_hooks.fuses(optimizer, model)
+  original_norm = optax.global_norm.__wrapped__
+  # Flax's update still applies a whole updates tree itself (on the CPU backend compute on
+  # host memory runs; XLA's GPU compiler converts it into host compute).
+  source = inspect.getsource(nnx.Optimizer.update.__wrapped__)
+  assert "optax.apply_updates(" in source
+  with pytest.raises(ValueError, match="memory_space"):
+    jax.jit(original_norm)(nnx.state(grads))
+  with pytest.raises(ValueError, match="Memory kind mismatch"):
+    optax.MultiSteps.init.__wrapped__(optax.MultiSteps(optax.sgd(0.1), 2), nnx.state(model))
+
+
+@pytest.mark.parametrize("grads_in", ["host", "device"])
+def test_multi_steps_accumulates_in_host_memory(grads_in):
+  """`optax.MultiSteps` around a fused offload: optax's results, the accumulator in host memory.
+
+  Gradients on the device (plain `jax.grad` of host params fetched by hand) are
+  added into the host accumulator on the host: it stays there.
+  """
+  from offlax._src import nnx_hooks
+
+  nnx_hooks.install()
+  params = {"w": jax.random.normal(jax.random.key(0), (16, 8)), "b": jnp.ones(8)}
+  plain = optax.MultiSteps(optax.adamw(1e-2), 3)
+  fused = optax.MultiSteps(offlax.offload(optax.adamw(1e-2), compute="host"), 3)
+  want, want_state = params, plain.init(params)
+  got = offlax.to_host(params)
+  state = fused.init(got)
+  assert kinds(state.acc_grads) == {"pinned_host"}
+
+  @jax.jit
+  def plain_step(p, s, g):
+    u, s = plain.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  step = jax.jit(functools.partial(offlax.update_and_apply, fused))
+  for i in range(5):
+    grads = jax.tree.map(functools.partial(lambda i, x: jnp.sin(x * (i + 1)), i), params)
+    want, want_state = plain_step(want, want_state, grads)
+    if grads_in == "host":
+      grads = jax.device_put(grads, jax.memory.Space.Host)
+    got, state = step(grads, state, got)
+    assert kinds(state.acc_grads) == {"pinned_host"}
+  assert_trees_equal(got, want)
+  assert_trees_equal(state.acc_grads, want_state.acc_grads)
+  assert int(state.gradient_step) == int(want_state.gradient_step) == 1
+  assert kinds(got) == kinds(state.acc_grads) == {"pinned_host"}
+
+
+@pytest.mark.slow  # two unrolled compiles: 40 s on an idle 2-core machine
+@pytest.mark.skipif(
+  not offlax.gpu_compile_available(), reason="needs offlax[gpu-compile] (jax-cuda12-plugin)"
+)
+def test_compiled_step_keeps_device_memory_flat_in_depth():
+  """Tunix's Qwen3 (tiny dims, wide MLP), whole step compiled by XLA's GPU compiler.
+
+  A layer adds its saved input and a few activations to the device peak, not
+  its params: were each layer's fetched params held on the device (fetches
+  hoisted, a Python loop's default), each would add its bf16 bytes, 6.5 MB.
+  """
+  qwen3 = pytest.importorskip("tunix.models.qwen3.model")
+  import dataclasses
+
+  base = qwen3.ModelConfig(
+    num_layers=2, vocab_size=64, embed_dim=256, hidden_dim=4096, num_heads=2, head_dim=64,
+    num_kv_heads=1, norm_eps=1e-6, rope_theta=10_000, dtype=jnp.bfloat16,
+    param_dtype=jnp.bfloat16,
+  )  # fmt: skip
+  tokens = jax.ShapeDtypeStruct((1, 64), jnp.int32)
+  mask = jax.ShapeDtypeStruct((1, 64, 64), jnp.bool_)
+
+  def compiled(layers):
+    cfg = dataclasses.replace(base, num_layers=layers)
+    model = offlax.offload_params(nnx.eval_shape(lambda: qwen3.Qwen3(cfg, rngs=nnx.Rngs(0))))
+    tx = offlax.offload(offlax.master_weights(optax.adamw(1e-5)), compute="host")
+    optimizer = nnx.eval_shape(lambda m: nnx.Optimizer(m, tx, wrt=nnx.Param), model)
+    # eval_shape types the state as device memory: its specs from abstract_state instead.
+    specs = jax.tree.leaves(offlax.abstract_state(tx, nnx.as_pure(nnx.state(model, nnx.Param))))
+    boxes = jax.tree.leaves(optimizer.opt_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    for box, spec in zip(boxes, specs, strict=True):
+      box.set_value(spec)
+    graphdef, state = nnx.split((model, optimizer))
+
+    def step(state, tokens, mask):
+      model, optimizer = nnx.merge(graphdef, state)
+
+      def loss_fn(model):
+        logits, _ = model(tokens, tokens, None, mask)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens).mean()
+
+      loss, grads = nnx.value_and_grad(loss_fn)(model)
+      optimizer.update(model, grads)
+      return nnx.state((model, optimizer)), loss
+
+    n = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    # With the algebraic simplifier (the suite's XLA_FLAGS disable it; XLA:GPU needs it).
+    options = {"xla_disable_hlo_passes": ""}
+    step = jax.jit(step, donate_argnums=0)
+    c = offlax.compile_for_gpu(step, state, tokens, mask, target="l4", compiler_options=options)
+    return c, 2 * n
+
+  (two, _), (four, param_bytes) = compiled(2), compiled(4)
+  layer_bytes = 2 * sum(
+    x.size for x in jax.tree.leaves(nnx.state(nnx.eval_shape(
+      lambda: qwen3.DecoderLayer(base, rngs=nnx.Rngs(0))), nnx.Param))
+  )  # fmt: skip
+  for c in (two, four):
+    assert c.host_compute == ()  # no instruction converted to host compute
+    assert c.device["argument"] < param_bytes / 100  # params and optimizer state in host memory
+  assert four.device_peak < param_bytes  # less than the bf16 gradients alone: those go to host
+  assert (four.device_peak - two.device_peak) / 2 < layer_bytes / 2, (two.table(), four.table())
+
+
+def test_multi_steps_with_a_skip_function_and_device_params_runs_optax():
+  """A skip function has no fused path: optax's update then `apply_updates`, as before."""
+  params = {"w": jax.random.normal(jax.random.key(0), (16, 8))}
+  inner = optax.adamw(1e-2)
+  plain = optax.MultiSteps(inner, 2, should_skip_update_fn=optax.skip_not_finite)
+  tx = optax.MultiSteps(offlax.offload(inner), 2, should_skip_update_fn=optax.skip_not_finite)
+  want, want_state, got, state = params, plain.init(params), params, tx.init(params)
+  for i in range(4):
+    grads = jax.tree.map(lambda x, i=i: jnp.cos(x * (i + 1)), params)
+    updates, want_state = plain.update(grads, want_state, want)
+    want = optax.apply_updates(want, updates)
+    got, state = offlax.update_and_apply(tx, grads, state, got)
+  assert_trees_equal(got, want)
+
+
+def test_a_list_filter_is_accepted():
+  model = offlax.offload_params(MLP(nnx.Rngs(0)), wrt=[nnx.Param])
+  assert kinds(nnx.state(model, nnx.Param)) == {"pinned_host"}
+
+
+def test_an_offload_inside_an_optax_wrapper_trains_in_nnx():
+  """`nnx.Optimizer` with ``masked(offload(...))``: the offload's fused update, as on the device."""
+  mask = lambda params: jax.tree.map(lambda _: True, params)
+  want_model = ListModel(nnx.Rngs(0), remat=True)
+  want = train(want_model, optax.masked(optax.adamw(1e-2), mask))
+  from offlax._src import nnx_hooks
+
+  model = offlax.offload_params(ListModel(nnx.Rngs(0)))
+  tx = optax.masked(offlax.offload(optax.adamw(1e-2), compute="host"), mask)
+  # Flax's own update would apply a whole updates tree (XLA:CPU lets it compute on host memory).
+  assert nnx_hooks.fuses(nnx.Optimizer(model, tx, wrt=nnx.Param), model)
+  got = train(model, tx)
+  assert got == want
+  assert_trees_equal(nnx.state(model, nnx.Param), nnx.state(want_model, nnx.Param))
+  assert kinds(nnx.state(model, nnx.Param)) == {"pinned_host"}
