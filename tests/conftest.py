@@ -222,6 +222,7 @@ _SLOW = {
   # Tunix's PeftTrainer (2 minutes: installs in CI, runs with -m slow).
   "test_tunix.py::test_peft_trainer_one_device",
   "test_tunix.py::test_peft_trainer_with_the_nvme_tier",  # the same subprocess
+  "test_tunix.py::test_peft_trainer_checkpoints_of_nvme_state_are_refused",
   # Donation patterns in a subprocess (test_composition.py donates params and state by
   # default); the CLI's compile (test_gpu_compile.py compiles the same steps by the API).
   "test_donation.py::test_donated_step_is_exact_and_in_place",

@@ -8,6 +8,10 @@ state without its moments. A state restored beside a store that lacks its step
 says so.
 """
 
+import copy
+import dataclasses
+import pickle
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -64,6 +68,26 @@ def test_nnx_state_keeps_each_array_on_disk_and_training_is_unchanged(tmp_path):
   graphdef, split_state = nnx.split(optimizer)
   merged = nnx.merge(graphdef, split_state)
   assert merged.opt_state.inner_state[0].nu["bias"] == optimizer.opt_state.inner_state[0].nu["bias"]
+  tier.close()
+
+
+def test_a_cached_partial_step_with_every_moment_on_disk_trains_as_plain_optax(tmp_path):
+  """Tunix's train step is an `nnx.cached_partial` of (model, optimizer): NNX then asks
+  that each step give back the graph it was given, variable for variable."""
+  model, optimizer, tier = _optimizer(tmp_path / "store")
+  plain_model = nnx.Linear(4, 16, rngs=nnx.Rngs(0))
+  plain = nnx.Optimizer(plain_model, optax.adam(1e-2), wrt=nnx.Param)
+  step = nnx.cached_partial(_step, model, optimizer)
+  for _ in range(3):
+    step()  # raised "The graph structure ... was mutated" at the second call
+    _step(plain_model, plain)
+  np.testing.assert_array_equal(model.kernel[...], plain_model.kernel[...])
+  np.testing.assert_array_equal(model.bias[...], plain_model.bias[...])
+  assert tier.store.step == 3 and len(_on_disk(nnx.state(optimizer))) == 4
+  # A placeholder NNX has bound to its variable pickles and copies as its fields.
+  placeholder = optimizer.opt_state.inner_state[0].mu["kernel"]
+  assert copy.deepcopy(placeholder) == placeholder
+  assert pickle.loads(pickle.dumps(placeholder)).__dict__ == dataclasses.asdict(placeholder)
   tier.close()
 
 
@@ -135,6 +159,21 @@ def _save_composite_pytree(path, model, optimizer):
     mngr.wait_until_finished()
 
 
+def _save_tunix_style(path, model, optimizer):
+  # What Tunix's CheckpointManager.save does: the state filtered to OptState, by PyTreeSave.
+  with ocp.CheckpointManager(path / "mngr") as mngr:
+    state = nnx.state(optimizer, nnx.optimizer.OptState)
+    model_state = nnx.state(model)
+    mngr.save(
+      1,
+      args=ocp.args.Composite(
+        model_params=ocp.args.PyTreeSave(model_state),
+        optimizer_state=ocp.args.PyTreeSave(state),
+      ),
+    )
+    mngr.wait_until_finished()
+
+
 SAVES = {
   "nnx.state+StandardSave": _save_standard,
   "nnx.split+StandardSave": _save_split,
@@ -143,6 +182,7 @@ SAVES = {
   "PyTreeSave": _save_pytree,
   "Composite+StandardSave": _save_composite,
   "Composite+PyTreeSave": _save_composite_pytree,
+  "OptState filter (Tunix)": _save_tunix_style,
 }
 
 
@@ -200,23 +240,22 @@ def test_nnx_model_and_store_saved_with_nvme_store_save_resume_exactly(tmp_path)
 
 
 def test_a_state_restored_beside_a_store_without_its_step_says_the_store_is_missing(tmp_path):
-  """A checkpoint of the small leaves alone (as Tunix saves them) restored beside a new store."""
+  """A checkpoint of the small leaves alone, restored beside a new store."""
   model, optimizer, tier = _optimizer(tmp_path / "store")
   for _ in range(3):
     _step(model, optimizer)
-  # Filtered to OptState the state leaves the placeholders out: this save succeeds
-  # (it is Tunix's; the store at its path holds the rest).
-  small = nnx.state(optimizer, nnx.optimizer.OptState)
-  assert _on_disk(small) == []
+  # A filter that leaves the placeholders out on purpose: this save succeeds, and
+  # the store at the tier's path holds the rest.
+  small_leaves = nnx.All(nnx.optimizer.OptState, nnx.Not(nnx.PathContains("on_disk")))
+  small = nnx.state(optimizer, small_leaves)
+  assert _on_disk(small) == [] and _on_disk(nnx.state(optimizer, nnx.optimizer.OptState))
   ckptr = ocp.StandardCheckpointer()
   ckptr.save(tmp_path / "ckpt", small)
   ckptr.wait_until_finished()
   tier.close()
   # Restored into an optimizer on a new store: the store has no step 3.
   model, optimizer, tier = _optimizer(tmp_path / "new-store")
-  target = jax.tree.map(
-    ocp.utils.to_shape_dtype_struct, nnx.state(optimizer, nnx.optimizer.OptState)
-  )
+  target = jax.tree.map(ocp.utils.to_shape_dtype_struct, nnx.state(optimizer, small_leaves))
   nnx.update(optimizer, ckptr.restore(tmp_path / "ckpt", target))
   ckptr.close()
   with pytest.raises(Exception, match=r"StaleStateError") as raised:

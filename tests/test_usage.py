@@ -344,7 +344,7 @@ def _nvme_run(path, steps, **kw):
 
 
 def test_ctrl_c_in_a_callback_surfaces_as_keyboard_interrupt_after_the_commit(
-  tmp_path, monkeypatch
+  tmp_path, monkeypatch, request
 ):
   import signal
   import threading
@@ -363,6 +363,10 @@ def test_ctrl_c_in_a_callback_surfaces_as_keyboard_interrupt_after_the_commit(
     return read(self, *args, **kwargs)
 
   monkeypatch.setattr(nvme_store.Store, "read", interrupted_read)
+  # Python's own Ctrl-C handler, as in a terminal: a process started in the background
+  # by a shell (`cmd &`) inherits SIGINT ignored, and Python then leaves it ignored.
+  previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+  request.addfinalizer(lambda: signal.signal(signal.SIGINT, previous))
   returned, after, interrupted = None, [], []
   try:
     returned = train(params, state, _grads(params, 1))

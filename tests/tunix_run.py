@@ -13,7 +13,6 @@ and after training.
 
 import json
 import os
-import shutil
 import sys
 import tempfile
 import warnings
@@ -107,7 +106,13 @@ def train(tx, lora, mesh, steps, checkpoints=None, interval=1):
   trainer = peft_trainer.PeftTrainer(model, tx, config)
   trainer.with_gen_model_input_fn(tunix_inputs.model_input)
   after_init = kinds(trainer)
-  trainer.train(tunix_inputs.batches(steps, CONFIG.vocab_size))
+  try:
+    trainer.train(tunix_inputs.batches(steps, CONFIG.vocab_size))
+  except Exception:
+    # A refused save: let the writes orbax started for the other items end first.
+    with contextlib.suppress(Exception):
+      trainer.checkpoint_manager.close()
+    raise
   history = trainer.metrics_logger.get_metric_history("", "loss", "train")
   params = nnx.state(model, nnx.LoRAParam if lora else nnx.Param)
   return {
@@ -177,46 +182,33 @@ def main():
 
 
 def nvme_cases():
-  """The NVMe tier in the trainer: training, a resume, and a checkpoint behind the store.
+  """The NVMe tier in the trainer: training is exact, and Tunix's checkpointing is refused.
 
-  Tunix's checkpoints carry the optimizer state's small leaves (its step among them); the
-  moments stay in the store, which the new trainer's tier reopens (`resume=True`). A run
-  killed after the store committed a step that no checkpoint holds resumes from an older
-  checkpoint: the first update must refuse (StaleStateError, naming the way back), and the
-  store rolled back to the checkpoint's step (`step=`) must continue exactly.
+  Tunix checkpoints `nnx.state(optimizer, nnx.optimizer.OptState)`, which holds an
+  `OnDiskVariable` for each array in the store: orbax refuses the save
+  (`UnsavableStateError`, naming `offlax.NVMeStoreSave`), and no step of a checkpoint
+  without the moments is left to restore.
   """
   want = train(optax.adamw(1e-2), False, None, STEPS)
-  want_more = train(optax.adamw(1e-2), False, None, STEPS + 1)
   out = {}
   with tempfile.TemporaryDirectory() as d:
     print("CASE", "full-nvme", flush=True)
-    with opened(f"{d}/store") as tier:
+    # No cache: every moment on disk, as in a model over the default cache_bytes.
+    with opened(f"{d}/store", cache_bytes=0) as tier:
       got = train(offlax.offload(optax.adamw(1e-2), tier), False, None, STEPS)
     out["full-nvme"] = _nvme_result(got["losses"], want, got)
-  with tempfile.TemporaryDirectory() as d:
-    print("CASE", "full-nvme-resume", flush=True)
-    with opened(f"{d}/store") as tier:
-      first = train(offlax.offload(optax.adamw(1e-2), tier), False, None, STEPS // 2, f"{d}/c")
-    with opened(f"{d}/store", resume=True) as tier:
-      resumed = train(offlax.offload(optax.adamw(1e-2), tier), False, None, STEPS, f"{d}/c")
-    out["full-nvme-resume"] = _nvme_result(first["losses"] + resumed["losses"], want, resumed)
-  with tempfile.TemporaryDirectory() as d:
-    print("CASE", "full-nvme-behind", flush=True)
-    with opened(f"{d}/store") as tier:
-      # checkpoints at steps 2 and 3 (Tunix saves the last step too); the kill after the
-      # store's commit of step 3 and before its checkpoint is the removal of checkpoint 3
-      first = train(offlax.offload(optax.adamw(1e-2), tier), False, None, 3, f"{d}/c", 2)
-    shutil.rmtree(f"{d}/c/3")
+  # Orbax goes on writing the model's item of a Composite whose other item it refused,
+  # into a temporary folder it removes meanwhile: what is left there is not a checkpoint.
+  with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as d:
+    print("CASE", "full-nvme-checkpoint", flush=True)
     error = ""
-    with opened(f"{d}/store", resume=True) as tier:
+    with opened(f"{d}/store", cache_bytes=0) as tier:
       try:
-        train(offlax.offload(optax.adamw(1e-2), tier), False, None, STEPS + 1, f"{d}/c")
-      except Exception as e:  # noqa: BLE001 (the callback's error, as JAX raises it)
+        train(offlax.offload(optax.adamw(1e-2), tier), False, None, STEPS, f"{d}/c", 2)
+      except Exception as e:  # noqa: BLE001 (whatever Tunix lets through, as it does)
         error = f"{type(e).__name__}: {e}"
-    with opened(f"{d}/store", resume=True, step=2) as tier:
-      resumed = train(offlax.offload(optax.adamw(1e-2), tier), False, None, STEPS + 1, f"{d}/c")
-    losses = first["losses"][:2] + resumed["losses"]
-    out["full-nvme-behind"] = {**_nvme_result(losses, want_more, resumed), "error": error}
+    saved = sorted(os.listdir(f"{d}/c")) if os.path.isdir(f"{d}/c") else []
+    out["full-nvme-checkpoint"] = {"error": error, "saved": saved}
   return out
 
 

@@ -328,7 +328,10 @@ class _OnDiskRefusal(ocp.type_handlers.TypeHandler):
       "instead, e.g. mngr.save(step, args=ocp.args.Composite(model=ocp.args.StandardSave("
       "params), opt=offlax.NVMeStoreSave(tier))) (with NNX: nnx.state(model) and "
       "optimizer.step as the model item), or move the state to a HostTier first "
-      "(offlax.retier(tier.read_state(state), inner, params, offlax.HostTier()))."
+      "(offlax.retier(tier.read_state(state), inner, params, offlax.HostTier())). Tunix's "
+      "PeftTrainer checkpoints nnx.state(optimizer, nnx.optimizer.OptState) this way: with "
+      "the NVMe tier, give it checkpoint_root_directory=None and save as above, or use "
+      "offlax.HostTier() with its checkpoints."
     )
 
   def metadata(self, infos):  # never reached: `typestr` raises first

@@ -9,12 +9,13 @@ holding the placeholder: the state keeps it, JAX still sees no leaf in it (jit
 and `nnx.jit` are unchanged), and orbax, meeting the placeholder inside it,
 raises `UnsavableStateError` naming `offlax.NVMeStoreSave` (`checkpoint.py`).
 
-The variable is not an ``nnx.optimizer.OptState``: a state filtered to those
-(as Tunix's checkpoints are) leaves it out, and such a checkpoint holds the
-optimizer's small leaves while the store keeps the arrays (see
-``docs/flax.md``). NNX's tree mode (``graph=False``) flattens with JAX alone
-and drops the placeholders as JAX does; a restore beside a store that lacks the
-state's step then says so (`StaleStateError`).
+The variable is an ``nnx.optimizer.OptState``, so a state filtered to those
+(as Tunix's `PeftTrainer` checkpoints are) keeps it and is refused too: a
+checkpoint of the small leaves alone would be whole only beside the store at
+the very step it was saved, which the store keeps for ``keep`` steps at most.
+NNX's tree mode (``graph=False``) flattens with JAX alone and drops the
+placeholders as JAX does; a restore beside a store that lacks the state's step
+then says so (`StaleStateError`).
 
 `layout.OnDisk` calls `register` when it is made with Flax NNX imported, so
 before NNX sees a placeholder: `nnx.Optimizer` builds its state (and the
@@ -23,15 +24,17 @@ placeholders) with Flax imported.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from flax import nnx
 from flax.nnx import graphlib
 
 KEY = "on_disk"
+_BOUND = "_offlax_nnx_variable"  # the `OnDiskVariable` an `OnDisk` flattens into
 
 
-class OnDiskVariable(nnx.Variable):
+class OnDiskVariable(nnx.optimizer.OptState):
   """An NVMe-tier array in NNX's state: holds its `offlax.OnDisk` placeholder, no array.
 
   Orbax refuses to save it (`offlax.UnsavableStateError`): save the tier's
@@ -40,12 +43,25 @@ class OnDiskVariable(nnx.Variable):
 
 
 def _flatten(x: Any) -> tuple[tuple[tuple[str, Any], ...], None]:
-  return ((KEY, OnDiskVariable(x)),), None
+  # The same variable each time for the same placeholder: NNX tells a graph's
+  # variables by identity, and a new one per flatten reads, to `nnx.cached_partial`
+  # (Tunix's train step), as a graph changed inside the step.
+  variable = x.__dict__.get(_BOUND)
+  if variable is None or variable.get_value() != x:
+    variable = OnDiskVariable(x)
+    object.__setattr__(x, _BOUND, variable)
+  return ((KEY, variable),), None
 
 
 def _unflatten(nodes: Any, _: None) -> Any:
   ((_, value),) = nodes
-  return value.get_value() if isinstance(value, nnx.Variable) else value
+  if not isinstance(value, nnx.Variable):
+    return value
+  # A placeholder of this graph's own, bound to its variable: JAX shares a static
+  # placeholder between traces, so binding that one would leak a variable across.
+  node = dataclasses.replace(value.get_value())
+  object.__setattr__(node, _BOUND, value)
+  return node
 
 
 def register(on_disk: type) -> None:

@@ -51,6 +51,10 @@ class OnDisk:
       flax_on_disk.register(OnDisk)
       _nnx_registered = True
 
+  def __reduce__(self):
+    # Without what Flax NNX binds to a placeholder (`flax_on_disk`): its fields only.
+    return (OnDisk, (self.index, self.shape, self.dtype))
+
 
 def is_slot(x: Any) -> bool:
   """A position of a parameter-shaped subtree: a leaf, masked or on disk."""
