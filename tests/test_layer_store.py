@@ -66,9 +66,7 @@ def test_loss_and_grads_bit_exact(tmp_path, dtype, kw):
   want_loss, (want_g, want_gx) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(layers, x)
   with LayerStore.create(str(tmp_path / "s"), layers) as store:
     assert_tree_bits(store.read_params(), layers)
-    got_loss, (g_src, got_gx) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(
-      store.source(), x
-    )
+    got_loss, (g_src, got_gx) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(store.source(), x)
     np.testing.assert_array_equal(got_loss, want_loss)
     np.testing.assert_array_equal(got_gx, want_gx)  # through the layers read from disk
     np.testing.assert_array_equal(g_src.token, np.zeros(L, np.float32))
@@ -178,3 +176,19 @@ def test_bad_input(tmp_path):
   (tmp_path / "s" / "layers.json").write_text(json.dumps({**manifest, "format": "x"}))
   with pytest.raises(errors.StoreCorruptedError, match="not a layer store"):
     LayerStore.open(path, layers)
+
+
+@pytest.mark.skipif(
+  not offlax.gpu_compile_available(), reason="needs offlax[gpu-compile] (jax-cuda12-plugin)"
+)
+def test_compiles_for_gpu_with_flat_device_memory(tmp_path):
+  """The reads and gradient writes lower as XLA:GPU's Python callbacks; more layers, same peak."""
+  peaks = []
+  for n in (4, 8):
+    with LayerStore.create(str(tmp_path / str(n)), make_layers(n=n)) as store:
+      grad = jax.grad(loss_fn(offload_activations=True))
+      m = offlax.compile_for_gpu(grad, store.source(), inputs(jnp.float32), target="h100")
+    # a read forward, a read again backward (remat), a gradient write
+    assert m.hlo.count('custom_call_target="xla_ffi_python_gpu_callback"') == 3
+    peaks.append(m.device["temp"] + m.device["argument"])
+  assert peaks[0] == peaks[1]

@@ -40,9 +40,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import io_callback
 
-from offlax._src import errors
+from offlax._src import errors, host_callbacks
 from offlax._src.nvme.direct_io import BLOCK, aligned_empty, pread_into, pwrite_all, set_direct
 
 MANIFEST = "layers.json"
@@ -192,7 +191,9 @@ class LayerStore:
       with open(manifest_path) as f:
         manifest = json.load(f)
     except FileNotFoundError:
-      raise errors.StoreError(f"LayerStore.open: no layer store at {path} ({MANIFEST} is missing).")
+      raise errors.StoreError(
+        f"LayerStore.open: no layer store at {path} ({MANIFEST} is missing)."
+      ) from None
     except (OSError, ValueError) as e:
       raise errors.StoreCorruptedError(f"LayerStore.open: cannot read {manifest_path}: {e}") from e
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
@@ -427,7 +428,7 @@ class LayerSource:
 
 
 def _fetch_callback(store: LayerStore, i):
-  return jax.pure_callback(store._fetch, store.avals(), i)
+  return host_callbacks.call(store._fetch, store.avals(), i, side_effect=False)
 
 
 def _read(store: LayerStore, accumulate: bool, i, token):
@@ -439,12 +440,9 @@ def _read(store: LayerStore, accumulate: bool, i, token):
     return _fetch_callback(store, i), i
 
   def bwd(i, grads):
-    done = io_callback(
-      lambda i, *g: store._write_grads(accumulate, i, *g),
-      jax.ShapeDtypeStruct((), jnp.float32),
-      i,
-      *grads,
-      ordered=False,
+    write = lambda i, *g: [store._write_grads(accumulate, i, *g)]
+    [done] = host_callbacks.call(
+      write, [jax.ShapeDtypeStruct((), jnp.float32)], i, *grads, side_effect=True
     )
     return None, done  # the token's cotangent: the write's result, so it cannot be dropped
 
