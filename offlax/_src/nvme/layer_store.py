@@ -6,26 +6,38 @@ the layers on its first axis, as `scan_layers` takes them): a JSON manifest
 shape and dtype, its file and slot size) and two files per leaf,
 ``params/<k>.bin`` and ``grads/<k>.bin``. Layer i of a leaf is one slot at
 ``i * slot``, its bytes padded to the direct-I/O block, so a layer is read or
-written by one aligned transfer (O_DIRECT where the filesystem has it, the
-page cache elsewhere, as `direct_io` decides).
+written by one aligned transfer into an aligned buffer: O_DIRECT where the
+filesystem has it (`direct_io.set_direct`), the page cache elsewhere (tmpfs).
+The manifest is written last, so a directory with one holds a whole store.
 
 `LayerStore.source()` hands out a `LayerSource`, which `scan_layers` takes in
 place of the stacked arrays. The scan then runs over the layer index, and its
 body reads layer i by a `jax.pure_callback` whose results (one layer's leaves)
-land in device memory; the callback takes layer i from the read-ahead pool and
-queues the next reads (i+1, or i-1 going backwards), at most ``pool_layers``
-layers held or in flight. The read is a `jax.custom_vjp`: its backward rule
-writes layer i's gradient to ``grads/<k>.bin`` by an `io_callback` (added into
-what is there with ``accumulate=True``) and returns, as the cotangent of the
-source's token, a zero that the callback's result computes, so the write is a
-dependency of the gradient and no pass can drop it. The gradients never form a
-model-sized buffer: each layer's is written as the backward pass makes it.
-Kept under `jax.checkpoint` (the default ``remat``), the backward pass reads
-each layer again rather than saving it.
+land in device memory. The callback takes layer i from the read-ahead pool
+(a thread pool) and queues the next reads (i+1, or i-1 once the layers come
+last to first, as in the backward pass), at most ``pool_layers`` layers held
+or in flight; a layer not read ahead is read at once.
 
-Why callbacks, not host-memory arrays: a ``pinned_host`` array must exist
-whole in RAM; a callback needs only the layers in the pool, so RAM holds a few
-layers whatever the model's size.
+The read is a `jax.custom_vjp`. Its backward rule writes layer i's gradient
+into ``grads/<k>.bin`` by an unordered `io_callback` (added into what is there
+with ``source(accumulate=True)``) and returns, as the cotangent of the
+source's token (a zero per layer, the source's only pytree leaf), the zero
+that callback returns: the write is a dependency of the gradient the caller
+gets, so no pass drops it, and the gradients never form a model-sized buffer.
+Under `jax.checkpoint` (``scan_layers``' default ``remat``) the backward pass
+reads each layer again rather than saving it: a layer is read twice a step.
+The gradient of the source is what must be asked for
+(``jax.grad(loss)(source, ...)``): a loss differentiated only with respect to
+other inputs writes no layer gradients.
+
+Why callbacks rather than ``pinned_host`` arrays: a host-memory array exists
+whole in RAM, while a callback needs only the layers in the pool, so RAM holds
+a few layers whatever the model's size. `offlax.compile_for_gpu` lowers the
+callbacks as XLA:GPU lowers them on a GPU (`host_callbacks`).
+
+Milestone 1 limits: the gradient writes are synchronous in the callback (no
+write-behind yet), the store has no generations or commit (the optimizer step
+over on-disk params is the next step), and reads go through Python callbacks.
 """
 
 from __future__ import annotations
