@@ -26,7 +26,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from offlax._src import coupling, errors
+from offlax._src import coupling, errors, host_callbacks
 from offlax._src.telemetry import format_bytes
 
 
@@ -240,7 +240,8 @@ def compile_for_gpu(
   jitted = fn if hasattr(fn, "trace") else jax.jit(fn, **jit_kwargs)
   specs = jax.tree.map(_spec, args)
   # offlax's native kernels cut into slices as in any GPU program (`coupling.split_native`).
-  with coupling.splitting_native(True):
+  # offlax's host callbacks (layers on disk) lowered as on a GPU (`host_callbacks`).
+  with coupling.splitting_native(True), host_callbacks.lowering_for_gpu():
     lowered = jitted.trace(*specs).lower(lowering_platforms=("cuda",))
   from jax._src import compiler
   from jax._src.lib import _jax

@@ -6,9 +6,11 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from offlax._src import errors, host_params
+from offlax._src.nvme.layer_store import LayerSource
 
 # The name `offload_activations` gives each layer's input carry, so that a
 # checkpoint policy can move it (and nothing else) to host memory.
@@ -46,7 +48,8 @@ def scan_layers(
       the leaves of ``layers`` without their first axis, on the device.
     init: the initial carry (e.g. the hidden states after the embedding).
     layers: the stacked layer params (and any per-layer inputs), in host or
-      device memory.
+      device memory; or a `LayerSource` of layers on disk, read a layer at a
+      time (and a layer ahead), their gradients written back to the store.
     remat: True (save nothing but the layer inputs), False (no
       rematerialisation), or a `jax.checkpoint_policies` policy.
     offload_activations: keep the saved layer inputs in ``pinned_host`` memory.
@@ -79,9 +82,27 @@ def scan_layers(
       carry = jax.tree.map(lambda x: checkpoint_name(x, _LAYER_INPUT), carry)
     return f(carry, host_params.fetch(layer))
 
+  xs = layers
+  if isinstance(layers, LayerSource):
+    source = layers
+    # The scan runs over the layer index; the body reads its layer from disk.
+    xs = (jnp.arange(source.n_layers, dtype=jnp.int32), source.token)
+    body = _reading(f, source, offload_activations)
   if remat is not False:
     body = jax.checkpoint(body, policy=_policy(remat, offload_activations), prevent_cse=False)
-  return jax.lax.scan(body, init, layers, reverse=reverse, unroll=unroll)
+  return jax.lax.scan(body, init, xs, reverse=reverse, unroll=unroll)
+
+
+def _reading(f: Callable[[Any, Any], tuple[Any, Any]], source: LayerSource, offload: bool):
+  """The scan body over a `LayerSource`: layer i read from disk, then `f`."""
+
+  def body(carry, x):
+    i, token = x
+    if offload:
+      carry = jax.tree.map(lambda c: checkpoint_name(c, _LAYER_INPUT), carry)
+    return f(carry, source.read(i, token))
+
+  return body
 
 
 def _policy(remat: bool | Callable[..., Any], offload_activations: bool) -> Callable[..., Any]:
