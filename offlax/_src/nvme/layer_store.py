@@ -162,12 +162,13 @@ class LayerStore:
     leaves = jax.tree.leaves(layers)
     for k, (r, leaf) in enumerate(zip(records, leaves, strict=True)):
       r["file"] = f"params/{k}.bin"
-      host = np.asarray(jax.device_get(leaf))
       fd = _open(os.path.join(path, r["file"]), os.O_RDWR | os.O_CREAT | os.O_EXCL)
       try:
-        os.ftruncate(fd, n * r["slot"])
-        for i in range(n):
-          _write_slot(fd, host[i], i * r["slot"], r["slot"])
+        os.ftruncate(fd, n * r["slot"])  # sparse: a ShapeDtypeStruct's layers stay zero
+        if not isinstance(leaf, jax.ShapeDtypeStruct):
+          host = np.asarray(jax.device_get(leaf))
+          for i in range(n):
+            _write_slot(fd, host[i], i * r["slot"], r["slot"])
         os.fsync(fd)
       finally:
         os.close(fd)
