@@ -60,6 +60,7 @@ _LAZY = {
   ),
   "offlax._src.host_checkpoint": ("HostStateRestore", "HostStateSave"),
   "offlax._src.inspector": ("LeafReport", "StoreReport", "inspect_store"),
+  "offlax._src.nvme.layer_store": ("LayerStore",),
   "offlax._src.nvme.rollback": ("rollback",),
   "offlax._src.nvme.tier": ("NVMeTier",),
   "offlax._src.orbax_options": ("checkpoint_handler",),
@@ -77,6 +78,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and the API docs
   )
   from offlax._src.host_checkpoint import HostStateRestore, HostStateSave
   from offlax._src.inspector import LeafReport, StoreReport, inspect_store
+  from offlax._src.nvme.layer_store import LayerStore
   from offlax._src.nvme.rollback import rollback
   from offlax._src.nvme.tier import NVMeTier
   from offlax._src.orbax_options import checkpoint_handler
@@ -109,6 +111,7 @@ __all__ = [
   "InvalidOptionError",
   "InvalidTargetError",
   "InvalidTierError",
+  "LayerStore",
   "LeafReport",
   "LeafTypeError",
   "MasterWeightsState",
