@@ -108,7 +108,7 @@ def test_pool_bound(tmp_path, pool_layers):
   """Reads started and not yet handed to the device never exceed the pool."""
   layers, x = make_layers(n=8), inputs(jnp.float32)
   with LayerStore.create(str(tmp_path / "s"), layers, pool_layers=pool_layers) as store:
-    read, fetch = store.read_layer, store._fetch
+    read, fetch = store.read_layer, store.fetch
     count = {"started": 0, "returned": 0, "most": 0}
 
     def counted_read(i):
@@ -121,7 +121,7 @@ def test_pool_bound(tmp_path, pool_layers):
       count["returned"] += 1
       return out
 
-    store.read_layer, store._fetch = counted_read, counted_fetch
+    store.read_layer, store.fetch = counted_read, counted_fetch
     jax.jit(jax.grad(loss_fn()))(store.source(), x)
     assert count["most"] <= pool_layers
     assert store.peak_held == pool_layers  # the pool is used: reads run ahead
@@ -159,9 +159,9 @@ def test_bad_input(tmp_path):
     LayerStore.open(path, wrong)
   with pytest.raises(errors.StoreMismatchError, match=r"leaf \['b'\] .*expected bfloat16"):
     LayerStore.open(path, {**layers, "b": layers["b"].astype(jnp.bfloat16)})
-  with pytest.raises(errors.StoreMismatchError, match=r"no leaf \['c'\]"):
+  with pytest.raises(errors.StoreMismatchError, match=r"no param leaf \['c'\]"):
     LayerStore.open(path, {**layers, "c": layers["b"]})
-  with pytest.raises(errors.StoreMismatchError, match=r"leaves the tree does not have: \['b'\]"):
+  with pytest.raises(errors.StoreMismatchError, match=r"param leaves the tree does not have: \['b'\]"):
     LayerStore.open(path, {"w": layers["w"]})
   with pytest.raises(errors.StoreMismatchError, match=f"holds {L} layers, expected 3"):
     LayerStore.open(path, jax.tree.map(lambda a: a[:3], layers))
@@ -171,7 +171,7 @@ def test_bad_input(tmp_path):
   manifest = json.loads((tmp_path / "s" / "layers.json").read_text())
   grads = tmp_path / "s" / "grads" / "0.bin"
   os.truncate(grads, 100)
-  with pytest.raises(errors.StoreCorruptedError, match=r"0.bin \(leaf \['b'\]\) holds 100 bytes"):
+  with pytest.raises(errors.StoreCorruptedError, match=r"0.bin \(grads leaf \['b'\]\) holds 100 bytes"):
     LayerStore.open(path, layers)
   (tmp_path / "s" / "layers.json").write_text(json.dumps({**manifest, "format": "x"}))
   with pytest.raises(errors.StoreCorruptedError, match="not a layer store"):

@@ -26,7 +26,7 @@ import crc32c
 import numpy as np
 
 from offlax._src import errors
-from offlax._src.nvme.direct_io import aligned_empty, pwrite_all, set_direct
+from offlax._src.nvme.direct_io import aligned_empty, open_direct, pwrite_all
 
 RANGE_BYTES = 64 << 20  # one thread's unit of work; a multiple of the alignment
 BLOCK_BYTES = 8 << 20  # a write copies this much into its aligned buffer at a time
@@ -43,12 +43,6 @@ def _padded(n: int) -> int:
 
 def _ranges(size: int) -> range:
   return range(0, size, RANGE_BYTES)
-
-
-def _open(path: str, flags: int) -> tuple[int, bool]:
-  """Opens with direct I/O where the filesystem has it; returns (fd, direct)."""
-  fd = os.open(path, flags, 0o600)
-  return fd, set_direct(fd)
 
 
 class _Pending:
@@ -69,7 +63,7 @@ class _Pending:
             f"{self.path}: the array has {array.nbytes} bytes, expected {self.size}."
           )
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-        self.fd, self.direct = _open(self.path, flags)
+        self.fd, self.direct = open_direct(self.path, flags)
         self.data = array.reshape(-1).view(np.uint8).data
       return self.data
 
@@ -181,7 +175,7 @@ def read_files(
 
   def jobs() -> Iterator[tuple[int, int, int]]:
     for i, (path, shape, dtype, saved) in enumerate(items):
-      fd, direct = _open(path, os.O_RDONLY | os.O_NOFOLLOW)
+      fd, direct = open_direct(path, os.O_RDONLY | os.O_NOFOLLOW)
       fds[i] = fd
       actual = os.fstat(fd).st_size
       if actual != sizes[i] or len(saved) != left[i]:
@@ -217,7 +211,7 @@ def read_files(
   try:
     for i, _ in enumerate(items):  # empty arrays have no range to read
       if not left[i]:
-        fds[i] = _open(items[i][0], os.O_RDONLY | os.O_NOFOLLOW)[0]
+        fds[i] = open_direct(items[i][0], os.O_RDONLY | os.O_NOFOLLOW)[0]
         arrays[i] = aligned_empty(0)
         yield whole(i)
     for i, _, _ in _run(jobs(), read, sum(sizes), progress, desc):

@@ -83,6 +83,17 @@ def set_direct(fd: int) -> bool:
   return True
 
 
+def open_direct(path: str, flags: int) -> tuple[int, bool]:
+  """Opens `path` (mode 0o600 if created) with direct I/O where the filesystem has it.
+
+  Returns:
+    The descriptor, and whether it does direct I/O (else the page cache: the
+    callers align their transfers either way).
+  """
+  fd = os.open(path, flags, 0o600)
+  return fd, set_direct(fd)
+
+
 def aligned_empty(nbytes: int) -> np.ndarray:
   """`nbytes` uninitialised bytes starting on a direct I/O block boundary."""
   raw = np.empty(nbytes + BLOCK, np.uint8)

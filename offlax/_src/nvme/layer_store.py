@@ -1,49 +1,45 @@
-"""Stacked layers' params and gradients on disk, streamed through `offlax.scan_layers`.
+"""Stacked layers' params, gradients and optimizer state on disk (`LayerStore`).
 
 A `LayerStore` is a directory holding a stacked layer pytree (each leaf has
-the layers on its first axis, as `scan_layers` takes them): a JSON manifest
-(``layers.json``: the layer count and, per leaf, its key path, one layer's
-shape and dtype, its file and slot size) and two files per leaf,
-``params/<k>.bin`` and ``grads/<k>.bin``. Layer i of a leaf is one slot at
-``i * slot``, its bytes padded to the direct-I/O block, so a layer is read or
-written by one aligned transfer into an aligned buffer: O_DIRECT where the
+the layers on its first axis, as `scan_layers` takes them), its gradients and,
+with an ``optimizer``, that optimizer's state (`jax.vmap` of its ``init``:
+every state leaf, the step count too, one entry per layer):
+
+  layers.json                 the manifest: leaves, committed step, generations
+  gen<g>/params/<k>.bin       leaf k of the params, generation g
+  gen<g>/state/<k>.bin        leaf k of the optimizer state, generation g
+  grads/<k>.bin               leaf k of the gradients (no generations)
+
+Layer i of a leaf is one slot at ``i * slot``, its bytes padded to the
+direct-I/O block, so a layer is one aligned transfer: O_DIRECT where the
 filesystem has it (`direct_io.set_direct`), the page cache elsewhere (tmpfs).
-The manifest is written last, so a directory with one holds a whole store.
 
-`LayerStore.source()` hands out a `LayerSource`, which `scan_layers` takes in
-place of the stacked arrays. The scan then runs over the layer index, and its
-body reads layer i by a `jax.pure_callback` whose results (one layer's leaves)
-land in device memory. The callback takes layer i from the read-ahead pool
-(a thread pool) and queues the next reads (i+1, or i-1 once the layers come
-last to first, as in the backward pass), at most ``pool_layers`` layers held
-or in flight; a layer not read ahead is read at once.
+Commits. `update` (`layer_step`) reads params and state of the committed
+generation and the gradients, layer by layer, and writes the new params and
+state into a free generation; then every written file is flushed and the
+manifest, naming the new step and generation, replaces the old one atomically
+(`os.replace`). A kill at any moment leaves the manifest of the last committed
+step, whose params and state were not touched: params and state always resume
+from the same step. ``keep`` committed steps stay on disk (``keep + 1``
+generations), for `LayerStore.open(..., step=)`. A new store reserves all its
+files' space (`os.posix_fallocate`), so a full disk is refused at `create`.
 
-The read is a `jax.custom_vjp`. Its backward rule writes layer i's gradient
-into ``grads/<k>.bin`` by an unordered `io_callback` (added into what is there
-with ``source(accumulate=True)``) and returns, as the cotangent of the
-source's token (a zero per layer, the source's only pytree leaf), the zero
-that callback returns: the write is a dependency of the gradient the caller
-gets, so no pass drops it, and the gradients never form a model-sized buffer.
-Under `jax.checkpoint` (``scan_layers``' default ``remat``) the backward pass
-reads each layer again rather than saving it: a layer is read twice a step.
-The gradient of the source is what must be asked for
-(``jax.grad(loss)(source, ...)``): a loss differentiated only with respect to
-other inputs writes no layer gradients.
-
-Why callbacks rather than ``pinned_host`` arrays: a host-memory array exists
-whole in RAM, while a callback needs only the layers in the pool, so RAM holds
-a few layers whatever the model's size. `offlax.compile_for_gpu` lowers the
-callbacks as XLA:GPU lowers them on a GPU (`host_callbacks`).
-
-Milestone 1 limits: the gradient writes are synchronous in the callback (no
-write-behind yet), the store has no generations or commit (the optimizer step
-over on-disk params is the next step), and reads go through Python callbacks.
+Reads and writes for the model (`layer_source.LayerSource`): the forward pass
+and the rematerialised backward pass read a layer by a callback from a pool of
+read-ahead threads, at most ``pool_layers`` layers held or in flight; each
+layer's gradient is copied out of the callback and written behind compute by
+one writer thread (at most ``pool_layers`` layers queued), added into the
+store's with ``source(accumulate=True)``. `update` and the read helpers wait
+for those writes first.
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
+import errno
 import json
+import logging
 import os
 import threading
 from collections.abc import Sequence
@@ -53,19 +49,28 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from offlax._src import errors, host_callbacks
-from offlax._src.nvme.direct_io import BLOCK, aligned_empty, pread_into, pwrite_all, set_direct
+from offlax._src import errors
+from offlax._src.nvme import layer_step
+from offlax._src.nvme.direct_io import BLOCK, aligned_empty, open_direct, pread_into, pwrite_all
+from offlax._src.nvme.layer_source import LayerSource
 
 MANIFEST = "layers.json"
 FORMAT = "offlax-layer-store"
-VERSION = 1
+VERSION = 2
+KINDS = ("params", "state", "grads")
 
 
 def _padded(n: int) -> int:
   return -(-n // BLOCK) * BLOCK
 
 
-def _leaf_records(layers: Any) -> tuple[list[dict[str, Any]], int, Any]:
+def _record(key: str, shape: Sequence[int], dtype: Any) -> dict[str, Any]:
+  dtype = np.dtype(dtype)
+  nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+  return {"path": key, "shape": list(shape), "dtype": dtype.name, "slot": _padded(nbytes)}
+
+
+def _layer_records(layers: Any) -> tuple[list[dict[str, Any]], int, Any]:
   """Per leaf: key path, one layer's shape and dtype; the layer count; the treedef."""
   flat, treedef = jax.tree_util.tree_flatten_with_path(layers)
   if not flat:
@@ -85,177 +90,255 @@ def _leaf_records(layers: Any) -> tuple[list[dict[str, Any]], int, Any]:
       raise errors.TreeMismatchError(
         f"LayerStore: leaf {key} stacks {shape[0]} layers, expected {n} (as the first leaf)."
       )
-    dtype = np.dtype(leaf.dtype)
-    nbytes = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
-    records.append(
-      {"path": key, "shape": list(shape[1:]), "dtype": dtype.name, "slot": _padded(nbytes)}
-    )
+    records.append(_record(key, shape[1:], leaf.dtype))
   assert n is not None
   return records, n, treedef
 
 
+def _state_records(one_layer_state: Any) -> list[dict[str, Any]]:
+  records = []
+  for path, leaf in jax.tree_util.tree_flatten_with_path(one_layer_state)[0]:
+    key = jax.tree_util.keystr(path)
+    if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+      raise errors.LeafTypeError(
+        f"LayerStore: optimizer state leaf {key} is a PRNG key; the store holds numeric state only."
+      )
+    records.append(_record(key, leaf.shape, leaf.dtype))
+  return records
+
+
+def _check_records(path: str, what: str, stored: list[dict], want: list[dict]) -> list[dict]:
+  """`want`'s records with the store's slots, or StoreMismatchError naming the leaf."""
+  got = {r.get("path"): r for r in stored}
+  for r in want:
+    s = got.get(r["path"])
+    if s is None:
+      raise errors.StoreMismatchError(
+        f"LayerStore.open: {path} has no {what} leaf {r['path']}; it holds "
+        f"{', '.join(sorted(str(k) for k in got))}."
+      )
+    if (list(s.get("shape", [])), s.get("dtype")) != (r["shape"], r["dtype"]):
+      raise errors.StoreMismatchError(
+        f"LayerStore.open: {what} leaf {r['path']} of {path} is {s.get('dtype')}{s.get('shape')} "
+        f"per layer, expected {r['dtype']}{r['shape']}."
+      )
+  extra = sorted(str(k) for k in got if k not in {r["path"] for r in want})
+  if extra:
+    raise errors.StoreMismatchError(
+      f"LayerStore.open: {path} holds {what} leaves the tree does not have: {', '.join(extra)}."
+    )
+  return [dict(r, index=stored.index(got[r["path"]])) for r in want]
+
+
 class LayerStore:
-  """A stacked layer pytree's params and gradients on disk, a layer at a time.
+  """A stacked layer pytree's params, gradients and optimizer state on disk.
 
   Make one with `LayerStore.create` or `LayerStore.open`; use it as a context
-  manager or `close` it.
+  manager or `close` it. Pass `source()` to `offlax.scan_layers` in place of the
+  stacked layers, differentiate with respect to it (the backward pass writes
+  the gradients into the store), then call `update()` to apply the optimizer to
+  the layers on disk and commit the step.
 
   Attributes:
     path: the store's directory.
     n_layers: the number of layers.
-    pool_layers: the most layers held in RAM by reads (the one being handed to
-      the device and those read ahead).
+    step: the committed step (0 after `create`).
+    kept: the committed steps on disk, newest first.
+    pool_layers: the most layers held in RAM by the model's reads.
+    last_update: what the last `update` moved and how long it took, or None.
     peak_held: the most layers the reads held at once so far (for tests).
+
+  Example:
+    >>> import tempfile, jax, jax.numpy as jnp, optax, offlax
+    >>> layers = {"w": jnp.full((4, 3, 3), 0.1)}  # 4 layers
+    >>> def loss(source, x):
+    ...   body = lambda h, p: (jnp.tanh(h @ p["w"]), None)
+    ...   return jnp.sum(offlax.scan_layers(body, x, source)[0])
+    >>> with offlax.LayerStore.create(tempfile.mkdtemp() + "/s", layers,
+    ...                               optimizer=optax.sgd(0.1)) as store:
+    ...   _ = jax.grad(loss)(store.source(), jnp.ones((2, 3)))
+    ...   store.update()
+    ...   print(store.step, store.read_params()["w"].shape)
+    1
+    1 (4, 3, 3)
   """
 
-  def __init__(self, path: str, records, n_layers: int, treedef, pool_layers: int | None,
-               pool_bytes: int | None):  # fmt: skip
-    self.path, self.records, self.n_layers, self.treedef = path, records, n_layers, treedef
+  def __init__(self, path: str, manifest: dict, treedef: Any, optimizer: Any, state_treedef: Any,
+               records: list[dict], state_records: list[dict], pool_layers: int | None,
+               pool_bytes: int | None, fsync: bool, progress: bool):  # fmt: skip
+    self.path, self.treedef, self.optimizer = path, treedef, optimizer
+    self.state_treedef, self.records, self.state_records = state_treedef, records, state_records
+    self.manifest = manifest
+    self.n_layers: int = manifest["n_layers"]
+    self.generations: int = manifest["generations"]
+    self.step: int = manifest["step"]
+    self.generation: int = manifest["generation"]
+    self.kept: list[tuple[int, int]] = [tuple(k) for k in manifest["kept"]]  # type: ignore[misc]
+    self.fsync, self.progress = fsync, progress
     self.layer_bytes = sum(r["slot"] for r in records)
     self.pool_layers = _pool_size(self.layer_bytes, pool_layers, pool_bytes)
+    self.last_update: layer_step.Stats | None = None
     self._lock = threading.Lock()
     self._ahead: dict[int, concurrent.futures.Future] = {}
     self._last: int | None = None
-    self._step = 1
+    self._direction = 1
     self._held = 0
     self.peak_held = 0
     self._pool = concurrent.futures.ThreadPoolExecutor(
       max(1, self.pool_layers - 1), "offlax-layers"
     )
-    self._fds: list[tuple[int, int]] = []
+    self._writer = concurrent.futures.ThreadPoolExecutor(1, "offlax-grads")
+    self._pending: collections.deque[concurrent.futures.Future] = collections.deque()
+    self._update_fn = None if optimizer is None else layer_step.layer_update(optimizer, self)
+    self._fds: dict[tuple[str, int], list[int]] = {}
     try:
-      for k, _ in enumerate(records):
-        p = _open(os.path.join(path, "params", f"{k}.bin"), os.O_RDWR)
-        g = _open(os.path.join(path, "grads", f"{k}.bin"), os.O_RDWR)
-        self._fds.append((p, g))
+      for kind, gen in self._files():
+        names = self._file_names(kind, gen)
+        self._fds[kind, gen] = [open_direct(name, os.O_RDWR | os.O_NOFOLLOW)[0] for name in names]
     except BaseException:
       self.close()
       raise
 
+  def _files(self) -> list[tuple[str, int]]:
+    kinds = ["params"] + (["state"] if self.state_records else [])
+    return [(k, g) for g in range(self.generations) for k in kinds] + [("grads", 0)]
+
+  def _file_names(self, kind: str, gen: int) -> list[str]:
+    records = self.state_records if kind == "state" else self.records
+    folder = "grads" if kind == "grads" else os.path.join(f"gen{gen}", kind)
+    return [
+      os.path.join(self.path, folder, f"{r.get('index', k)}.bin") for k, r in enumerate(records)
+    ]
+
   # -- making and opening ------------------------------------------------------
 
   @classmethod
-  def create(cls, path: str, layers: Any, *, pool_layers: int | None = 2,
-             pool_bytes: int | None = None) -> LayerStore:  # fmt: skip
-    """Writes the stacked `layers` into a new store at `path` (gradients zero).
+  def create(cls, path: str, layers: Any, *, optimizer: Any = None, keep: int = 1,
+             pool_layers: int | None = 2, pool_bytes: int | None = None, fsync: bool = True,
+             progress: bool = True) -> LayerStore:  # fmt: skip
+    """Writes the stacked `layers` (and `optimizer.init` of each layer) into a new store.
 
     Args:
       path: a directory that does not exist or is empty.
-      layers: a pytree of arrays, the layers stacked on each leaf's first axis.
-      pool_layers: layers the read-ahead pool may hold (>= 1; 2 reads one ahead).
+      layers: a pytree of arrays, the layers stacked on each leaf's first axis;
+        `jax.ShapeDtypeStruct` leaves make a sparse store of zeros, nothing
+        written and no space reserved (to compile a model larger than the disk).
+      optimizer: an elementwise optax `GradientTransformation` (Adam, AdamW,
+        SGD, `offlax.master_weights` of them, ...) that `update` applies a layer
+        at a time; None: params and gradients only.
+      keep: committed steps kept on disk (>= 1); the store holds ``keep + 1``
+        copies of the params and state.
+      pool_layers: layers the model's read-ahead pool may hold (>= 1; 2 reads
+        one ahead).
       pool_bytes: instead of ``pool_layers``, the pool's size in bytes (at
         least one layer).
+      fsync: flush the step's files before each commit (survives power loss).
+      progress: show a progress bar while writing.
 
     Returns:
-      The open store.
+      The open store, at step 0.
 
     Raises:
       NotAStoreError: `path` holds files.
-      InvalidOptionError: the pool cannot hold one layer.
+      InvalidOptionError: the pool cannot hold one layer, or the optimizer
+        couples elements of a leaf (its update cannot run a layer at a time).
+      StoreError: the disk has no room for the store.
     """
-    records, n, treedef = _leaf_records(layers)
+    records, n, treedef = _layer_records(layers)
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+      raise errors.InvalidOptionError(f"LayerStore: keep must be an int >= 1, got {keep!r}.")
     _pool_size(sum(r["slot"] for r in records), pool_layers, pool_bytes)  # before writing
+    abstract = [isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(layers)]
+    state_records, state_treedef = [], None
+    if optimizer is not None:
+      one = layer_step.one_layer_state(optimizer, layers)
+      state_records, state_treedef = _state_records(one), jax.tree.structure(one)
     if os.path.isdir(path) and os.listdir(path):
       raise errors.NotAStoreError(f"LayerStore.create: {path} exists and is not empty.")
-    for sub in ("params", "grads"):
-      os.makedirs(os.path.join(path, sub), exist_ok=True)
-    leaves = jax.tree.leaves(layers)
-    for k, (r, leaf) in enumerate(zip(records, leaves, strict=True)):
-      r["file"] = f"params/{k}.bin"
-      fd = _open(os.path.join(path, r["file"]), os.O_RDWR | os.O_CREAT | os.O_EXCL)
+    manifest = {
+      "format": FORMAT, "version": VERSION, "n_layers": n, "leaves": records,
+      "state": state_records if optimizer is not None else None, "generations": keep + 1,
+      "step": 0, "generation": 0, "kept": [[0, 0]],
+    }  # fmt: skip
+    made = not os.path.exists(path)
+    try:
+      _make_files(path, manifest, reserve=not any(abstract))
+      store = cls(path, manifest, treedef, optimizer, state_treedef, records, state_records,
+                  pool_layers, pool_bytes, fsync, progress)  # fmt: skip
       try:
-        os.ftruncate(fd, n * r["slot"])  # sparse: a ShapeDtypeStruct's layers stay zero
-        if not isinstance(leaf, jax.ShapeDtypeStruct):
-          host = np.asarray(jax.device_get(leaf))
-          for i in range(n):
-            _write_slot(fd, host[i], i * r["slot"], r["slot"])
-        os.fsync(fd)
-      finally:
-        os.close(fd)
-      with open(os.path.join(path, "grads", f"{k}.bin"), "wb") as f:
-        f.truncate(n * r["slot"])  # sparse: zero until written
-    manifest = {"format": FORMAT, "version": VERSION, "n_layers": n, "leaves": records}
-    tmp = os.path.join(path, MANIFEST + ".tmp")
-    with open(tmp, "w") as f:
-      json.dump(manifest, f, indent=1)
-      f.flush()
-      os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(path, MANIFEST))  # the manifest last: a store is whole
-    return cls(path, records, n, treedef, pool_layers, pool_bytes)
+        if not all(abstract):
+          store._write_initial(layers)
+        _write_manifest(path, manifest)  # the manifest last: a store is whole
+      except BaseException:
+        store.close()
+        raise
+    except BaseException:
+      _remove_files(path, manifest, made)
+      raise
+    return store
 
   @classmethod
-  def open(cls, path: str, like: Any, *, pool_layers: int | None = 2,
-           pool_bytes: int | None = None) -> LayerStore:  # fmt: skip
-    """Opens the store at `path`, checked against `like`.
+  def open(cls, path: str, like: Any, *, optimizer: Any = None, step: int | None = None,
+           pool_layers: int | None = 2, pool_bytes: int | None = None, fsync: bool = True,
+           progress: bool = True) -> LayerStore:  # fmt: skip
+    """Opens the store at `path`, checked against `like` (and `optimizer`).
 
     Args:
       path: the store's directory.
       like: the stacked layer pytree the store must hold: arrays or
         `jax.ShapeDtypeStruct`s of the same structure, shapes and dtypes.
-      pool_layers, pool_bytes: as for `create`.
+      optimizer: the optimizer the store was made with (its state must match),
+        or None to read and train nothing but the params and gradients.
+      step: the step the caller's other state is at (e.g. a checkpoint of the
+        rest of the model): a kept step is made current again, dropping the
+        steps after it; another raises `StoreMismatchError`. None: the
+        committed step.
+      pool_layers, pool_bytes, fsync, progress: as for `create`.
 
     Raises:
       StoreError: no store at `path`.
       StoreCorruptedError: its manifest or files are damaged.
-      StoreMismatchError: it holds another layer tree than `like`.
+      StoreMismatchError: it holds another layer tree, another optimizer's
+        state or no optimizer state, or not `step`.
     """
-    manifest_path = os.path.join(path, MANIFEST)
-    try:
-      with open(manifest_path) as f:
-        manifest = json.load(f)
-    except FileNotFoundError:
-      raise errors.StoreError(
-        f"LayerStore.open: no layer store at {path} ({MANIFEST} is missing)."
-      ) from None
-    except (OSError, ValueError) as e:
-      raise errors.StoreCorruptedError(f"LayerStore.open: cannot read {manifest_path}: {e}") from e
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-      raise errors.StoreCorruptedError(f"LayerStore.open: {manifest_path} is not a layer store's.")
-    records, n, treedef = _leaf_records(like)
-    stored = manifest.get("leaves", [])
+    manifest = _read_manifest(path)
+    records, n, treedef = _layer_records(like)
     if manifest.get("n_layers") != n:
       raise errors.StoreMismatchError(
         f"LayerStore.open: {path} holds {manifest.get('n_layers')} layers, expected {n}."
       )
-    got = {r.get("path"): r for r in stored}
-    want = {r["path"] for r in records}
-    for r in records:
-      s = got.get(r["path"])
-      if s is None:
+    records = _check_records(path, "param", manifest["leaves"], records)
+    state_records, state_treedef = [], None
+    if optimizer is not None:
+      if manifest.get("state") is None:
         raise errors.StoreMismatchError(
-          f"LayerStore.open: {path} has no leaf {r['path']}; it holds "
-          f"{', '.join(sorted(str(k) for k in got))}."
+          f"LayerStore.open: {path} was made without optimizer state (params and gradients "
+          "only), so update() has nothing to apply: open it without optimizer=, or create a "
+          "new store with LayerStore.create(path, layers, optimizer=...)."
         )
-      if (list(s.get("shape", [])), s.get("dtype")) != (r["shape"], r["dtype"]):
-        raise errors.StoreMismatchError(
-          f"LayerStore.open: leaf {r['path']} of {path} is {s.get('dtype')}{s.get('shape')} "
-          f"per layer, expected {r['dtype']}{r['shape']}."
-        )
-    extra = sorted(str(k) for k in got if k not in want)
-    if extra:
-      raise errors.StoreMismatchError(
-        f"LayerStore.open: {path} holds leaves the tree does not have: {', '.join(extra)}."
-      )
-    records = [got[r["path"]] for r in records]  # the tree's order, the store's files
-    for k, r in enumerate(records):
-      for name in (r["file"], f"grads/{k}.bin"):
-        file = os.path.join(path, name)
-        size = os.path.getsize(file) if os.path.exists(file) else None
-        if size != n * r["slot"]:
-          raise errors.StoreCorruptedError(
-            f"LayerStore.open: {file} (leaf {r['path']}) holds {size} bytes, expected "
-            f"{n * r['slot']} ({n} layers of {r['slot']})."
-          )
-    return cls(path, records, n, treedef, pool_layers, pool_bytes)
+      one = layer_step.one_layer_state(optimizer, like)
+      state_records = _check_records(path, "state", manifest["state"], _state_records(one))
+      state_treedef = jax.tree.structure(one)
+    store = cls(path, manifest, treedef, optimizer, state_treedef, records, state_records,
+                pool_layers, pool_bytes, fsync, progress)  # fmt: skip
+    try:
+      store._check_sizes()
+      if step is not None and step != store.step:
+        store._go_to_step(step)
+    except BaseException:
+      store.close()
+      raise
+    return store
 
   def close(self) -> None:
-    """Ends the reads and closes the files."""
+    """Waits for the gradient writes, ends the reads and closes the files."""
     self._pool.shutdown(wait=True, cancel_futures=True)
+    self._writer.shutdown(wait=True)
     self._ahead.clear()
-    for p, g in self._fds:
-      os.close(p)
-      os.close(g)
-    self._fds = []
+    for fds in self._fds.values():
+      for fd in fds:
+        os.close(fd)
+    self._fds = {}
 
   def __enter__(self) -> LayerStore:
     return self
@@ -263,7 +346,10 @@ class LayerStore:
   def __exit__(self, *exc) -> None:
     self.close()
 
-  # -- layers and gradients ----------------------------------------------------
+  def __repr__(self) -> str:
+    return f"LayerStore({self.path!r}, n_layers={self.n_layers}, step={self.step})"
+
+  # -- the model's side --------------------------------------------------------
 
   def source(self, *, accumulate: bool = False) -> LayerSource:
     """What `scan_layers` takes in place of the stacked layers.
@@ -282,72 +368,43 @@ class LayerStore:
     return [jax.ShapeDtypeStruct(tuple(r["shape"]), np.dtype(r["dtype"])) for r in self.records]
 
   def read_layer(self, i: int) -> list[np.ndarray]:
-    """Layer `i`'s params (leaves in tree order), read now."""
-    return [self._read_slot(k, 0, i) for k in range(len(self.records))]
-
-  def write_layer(self, i: int, leaves: Sequence[Any]) -> None:
-    """Writes layer `i`'s params (leaves in tree order)."""
-    for k, x in enumerate(leaves):
-      self._write(k, 0, i, np.asarray(x))
+    """Layer `i`'s committed params (leaves in tree order), read now."""
+    return self.read_slots("params", self.generation, i)
 
   def read_params(self) -> Any:
-    """All the params, stacked (the model's size in RAM: for tests and small models)."""
-    return self._stacked(0)
+    """All the committed params, stacked (the model's size in RAM: for small models)."""
+    return self._stacked("params", self.treedef)
 
   def read_grads(self) -> Any:
-    """All the gradients, stacked as the params are (for tests and small models)."""
-    return self._stacked(1)
+    """All the gradients, stacked as the params are (for small models)."""
+    self.flush_grads()
+    return self._stacked("grads", self.treedef)
+
+  def read_state(self) -> Any:
+    """The committed optimizer state, each leaf stacked over the layers (for small models)."""
+    if self.state_treedef is None:
+      raise errors.InvalidOptionError(f"LayerStore: {self.path} is open without an optimizer.")
+    return self._stacked("state", self.state_treedef)
 
   def zero_grads(self) -> None:
     """Sets every gradient to zero (before accumulating anew)."""
-    for _, g in self._fds:
-      size = os.fstat(g).st_size
-      os.ftruncate(g, 0)
-      os.ftruncate(g, size)
+    self.flush_grads()
+    for fd in self._fds["grads", 0]:
+      size = os.fstat(fd).st_size
+      os.ftruncate(fd, 0)
+      os.ftruncate(fd, size)
 
-  def _stacked(self, which: int) -> Any:
-    leaves = [
-      np.stack([self._read_slot(k, which, i) for i in range(self.n_layers)])
-      for k in range(len(self.records))
-    ]
-    return jax.tree.unflatten(self.treedef, leaves)
-
-  def _read_slot(self, k: int, which: int, i: int) -> np.ndarray:
-    r = self.records[k]
-    buffer = aligned_empty(r["slot"])
-    try:
-      pread_into(self._fds[k][which], buffer, i * r["slot"])
-    except OSError as e:
-      raise errors.StoreError(f"LayerStore: cannot read layer {i} of leaf {r['path']}: {e}") from e
-    dtype = np.dtype(r["dtype"])
-    count = int(np.prod(r["shape"], dtype=np.int64))
-    return buffer[: count * dtype.itemsize].view(dtype).reshape(r["shape"])
-
-  def _write(self, k: int, which: int, i: int, x: np.ndarray) -> None:
-    r = self.records[k]
-    if x.shape != tuple(r["shape"]) or x.dtype != np.dtype(r["dtype"]):
-      raise errors.StoreMismatchError(
-        f"LayerStore: layer {i} of leaf {r['path']} is {x.dtype.name}{list(x.shape)}, "
-        f"expected {r['dtype']}{r['shape']}."
-      )
-    try:
-      _write_slot(self._fds[k][which], x, i * r["slot"], r["slot"])
-    except OSError as e:
-      raise errors.StoreError(f"LayerStore: cannot write layer {i} of leaf {r['path']}: {e}") from e
-
-  # -- the callbacks -----------------------------------------------------------
-
-  def _fetch(self, i: int) -> list[np.ndarray]:
-    """Layer `i` for the scan: from the pool, reading the next layers ahead."""
+  def fetch(self, i: Any) -> list[np.ndarray]:
+    """Layer `i` for the scan (a callback): from the pool, reading the next layers ahead."""
     i = int(i)
     with self._lock:
       if self._last is not None and abs(i - self._last) == 1:
-        self._step = i - self._last
+        self._direction = i - self._last
       elif self._last == i:  # the backward pass starts on the layer the forward pass ended on
-        self._step = -self._step
+        self._direction = -self._direction
       self._last = i
       future = self._ahead.pop(i, None)
-      wanted = [i + self._step * d for d in range(1, self.pool_layers)]
+      wanted = [i + self._direction * d for d in range(1, self.pool_layers)]
       wanted = [j for j in wanted if 0 <= j < self.n_layers]
       for j in [j for j in self._ahead if j not in wanted]:  # a wrong guess: drop it
         self._drop(self._ahead.pop(j))
@@ -372,14 +429,175 @@ class LayerStore:
       concurrent.futures.wait([future])
     self._held -= 1
 
-  def _write_grads(self, accumulate: bool, i: Any, *grads: np.ndarray) -> np.ndarray:
+  def put_grads(self, accumulate: bool, i: Any, *grads: np.ndarray) -> np.ndarray:
+    """Layer `i`'s gradients (a callback): copied out, written behind compute."""
     i = int(i)
-    for k, g in enumerate(grads):
-      g = np.asarray(g)
-      if accumulate:
-        g = self._read_slot(k, 1, i) + g
-      self._write(k, 1, i, g)
+    slots = [_to_slot(np.asarray(g), r["slot"]) for g, r in zip(grads, self.records, strict=True)]
+    while len(self._pending) >= self.pool_layers:
+      self._pending.popleft().result()  # bounds the RAM queued; raises a failed write
+    self._pending.append(self._writer.submit(self._store_grads, accumulate, i, slots))
     return np.zeros((), np.float32)
+
+  def flush_grads(self) -> None:
+    """Waits for the gradient writes handed off so far; raises the first that failed."""
+    while self._pending:
+      self._pending.popleft().result()
+
+  def _store_grads(self, accumulate: bool, i: int, slots: list[np.ndarray]) -> None:
+    for k, slot in enumerate(slots):
+      if accumulate:
+        r = self.records[k]
+        count = int(np.prod(r["shape"], dtype=np.int64)) * np.dtype(r["dtype"]).itemsize
+        old = self._read_slot("grads", 0, k, i)
+        new = slot[:count].view(old.dtype).reshape(old.shape)
+        new[...] = old + new
+      self._write_raw("grads", 0, k, i, slot)
+
+  # -- the optimizer's side ----------------------------------------------------
+
+  def update(self) -> int:
+    """Applies the optimizer to the layers on disk with the stored gradients; commits.
+
+    Waits for the gradient writes, then reads params, gradients and state a
+    layer at a time (read ahead), runs the optimizer's update on the host CPU,
+    writes the new params and state into a free generation (written behind)
+    and commits them together.
+
+    Returns:
+      The new committed step.
+
+    Raises:
+      InvalidOptionError: the store is open without an optimizer.
+      StoreError: a read or write failed (a full disk: ``errno.ENOSPC``);
+        nothing was committed, the store still holds the step before, and
+        `update` may be called again.
+    """
+    if self._update_fn is None:
+      raise errors.InvalidOptionError(
+        f"LayerStore.update: {self.path} is open without an optimizer; pass optimizer= to "
+        "LayerStore.create or LayerStore.open."
+      )
+    self.flush_grads()
+    target = next(g for g in range(self.generations) if g not in {g for _, g in self.kept})
+    try:
+      stats = layer_step.run(self, self._update_fn, target)
+      if self.fsync:
+        for kind in ("params", "state"):
+          for fd in self._fds[kind, target]:
+            os.fdatasync(fd)
+    except OSError as e:
+      raise errors.StoreError(
+        e.errno,
+        f"LayerStore.update: step {self.step + 1} was not committed ({e.strerror or e}); "
+        f"{self.path} still holds step {self.step}, whole, and its gradients: "
+        + ("free space on the disk, then " if e.errno == errno.ENOSPC else "")
+        + "call update() again.",
+      ) from e
+    keep = self.generations - 1
+    self.kept = [(self.step + 1, target)] + self.kept[: keep - 1]
+    self.step, self.generation = self.step + 1, target
+    self._commit()
+    self.last_update = stats
+    return self.step
+
+  def read_slots(self, kind: str, gen: int, i: int) -> list[np.ndarray]:
+    """Layer `i` of every leaf of `kind` ("params", "state" or "grads") in generation `gen`."""
+    records = self.state_records if kind == "state" else self.records
+    return [self._read_slot(kind, gen, k, i) for k in range(len(records))]
+
+  def write_slots(self, kind: str, gen: int, i: int, leaves: Sequence[Any]) -> None:
+    """Writes layer `i` of every leaf of `kind` into generation `gen`."""
+    records = self.state_records if kind == "state" else self.records
+    for k, (r, x) in enumerate(zip(records, leaves, strict=True)):
+      x = np.asarray(x)
+      if x.shape != tuple(r["shape"]) or x.dtype != np.dtype(r["dtype"]):
+        raise errors.StoreMismatchError(
+          f"LayerStore: layer {i} of {kind} leaf {r['path']} is {x.dtype.name}{list(x.shape)}, "
+          f"expected {r['dtype']}{r['shape']}."
+        )
+      self._write_raw(kind, gen, k, i, _to_slot(x, r["slot"]))
+
+  # -- slots, files, commits -----------------------------------------------------
+
+  def _stacked(self, kind: str, treedef: Any) -> Any:
+    gen = self.generation
+    n = len(self.state_records if kind == "state" else self.records)
+    layers = [self.read_slots(kind, gen, i) for i in range(self.n_layers)]
+    return jax.tree.unflatten(treedef, [np.stack([x[k] for x in layers]) for k in range(n)])
+
+  def _read_slot(self, kind: str, gen: int, k: int, i: int) -> np.ndarray:
+    r = (self.state_records if kind == "state" else self.records)[k]
+    buffer = aligned_empty(r["slot"])
+    try:
+      pread_into(self._fds[kind, 0 if kind == "grads" else gen][k], buffer, i * r["slot"])
+    except OSError as e:
+      raise errors.StoreError(
+        e.errno, f"LayerStore: cannot read layer {i} of {kind} leaf {r['path']}: {e}"
+      ) from e
+    dtype = np.dtype(r["dtype"])
+    count = int(np.prod(r["shape"], dtype=np.int64))
+    return buffer[: count * dtype.itemsize].view(dtype).reshape(r["shape"])
+
+  def _write_raw(self, kind: str, gen: int, k: int, i: int, slot: np.ndarray) -> None:
+    r = (self.state_records if kind == "state" else self.records)[k]
+    try:
+      pwrite_all(self._fds[kind, 0 if kind == "grads" else gen][k], [slot], i * r["slot"])
+    except OSError as e:
+      raise errors.StoreError(
+        e.errno, f"LayerStore: cannot write layer {i} of {kind} leaf {r['path']}: {e.strerror or e}"
+      ) from e
+
+  def _write_initial(self, layers: Any) -> None:
+    from offlax._src.nvme.store import progress_bar
+
+    init = None if self.optimizer is None else jax.jit(self.optimizer.init)
+    leaves = [
+      None if isinstance(x, jax.ShapeDtypeStruct) else np.asarray(jax.device_get(x))
+      for x in jax.tree.leaves(layers)
+    ]
+    for i in progress_bar(range(self.n_layers), self.progress, f"offlax: writing {self.path}"):
+      for k, x in enumerate(leaves):
+        if x is not None:
+          self._write_raw("params", 0, k, i, _to_slot(x[i], self.records[k]["slot"]))
+      if init is not None:
+        layer = jax.tree.unflatten(self.treedef, [x[i] for x in leaves])  # type: ignore[index]
+        self.write_slots("state", 0, i, jax.tree.leaves(init(layer)))
+    for fds in self._fds.values():
+      for fd in fds:
+        os.fsync(fd)
+
+  def _check_sizes(self) -> None:
+    for kind, gen in self._files():
+      records = self.state_records if kind == "state" else self.records
+      if kind != "grads" and gen != self.generation and all(g != gen for _, g in self.kept):
+        continue  # a free generation: written whole before it is committed
+      files = zip(self._file_names(kind, gen), self._fds[kind, gen], records, strict=True)
+      for name, fd, r in files:
+        size = os.fstat(fd).st_size
+        if size != self.n_layers * r["slot"]:
+          raise errors.StoreCorruptedError(
+            f"LayerStore.open: {name} ({kind} leaf {r['path']}) holds {size} bytes, expected "
+            f"{self.n_layers * r['slot']} ({self.n_layers} layers of {r['slot']})."
+          )
+
+  def _go_to_step(self, step: int) -> None:
+    kept = dict(self.kept)
+    if step not in kept:
+      raise errors.StoreMismatchError(
+        f"LayerStore.open: {self.path} has committed step {self.step} and keeps steps "
+        f"{sorted(kept)}, but step={step} was asked for: training on would mix layers and "
+        "the rest of the model at different steps. Resume the rest from one of the kept steps."
+      )
+    logging.getLogger("offlax").warning(
+      "%s: rolled back to step %d (the store had committed step %d).", self.path, step, self.step
+    )
+    self.step, self.generation = step, kept[step]
+    self.kept = [(s, g) for s, g in self.kept if s <= step]
+    self._commit()
+
+  def _commit(self) -> None:
+    self.manifest.update(step=self.step, generation=self.generation, kept=self.kept)
+    _write_manifest(self.path, self.manifest, fsync=self.fsync)
 
 
 def _pool_size(layer_bytes: int, pool_layers: int | None, pool_bytes: int | None) -> int:
@@ -398,66 +616,128 @@ def _pool_size(layer_bytes: int, pool_layers: int | None, pool_bytes: int | None
   return pool_layers
 
 
-def _open(path: str, flags: int) -> int:
-  fd = os.open(path, flags | os.O_NOFOLLOW, 0o600)
-  set_direct(fd)  # else the page cache: the slots are aligned either way
-  return fd
-
-
-def _write_slot(fd: int, x: np.ndarray, offset: int, slot: int) -> None:
+def _to_slot(x: np.ndarray, slot: int) -> np.ndarray:
+  """`x`'s bytes in a new aligned buffer of `slot` bytes, zero-padded."""
   buffer = aligned_empty(slot)
   data = np.ascontiguousarray(x).reshape(-1).view(np.uint8)
   buffer[: data.size] = data
   buffer[data.size :] = 0
-  pwrite_all(fd, [buffer], offset)
+  return buffer
 
 
-@jax.tree_util.register_pytree_node_class
-class LayerSource:
-  """A `LayerStore`'s layers, as `scan_layers` takes them (`LayerStore.source`).
-
-  A pytree with one leaf, ``token`` (a zero per layer): differentiating with
-  respect to it writes the layers' gradients into the store, and its own
-  gradient is zeros that depend on those writes.
-  """
-
-  def __init__(self, token: Any, store: LayerStore, accumulate: bool):
-    self.token, self.store, self.accumulate = token, store, accumulate
-
-  def tree_flatten(self):
-    return (self.token,), (self.store, self.accumulate)
-
-  @classmethod
-  def tree_unflatten(cls, aux, children):
-    return cls(children[0], *aux)
-
-  @property
-  def n_layers(self) -> int:
-    return self.store.n_layers
-
-  def read(self, i: Any, token: Any) -> Any:
-    """Layer `i` (traced) as a pytree on the device; its gradient goes to the store."""
-    return _read(self.store, self.accumulate, i, token)
+def _store_files(path: str, manifest: dict) -> list[tuple[str, int]]:
+  """Every file of a store and its size."""
+  n, files = manifest["n_layers"], []
+  kinds = [("params", manifest["leaves"]), ("state", manifest["state"] or [])]
+  for g in range(manifest["generations"]):
+    for kind, records in kinds:
+      files += [(os.path.join(path, f"gen{g}", kind, f"{k}.bin"), n * r["slot"])
+                for k, r in enumerate(records)]  # fmt: skip
+  files += [(os.path.join(path, "grads", f"{k}.bin"), n * r["slot"])
+            for k, r in enumerate(manifest["leaves"])]  # fmt: skip
+  return files
 
 
-def _fetch_callback(store: LayerStore, i):
-  return host_callbacks.call(store._fetch, store.avals(), i, side_effect=False)
+def _make_files(path: str, manifest: dict, *, reserve: bool) -> None:
+  """Creates the store's files at their sizes; with `reserve`, allocates their space."""
+  files = _store_files(path, manifest)
+  if reserve:
+    os.makedirs(path, exist_ok=True)
+    need, free = sum(size for _, size in files), _free_bytes(path)
+    if free is not None and need > free:
+      raise errors.StoreError(
+        errno.ENOSPC,
+        f"LayerStore.create: {path} needs {need / 2**30:.2f} GiB ({manifest['generations']} "
+        f"generations of params and state, and the gradients) and its disk has "
+        f"{free / 2**30:.2f} GiB free. Free space, lower keep=, or choose another disk.",
+      )
+  for name, size in files:
+    os.makedirs(os.path.dirname(name), exist_ok=True)
+    fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+      os.ftruncate(fd, size)  # sparse: zero until written
+      if reserve and size:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+      raise errors.StoreError(e.errno, f"LayerStore.create: cannot make {name}: {e}") from e
+    finally:
+      os.close(fd)
 
 
-def _read(store: LayerStore, accumulate: bool, i, token):
-  @jax.custom_vjp
-  def read(i, token):
-    return _fetch_callback(store, i)
+def _remove_files(path: str, manifest: dict, made: bool) -> None:
+  """Removes what `create` made (a failed create leaves the folder as it found it)."""
+  for name, _ in _store_files(path, manifest):
+    if os.path.exists(name):
+      os.remove(name)
+  for g in range(manifest["generations"]):
+    for kind in ("params", "state"):
+      _rmdir(os.path.join(path, f"gen{g}", kind))
+    _rmdir(os.path.join(path, f"gen{g}"))
+  _rmdir(os.path.join(path, "grads"))
+  for name in (MANIFEST, MANIFEST + ".tmp"):
+    if os.path.exists(os.path.join(path, name)):
+      os.remove(os.path.join(path, name))
+  if made:
+    _rmdir(path)
 
-  def fwd(i, token):
-    return _fetch_callback(store, i), i
 
-  def bwd(i, grads):
-    write = lambda i, *g: [store._write_grads(accumulate, i, *g)]
-    [done] = host_callbacks.call(
-      write, [jax.ShapeDtypeStruct((), jnp.float32)], i, *grads, side_effect=True
+def _rmdir(path: str) -> None:
+  try:
+    os.rmdir(path)
+  except OSError:
+    pass
+
+
+def _free_bytes(path: str) -> int | None:
+  try:
+    s = os.statvfs(path)
+  except OSError:
+    return None
+  return s.f_bavail * s.f_frsize
+
+
+def _read_manifest(path: str) -> dict:
+  manifest_path = os.path.join(path, MANIFEST)
+  try:
+    with open(manifest_path) as f:
+      manifest = json.load(f)
+  except FileNotFoundError:
+    if os.path.exists(os.path.join(path, "offlax.json")):
+      raise errors.StoreMismatchError(
+        f"LayerStore.open: {path} holds an NVMeTier store (optimizer state, made without "
+        "params), not a LayerStore: params on disk need their own store. Create one with "
+        "offlax.LayerStore.create(new_path, layers, optimizer=...)."
+      ) from None
+    raise errors.StoreError(
+      f"LayerStore.open: no layer store at {path} ({MANIFEST} is missing)."
+    ) from None
+  except (OSError, ValueError) as e:
+    raise errors.StoreCorruptedError(f"LayerStore.open: cannot read {manifest_path}: {e}") from e
+  if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+    raise errors.StoreCorruptedError(f"LayerStore.open: {manifest_path} is not a layer store's.")
+  if manifest.get("version") != VERSION:
+    raise errors.StoreCorruptedError(
+      f"LayerStore.open: {manifest_path} is format version {manifest.get('version')}; this "
+      f"offlax reads version {VERSION}."
     )
-    return None, done  # the token's cotangent: the write's result, so it cannot be dropped
+  keys = ("n_layers", "leaves", "state", "generations", "step", "generation", "kept")
+  missing = [k for k in keys if k not in manifest]
+  if missing:
+    raise errors.StoreCorruptedError(f"LayerStore.open: {manifest_path} lacks {missing}.")
+  return manifest
 
-  read.defvjp(fwd, bwd)
-  return jax.tree.unflatten(store.treedef, read(i, token))
+
+def _write_manifest(path: str, manifest: dict, *, fsync: bool = True) -> None:
+  tmp = os.path.join(path, MANIFEST + ".tmp")
+  with open(tmp, "w") as f:
+    json.dump(manifest, f, indent=1)
+    f.flush()
+    if fsync:
+      os.fsync(f.fileno())
+  os.replace(tmp, os.path.join(path, MANIFEST))
+  if fsync:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+      os.fsync(fd)  # the rename itself
+    finally:
+      os.close(fd)

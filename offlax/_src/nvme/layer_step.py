@@ -1,0 +1,180 @@
+"""The optimizer step over a `LayerStore`'s layers: a layer at a time, on the host CPU.
+
+As ZeRO-Infinity's CPU Adam: the params, their gradients and the optimizer
+state never sit whole in RAM. For each layer, read-ahead threads bring its
+params, gradients and state from disk, the optimizer's update runs on the CPU
+(jitted once for one layer: offlax's `adam`/`adamw` use their native kernel
+there), and one writer thread writes the new params and state into the free
+generation while the next layer computes.
+
+A layer at a time is the optimizer applied to the stacked tree only where
+every leaf's update is elementwise (Adam: yes; a global-norm clip, LAMB's
+per-leaf trust ratio: no). `layer_update` checks that on the update's jaxpr
+(`coupling.analyze`) rather than trusting a list of optimizers. The state is
+`jax.vmap` of ``init``: each layer holds its own copy of global leaves (the
+step count), all equal, since a global leaf never depends on the params.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import threading
+import time
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+import optax
+
+from offlax._src import coupling as coupling_lib
+from offlax._src import errors
+from offlax._src import layout as layout_lib
+
+
+class Stats(NamedTuple):
+  """What one `LayerStore.update` moved and how long it took.
+
+  Attributes:
+    step: the step it committed.
+    seconds: its wall time, reads, compute, writes and flushes together.
+    bytes_read: params, gradients and state read.
+    bytes_written: params and state written.
+    read_seconds: time the read threads spent reading (summed over threads).
+    write_seconds: time the writer spent writing.
+    compute_seconds: time the optimizer's update ran.
+  """
+
+  step: int
+  seconds: float
+  bytes_read: int
+  bytes_written: int
+  read_seconds: float
+  write_seconds: float
+  compute_seconds: float
+
+
+def _one_layer(layers: Any) -> Any:
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(tuple(x.shape[1:]), x.dtype), layers)
+
+
+def one_layer_state(optimizer: Any, layers: Any) -> Any:
+  """The optimizer's state of one layer, as shapes and dtypes."""
+  if not isinstance(optimizer, optax.GradientTransformation):
+    raise errors.TransformationTypeError(
+      f"LayerStore: optimizer must be an optax GradientTransformation, got "
+      f"{type(optimizer).__name__}."
+    )
+  return jax.eval_shape(optimizer.init, _one_layer(layers))
+
+
+def check_elementwise(optimizer: Any, stacked: Any) -> None:
+  """Raises `InvalidOptionError` unless the update of each leaf is elementwise."""
+  spec = layout_lib.ParamSpec.of(stacked)
+  state = jax.eval_shape(optimizer.init, stacked)
+  layout = layout_lib.StateLayout(state, spec)
+  items = layout.split(state)
+
+  def flat(u, s, p):
+    new_u, new_s = optimizer.update(
+      spec.treedef.unflatten(u), layout.merge(s), spec.treedef.unflatten(p)
+    )
+    return jax.tree.leaves(new_u), layout.split(new_s)
+
+  leaves = jax.tree.leaves(stacked)
+  jaxpr = jax.make_jaxpr(flat)(leaves, items, leaves)
+  n = len(leaves)
+  in_owners = [*range(n), *layout.owners, *range(n)]
+  out_owners = [*range(n), *layout.owners]
+  coupling = coupling_lib.analyze(jaxpr, in_owners, out_owners, [tuple(x.shape) for x in leaves])
+  coupled = [p for i, p in enumerate(spec.paths) if i not in coupling.splittable]
+  if coupled:
+    why = coupling.reason or "it reads more than each element's own values"
+    raise errors.InvalidOptionError(
+      f"LayerStore: the optimizer's update of leaf {coupled[0]} is not elementwise ({why}), "
+      "so applying it a layer at a time would change it. Use an elementwise optimizer (Adam, "
+      "AdamW, SGD, Lion, offlax.master_weights of them); clip gradients per layer if needed."
+    )
+
+
+def layer_update(optimizer: Any, store: Any):
+  """The optimizer's update of one layer, jitted: (params, grads, state) leaves -> new ones."""
+  stacked = jax.tree.unflatten(
+    store.treedef,
+    [
+      jax.ShapeDtypeStruct((store.n_layers, *r["shape"]), np.dtype(r["dtype"]))
+      for r in store.records
+    ],
+  )
+  check_elementwise(optimizer, stacked)
+
+  def update(p, g, s):
+    p = jax.tree.unflatten(store.treedef, p)
+    updates, s = optimizer.update(
+      jax.tree.unflatten(store.treedef, g), jax.tree.unflatten(store.state_treedef, s), p
+    )
+    return jax.tree.leaves(optax.apply_updates(p, updates)), jax.tree.leaves(s)
+
+  return jax.jit(update)
+
+
+def run(store: Any, update: Any, target: int) -> Stats:
+  """Updates every layer of `store` from its committed generation into `target`."""
+  from offlax._src.nvme.store import progress_bar
+
+  cpu = jax.devices("cpu")[0]  # the host's compute, whatever the default device
+  gen, n = store.generation, store.n_layers
+  ahead = max(1, store.pool_layers - 1)
+  lock = threading.Lock()
+  tally = collections.Counter()
+
+  def count(what, seconds, arrays):
+    with lock:
+      tally[what + "_seconds"] += seconds
+      tally[what + "_bytes"] += sum(x.nbytes for x in arrays)
+
+  def read(i):
+    start = time.perf_counter()
+    out = [
+      store.read_slots(kind, 0 if kind == "grads" else gen, i)
+      for kind in ("params", "grads", "state")
+    ]
+    count("read", time.perf_counter() - start, [x for leaves in out for x in leaves])
+    return out
+
+  def write(i, params, state):
+    start = time.perf_counter()
+    store.write_slots("params", target, i, params)
+    store.write_slots("state", target, i, state)
+    count("write", time.perf_counter() - start, [*params, *state])
+
+  start = time.perf_counter()
+  with (
+    concurrent.futures.ThreadPoolExecutor(ahead, "offlax-update-read") as readers,
+    concurrent.futures.ThreadPoolExecutor(1, "offlax-update-write") as writer,
+  ):
+    reads = {i: readers.submit(read, i) for i in range(min(ahead, n))}
+    writes: collections.deque[concurrent.futures.Future] = collections.deque()
+    try:
+      for i in progress_bar(range(n), store.progress, f"offlax: updating {store.path}"):
+        p, g, s = reads.pop(i).result()
+        if i + ahead < n:
+          reads[i + ahead] = readers.submit(read, i + ahead)
+        t = time.perf_counter()
+        with jax.default_device(cpu):
+          new_p, new_s = update(p, g, s)
+          new_p, new_s = [np.asarray(x) for x in new_p], [np.asarray(x) for x in new_s]
+        tally["compute_seconds"] += time.perf_counter() - t
+        while len(writes) >= 2:  # one layer written, one queued, while the next computes
+          writes.popleft().result()
+        writes.append(writer.submit(write, i, new_p, new_s))
+      while writes:
+        writes.popleft().result()
+    except BaseException:
+      for f in [*reads.values(), *writes]:
+        f.cancel()
+      raise
+  return Stats(
+    store.step + 1, time.perf_counter() - start, tally["read_bytes"], tally["write_bytes"],
+    tally["read_seconds"], tally["write_seconds"], tally["compute_seconds"],
+  )  # fmt: skip
