@@ -42,7 +42,7 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -214,7 +214,8 @@ class LayerStore:
 
   @classmethod
   def create(cls, path: str, layers: Any, *, optimizer: Any = None, keep: int = 1,
-             pool_layers: int | None = 2, pool_bytes: int | None = None, fsync: bool = True,
+             init_layer: Callable[[int], Any] | None = None, pool_layers: int | None = 2,
+             pool_bytes: int | None = None, fsync: bool = True,
              progress: bool = True) -> LayerStore:  # fmt: skip
     """Writes the stacked `layers` (and `optimizer.init` of each layer) into a new store.
 
@@ -228,6 +229,9 @@ class LayerStore:
         at a time; None: params and gradients only.
       keep: committed steps kept on disk (>= 1); the store holds ``keep + 1``
         copies of the params and state.
+      init_layer: with `layers` as `jax.ShapeDtypeStruct`s, a function of the
+        layer index returning that layer's params (one layer's pytree): the
+        store is written a layer at a time, never the whole model in RAM.
       pool_layers: layers the model's read-ahead pool may hold (>= 1; 2 reads
         one ahead).
       pool_bytes: instead of ``pool_layers``, the pool's size in bytes (at
@@ -249,6 +253,10 @@ class LayerStore:
       raise errors.InvalidOptionError(f"LayerStore: keep must be an int >= 1, got {keep!r}.")
     _pool_size(sum(r["slot"] for r in records), pool_layers, pool_bytes)  # before writing
     abstract = [isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(layers)]
+    if init_layer is not None and not all(abstract):
+      raise errors.InvalidOptionError(
+        "LayerStore.create: init_layer= makes the layers; pass them as jax.ShapeDtypeStructs."
+      )
     state_records, state_treedef = [], None
     if optimizer is not None:
       one = layer_step.one_layer_state(optimizer, layers)
@@ -262,12 +270,16 @@ class LayerStore:
     }  # fmt: skip
     made = not os.path.exists(path)
     try:
-      _make_files(path, manifest, reserve=not any(abstract))
+      _make_files(path, manifest, reserve=init_layer is not None or not any(abstract))
       store = cls(path, manifest, treedef, optimizer, state_treedef, records, state_records,
                   pool_layers, pool_bytes, fsync, progress)  # fmt: skip
       try:
-        if not all(abstract):
-          store._write_initial(layers)
+        if init_layer is not None:
+          store._write_initial(init_layer)
+        elif not all(abstract):
+          host = [None if a else np.asarray(jax.device_get(x))
+                  for a, x in zip(abstract, jax.tree.leaves(layers), strict=True)]  # fmt: skip
+          store._write_initial(lambda i: [None if x is None else x[i] for x in host])
         _write_manifest(path, manifest)  # the manifest last: a store is whole
       except BaseException:
         store.close()
@@ -547,24 +559,43 @@ class LayerStore:
         e.errno, f"LayerStore: cannot write layer {i} of {kind} leaf {r['path']}: {e.strerror or e}"
       ) from e
 
-  def _write_initial(self, layers: Any) -> None:
+  def _write_initial(self, layer: Callable[[int], Any]) -> None:
+    """Writes each layer's params (leaves None: left zero) and its optimizer's initial state."""
     from offlax._src.nvme.store import progress_bar
 
     init = None if self.optimizer is None else jax.jit(self.optimizer.init)
-    leaves = [
-      None if isinstance(x, jax.ShapeDtypeStruct) else np.asarray(jax.device_get(x))
-      for x in jax.tree.leaves(layers)
-    ]
     for i in progress_bar(range(self.n_layers), self.progress, f"offlax: writing {self.path}"):
+      leaves = layer(i)
+      if not isinstance(leaves, list):  # a layer's pytree, from init_layer
+        leaves = self._layer_leaves(leaves, i)
       for k, x in enumerate(leaves):
         if x is not None:
-          self._write_raw("params", 0, k, i, _to_slot(x[i], self.records[k]["slot"]))
+          self._write_raw("params", 0, k, i, _to_slot(np.asarray(x), self.records[k]["slot"]))
       if init is not None:
-        layer = jax.tree.unflatten(self.treedef, [x[i] for x in leaves])  # type: ignore[index]
-        self.write_slots("state", 0, i, jax.tree.leaves(init(layer)))
+        shapes = [np.zeros(r["shape"], r["dtype"]) for r in self.records]
+        params = [s if x is None else x for s, x in zip(shapes, leaves, strict=True)]
+        self.write_slots("state", 0, i, jax.tree.leaves(init(self.treedef.unflatten(params))))
     for fds in self._fds.values():
       for fd in fds:
         os.fsync(fd)
+
+  def _layer_leaves(self, tree: Any, i: int) -> list[np.ndarray]:
+    flat, treedef = jax.tree_util.tree_flatten(tree)
+    if treedef != self.treedef:
+      raise errors.TreeMismatchError(
+        f"LayerStore.create: init_layer({i}) returned a tree of structure {treedef}, "
+        f"expected {self.treedef}."
+      )
+    out = []
+    for r, x in zip(self.records, flat, strict=True):
+      x = np.asarray(jax.device_get(x))
+      if x.shape != tuple(r["shape"]) or x.dtype != np.dtype(r["dtype"]):
+        raise errors.StoreMismatchError(
+          f"LayerStore.create: init_layer({i}) leaf {r['path']} is {x.dtype.name}"
+          f"{list(x.shape)}, expected {r['dtype']}{r['shape']}."
+        )
+      out.append(x)
+    return out
 
   def _check_sizes(self) -> None:
     for kind, gen in self._files():
