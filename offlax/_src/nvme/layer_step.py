@@ -82,11 +82,14 @@ def check_elementwise(optimizer: Any, stacked: Any) -> None:
     return jax.tree.leaves(new_u), layout.split(new_s)
 
   leaves = jax.tree.leaves(stacked)
-  jaxpr = jax.make_jaxpr(flat)(leaves, items, leaves)
   n = len(leaves)
   in_owners = [*range(n), *layout.owners, *range(n)]
   out_owners = [*range(n), *layout.owners]
-  coupling = coupling_lib.analyze(jaxpr, in_owners, out_owners, [tuple(x.shape) for x in leaves])
+  # As traced for a GPU program, where offlax's native kernels are elementwise by contract.
+  with coupling_lib.splitting_native(True):
+    jaxpr = jax.make_jaxpr(flat)(leaves, items, leaves)
+    shapes = [tuple(x.shape) for x in leaves]
+    coupling = coupling_lib.analyze(jaxpr, in_owners, out_owners, shapes)
   coupled = [p for i, p in enumerate(spec.paths) if i not in coupling.splittable]
   if coupled:
     why = coupling.reason or "it reads more than each element's own values"

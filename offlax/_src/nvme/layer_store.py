@@ -50,11 +50,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from offlax._src import errors
+from offlax._src.nvme import format as format_lib
 from offlax._src.nvme import layer_step
 from offlax._src.nvme.direct_io import BLOCK, aligned_empty, open_direct, pread_into, pwrite_all
 from offlax._src.nvme.layer_source import LayerSource
+from offlax._src.nvme.pipeline import wait_for_dispatched_steps
 
-MANIFEST = "layers.json"
+MANIFEST = format_lib.LAYERS
 FORMAT = "offlax-layer-store"
 VERSION = 2
 KINDS = ("params", "state", "grads")
@@ -115,7 +117,7 @@ def _check_records(path: str, what: str, stored: list[dict], want: list[dict]) -
     if s is None:
       raise errors.StoreMismatchError(
         f"LayerStore.open: {path} has no {what} leaf {r['path']}; it holds "
-        f"{', '.join(sorted(str(k) for k in got))}."
+        f"{', '.join(sorted(str(k) for k in got)) or 'none'}."
       )
     if (list(s.get("shape", [])), s.get("dtype")) != (r["shape"], r["dtype"]):
       raise errors.StoreMismatchError(
@@ -451,7 +453,8 @@ class LayerStore:
     return np.zeros((), np.float32)
 
   def flush_grads(self) -> None:
-    """Waits for the gradient writes handed off so far; raises the first that failed."""
+    """Waits for the steps dispatched so far and their gradient writes; raises a failed write."""
+    wait_for_dispatched_steps()  # a jitted backward pass returns before its callbacks run
     while self._pending:
       self._pending.popleft().result()
 
@@ -495,7 +498,7 @@ class LayerStore:
       stats = layer_step.run(self, self._update_fn, target)
       if self.fsync:
         for kind in ("params", "state"):
-          for fd in self._fds[kind, target]:
+          for fd in self._fds.get((kind, target), []):
             os.fdatasync(fd)
     except OSError as e:
       raise errors.StoreError(
@@ -733,7 +736,7 @@ def _read_manifest(path: str) -> dict:
     with open(manifest_path) as f:
       manifest = json.load(f)
   except FileNotFoundError:
-    if os.path.exists(os.path.join(path, "offlax.json")):
+    if os.path.exists(os.path.join(path, format_lib.METADATA)):
       raise errors.StoreMismatchError(
         f"LayerStore.open: {path} holds an NVMeTier store (optimizer state, made without "
         "params), not a LayerStore: params on disk need their own store. Create one with "

@@ -33,6 +33,7 @@ from offlax._src.nvme.direct_io import (
 from offlax._src.nvme.format import (
   DEFAULT_KEEP,
   FORMAT_VERSION,
+  LAYERS,
   LOCK,
   MESH,
   METADATA,
@@ -97,6 +98,12 @@ class Store:
     """Creates the directory if needed and takes the writer lock (a reader's, if `shared`)."""
     if os.path.lexists(self.path) and not os.path.isdir(self.path):
       raise errors.StoreError(f"NVMe store path {self.path} exists and is not a directory.")
+    if os.path.exists(os.path.join(self.path, LAYERS)):
+      raise errors.StoreMismatchError(
+        f"{self.path} holds an offlax.LayerStore (layers' params, gradients and optimizer "
+        "state), not an NVMeTier store: open it with offlax.LayerStore.open, or give the "
+        "NVMeTier another folder."
+      )
     if not shared:
       _refuse_foreign_folder(self.path)
     try:

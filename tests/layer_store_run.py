@@ -1,0 +1,33 @@
+"""Trains a small `LayerStore` until killed (tests/test_layer_update.py's crash test).
+
+  python tests/layer_store_run.py PATH
+
+Creates the store at PATH, or resumes it; prints "ready" once open, then steps
+forever: the gradients of batch `store.step`, then `update`.
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jax.numpy as jnp  # noqa: E402
+
+import offlax  # noqa: E402
+from test_layer_update import batch, grad, make_layers, make_layers_like, run_optimizer  # noqa: E402
+
+
+def main(path):
+  if os.path.exists(os.path.join(path, "layers.json")):
+    store = offlax.LayerStore.open(path, make_layers_like(), optimizer=run_optimizer(), progress=False)
+  else:
+    store = offlax.LayerStore.create(path, make_layers(jnp.float32), optimizer=run_optimizer(),
+                                     progress=False)  # fmt: skip
+  print("ready", store.step, flush=True)
+  while True:
+    grad(store.source(), batch(store.step, jnp.float32))
+    store.update()
+
+
+if __name__ == "__main__":
+  main(sys.argv[1])
