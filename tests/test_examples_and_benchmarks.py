@@ -69,6 +69,18 @@ def test_nvme_example_trains_and_resumes(tmp_path, capsys):
   assert "starting at step 30" in capsys.readouterr().out
 
 
+def test_nvme_params_example_trains_and_resumes(tmp_path, capsys):
+  example = _load("examples/nvme_params.py")
+  args = ["--layers", "3", "--width", "32", "--dir", str(tmp_path)]
+  loss = example.main(["--steps", "25", *args])
+  out = capsys.readouterr().out
+  assert "committed step 25" in out
+  assert loss < 0.5 * float(out.split("loss ")[1].split()[0])  # step 1's
+  example.main(["--steps", "3", "--resume", *args])
+  out = capsys.readouterr().out
+  assert "starting at step 25" in out and "committed step 28" in out
+
+
 def test_nvme_throughput_benchmark_runs(tmp_path):
   nvme = _load("benchmarks/nvme_throughput.py")
   nvme.main(["--params-m", "2", "--raw-gib", "0.05", "--steps", "1", "--out", str(tmp_path)])
