@@ -110,8 +110,10 @@ def main(argv: list[str] | None = None) -> float:
       if step % 20 == 0 or step == 1:
         print(f"step {step}: loss {float(loss):.4f}")
     s = store.last_update
-    print(f"committed step {store.step}; last update moved "
-          f"{(s.bytes_read + s.bytes_written) / 2**20:.1f} MiB in {s.seconds * 1e3:.0f} ms")  # fmt: skip
+    moved = (s.bytes_read + s.bytes_written) / 2**20
+    print(
+      f"committed step {store.step}; last update moved {moved:.1f} MiB in {s.seconds * 1e3:.0f} ms"
+    )
   return float(loss)
 
 

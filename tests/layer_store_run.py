@@ -12,14 +12,16 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax.numpy as jnp  # noqa: E402
+from test_layer_update import batch, grad, make_layers, make_layers_like, run_optimizer  # noqa: E402
 
 import offlax  # noqa: E402
-from test_layer_update import batch, grad, make_layers, make_layers_like, run_optimizer  # noqa: E402
 
 
 def main(path):
   if os.path.exists(os.path.join(path, "layers.json")):
-    store = offlax.LayerStore.open(path, make_layers_like(), optimizer=run_optimizer(), progress=False)
+    store = offlax.LayerStore.open(
+      path, make_layers_like(), optimizer=run_optimizer(), progress=False
+    )
   else:
     store = offlax.LayerStore.create(path, make_layers(jnp.float32), optimizer=run_optimizer(),
                                      progress=False)  # fmt: skip

@@ -161,7 +161,9 @@ def test_bad_input(tmp_path):
     LayerStore.open(path, {**layers, "b": layers["b"].astype(jnp.bfloat16)})
   with pytest.raises(errors.StoreMismatchError, match=r"no param leaf \['c'\]"):
     LayerStore.open(path, {**layers, "c": layers["b"]})
-  with pytest.raises(errors.StoreMismatchError, match=r"param leaves the tree does not have: \['b'\]"):
+  with pytest.raises(
+    errors.StoreMismatchError, match=r"param leaves the tree does not have: \['b'\]"
+  ):
     LayerStore.open(path, {"w": layers["w"]})
   with pytest.raises(errors.StoreMismatchError, match=f"holds {L} layers, expected 3"):
     LayerStore.open(path, jax.tree.map(lambda a: a[:3], layers))
@@ -171,7 +173,9 @@ def test_bad_input(tmp_path):
   manifest = json.loads((tmp_path / "s" / "layers.json").read_text())
   grads = tmp_path / "s" / "grads" / "0.bin"
   os.truncate(grads, 100)
-  with pytest.raises(errors.StoreCorruptedError, match=r"0.bin \(grads leaf \['b'\]\) holds 100 bytes"):
+  with pytest.raises(
+    errors.StoreCorruptedError, match=r"0.bin \(grads leaf \['b'\]\) holds 100 bytes"
+  ):
     LayerStore.open(path, layers)
   (tmp_path / "s" / "layers.json").write_text(json.dumps({**manifest, "format": "x"}))
   with pytest.raises(errors.StoreCorruptedError, match="not a layer store"):

@@ -48,7 +48,9 @@ grad = jax.jit(jax.grad(loss))
 
 def reference(tx, layers, steps, dtype=jnp.bfloat16):
   """Params and state after `steps` steps with the layers in memory."""
-  update = jax.jit(lambda g, s, p: (lambda u, s: (optax.apply_updates(p, u), s))(*tx.update(g, s, p)))
+  update = jax.jit(
+    lambda g, s, p: (lambda u, s: (optax.apply_updates(p, u), s))(*tx.update(g, s, p))
+  )
   params, state = layers, tx.init(layers)
   for step in range(steps):
     params, state = update(grad(params, batch(step, dtype)), state, params)
@@ -68,7 +70,10 @@ def per_layer(state):
 
 OPTIMIZERS = {
   "adam": (lambda: optax.adam(1e-2), jnp.float32),
-  "master-adamw": (lambda: offlax.master_weights(optax.adamw(1e-2, weight_decay=0.1)), jnp.bfloat16),
+  "master-adamw": (
+    lambda: offlax.master_weights(optax.adamw(1e-2, weight_decay=0.1)),
+    jnp.bfloat16,
+  ),
   "native-adamw": (lambda: offlax.adamw(1e-2, weight_decay=0.1), jnp.float32),
 }
 
@@ -130,30 +135,53 @@ def test_keep_and_open_at_a_step(tmp_path):
     assert_bits(store.read_params(), reference(tx, layers, 4)[0])
 
 
-def test_disk_full_mid_update_keeps_the_committed_step(tmp_path, monkeypatch):
+@pytest.mark.parametrize("fault", ["disk-full", "ctrl-c"])
+def test_a_failed_update_keeps_the_committed_step(tmp_path, monkeypatch, fault):
   tx, layers, path = optax.adam(1e-2), make_layers(), str(tmp_path / "s")
   store = offlax.LayerStore.create(path, layers, optimizer=tx, progress=False)
   grad(store.source(), batch(0))
   store.update()
   grad(store.source(), batch(1))
+  store.flush_grads()  # the gradients on disk before the faults start
   real, writes = layer_store_lib.pwrite_all, [0]
 
   def full_disk(fd, parts, offset):
     writes[0] += 1
     if writes[0] > 3:  # part of step 2's layers are written, then the disk is full
+      if fault == "ctrl-c":
+        raise KeyboardInterrupt
       raise OSError(errno.ENOSPC, "No space left on device")
     real(fd, parts, offset)
 
   monkeypatch.setattr(layer_store_lib, "pwrite_all", full_disk)
-  with pytest.raises(errors.StoreError, match=r"step 2 was not committed .*No space left.*still "
-                     r"holds step 1, whole.*free space on the disk") as e:  # fmt: skip
-    store.update()
-  assert e.value.errno == errno.ENOSPC and store.step == 1
+  if fault == "ctrl-c":
+    with pytest.raises(KeyboardInterrupt):
+      store.update()
+  else:
+    with pytest.raises(errors.StoreError, match=r"step 2 was not committed .*No space left.*still "
+                       r"holds step 1, whole.*free space on the disk") as e:  # fmt: skip
+      store.update()
+    assert e.value.errno == errno.ENOSPC
+  assert store.step == 1
   monkeypatch.setattr(layer_store_lib, "pwrite_all", real)
   assert_bits(store.read_params(), reference(tx, layers, 1)[0])
-  store.update()  # the gradients are still there: the same step, once there is room
-  assert_bits(store.read_params(), reference(tx, layers, 2)[0])
   store.close()
+  like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), layers)
+  with offlax.LayerStore.open(path, like, optimizer=tx) as store:  # as after a kill
+    assert store.step == 1
+    assert_bits(store.read_state(), per_layer(reference(tx, layers, 1)[1]))
+    grad(store.source(), batch(1))
+    store.update()
+    assert_bits(store.read_params(), reference(tx, layers, 2)[0])
+
+
+def test_one_writer_at_a_time(tmp_path):
+  layers, path = make_layers(), str(tmp_path / "s")
+  like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), layers)
+  with offlax.LayerStore.create(path, layers, progress=False):
+    with pytest.raises(errors.StoreLockedError, match=r"already open .*close it first"):
+      offlax.LayerStore.open(path, like)
+  offlax.LayerStore.open(path, like).close()  # closed: free again
 
 
 def test_bad_input(tmp_path, monkeypatch):
@@ -218,7 +246,7 @@ def test_killed_at_any_moment_resumes_params_and_state_of_one_step(tmp_path):
   path, rng = str(tmp_path / "s"), np.random.default_rng(0)
   cmd = [sys.executable, os.path.join(HERE, "layer_store_run.py"), path]
   steps = []
-  for kill in range(4):
+  for _ in range(4):
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     assert proc.stdout.readline().startswith("ready")  # jax imported, the store open

@@ -129,7 +129,7 @@ def run(store: Any, update: Any, target: int) -> Stats:
   gen, n = store.generation, store.n_layers
   ahead = max(1, store.pool_layers - 1)
   lock = threading.Lock()
-  tally = collections.Counter()
+  tally: collections.defaultdict[str, float] = collections.defaultdict(float)
 
   def count(what, seconds, arrays):
     with lock:
@@ -178,6 +178,11 @@ def run(store: Any, update: Any, target: int) -> Stats:
         f.cancel()
       raise
   return Stats(
-    store.step + 1, time.perf_counter() - start, tally["read_bytes"], tally["write_bytes"],
-    tally["read_seconds"], tally["write_seconds"], tally["compute_seconds"],
-  )  # fmt: skip
+    step=store.step + 1,
+    seconds=time.perf_counter() - start,
+    bytes_read=int(tally["read_bytes"]),
+    bytes_written=int(tally["write_bytes"]),
+    read_seconds=tally["read_seconds"],
+    write_seconds=tally["write_seconds"],
+    compute_seconds=tally["compute_seconds"],
+  )

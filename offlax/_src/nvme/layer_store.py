@@ -38,6 +38,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import errno
+import fcntl
 import json
 import logging
 import os
@@ -193,7 +194,9 @@ class LayerStore:
     self._pending: collections.deque[concurrent.futures.Future] = collections.deque()
     self._update_fn = None if optimizer is None else layer_step.layer_update(optimizer, self)
     self._fds: dict[tuple[str, int], list[int]] = {}
+    self._lock_fd: int | None = None
     try:
+      self._lock_fd = _lock(path)
       for kind, gen in self._files():
         names = self._file_names(kind, gen)
         self._fds[kind, gen] = [open_direct(name, os.O_RDWR | os.O_NOFOLLOW)[0] for name in names]
@@ -353,6 +356,9 @@ class LayerStore:
       for fd in fds:
         os.close(fd)
     self._fds = {}
+    if self._lock_fd is not None:
+      os.close(self._lock_fd)  # releases the lock
+      self._lock_fd = None
 
   def __enter__(self) -> LayerStore:
     return self
@@ -407,6 +413,7 @@ class LayerStore:
       size = os.fstat(fd).st_size
       os.ftruncate(fd, 0)
       os.ftruncate(fd, size)
+      os.posix_fallocate(fd, 0, size)  # reserved again: a gradient write never finds the disk full
 
   def fetch(self, i: Any) -> list[np.ndarray]:
     """Layer `i` for the scan (a callback): from the pool, reading the next layers ahead."""
@@ -634,6 +641,20 @@ class LayerStore:
     _write_manifest(self.path, self.manifest, fsync=self.fsync)
 
 
+def _lock(path: str) -> int:
+  """Takes the store's writer lock (``.lock``, as the NVMe tier's): one process writes it."""
+  fd = os.open(os.path.join(path, format_lib.LOCK), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+  try:
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  except BlockingIOError:
+    os.close(fd)
+    raise errors.StoreLockedError(
+      f"LayerStore: {path} is already open for writing, in this process or another; close it "
+      "first (store.close(), or leave its with-block)."
+    ) from None
+  return fd
+
+
 def _pool_size(layer_bytes: int, pool_layers: int | None, pool_bytes: int | None) -> int:
   if pool_bytes is not None:
     if pool_bytes < layer_bytes:
@@ -708,7 +729,7 @@ def _remove_files(path: str, manifest: dict, made: bool) -> None:
       _rmdir(os.path.join(path, f"gen{g}", kind))
     _rmdir(os.path.join(path, f"gen{g}"))
   _rmdir(os.path.join(path, "grads"))
-  for name in (MANIFEST, MANIFEST + ".tmp"):
+  for name in (MANIFEST, MANIFEST + ".tmp", format_lib.LOCK):
     if os.path.exists(os.path.join(path, name)):
       os.remove(os.path.join(path, name))
   if made:
