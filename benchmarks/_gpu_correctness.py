@@ -73,7 +73,8 @@ def examples(steps: int) -> dict:
   out = {}
   lm = [("lm_nnx.py", ["--tier", t, "--steps", str(steps), "--no-progress"])
         for t in ("host", "host_compute", "nvme")]  # fmt: skip
-  runs = [*lm, ("linen_train_state.py", ["--steps", str(steps)])]
+  runs = [*lm, ("linen_train_state.py", ["--steps", str(steps)]),
+          ("nvme_params.py", ["--steps", str(steps)])]  # fmt: skip
   for name, args in runs:
     key = f"{name} {' '.join(args[:2])}"
     spec = importlib.util.spec_from_file_location(name[:-3], root / name)
@@ -82,7 +83,8 @@ def examples(steps: int) -> dict:
     try:
       spec.loader.exec_module(module)
       with tempfile.TemporaryDirectory() as tmp:
-        extra = ["--dir", tmp, "--dim", "32", "--seq", "32"] if name == "lm_nnx.py" else []
+        extra = {"lm_nnx.py": ["--dir", tmp, "--dim", "32", "--seq", "32"],
+                 "nvme_params.py": ["--dir", tmp]}.get(name, [])  # fmt: skip
         out[key] = {"result": float(module.main([*args, *extra]))}
     except Exception as e:  # recorded: the point is to learn what fails on this machine
       out[key] = {"error": _gpu.error_text(e)}
@@ -141,3 +143,59 @@ def host_state_checkpoint(offlax, optax, jax, n_params):
     "save_vs_raw": nbytes / save_s / raw["write_bytes_per_s"],
     "restore_vs_raw": nbytes / restore_s / raw["read_bytes_per_s"],
   }
+
+
+def layer_store(offlax, optax, jax, steps: int = 3) -> dict:
+  """Layers on disk (`offlax.LayerStore`) on this GPU against the same layers in its memory.
+
+  The forward and backward pass run on the GPU, reading each layer by a callback and writing
+  its gradient back; `update` runs AdamW with an fp32 master on the CPU. The reference: the
+  same stacked bf16 layers in device memory, the gradients from the same GPU program shape,
+  the update jitted on the CPU. Reported: whether the gradients and the params after `steps`
+  steps are the same bits, and the step times.
+  """
+  import jax.numpy as jnp
+
+  n, d = 8, 512
+  keys = jax.random.split(jax.random.key(0), n)
+  layers = {
+    "w": jnp.stack([jax.random.normal(k, (d, d)) / d**0.5 for k in keys]).astype(jnp.bfloat16)
+  }
+  x = jax.random.normal(jax.random.key(1), (16, d)).astype(jnp.bfloat16)
+
+  def loss(ls, x):
+    h, _ = offlax.scan_layers(lambda h, p: (jnp.tanh(h @ p["w"]), None), x, ls)
+    return jnp.mean(h.astype(jnp.float32) ** 2)
+
+  tx = offlax.master_weights(offlax.adamw(1e-3))
+  grad = jax.jit(jax.grad(loss))
+  cpu = jax.devices("cpu")[0]
+  update = jax.jit(
+    lambda g, s, p: (lambda u, s: (optax.apply_updates(p, u), s))(*tx.update(g, s, p))
+  )
+  with jax.default_device(cpu):
+    params, state = jax.device_put(layers, cpu), jax.jit(tx.init)(jax.device_put(layers, cpu))
+  out: dict = {"grads_bit_exact": [], "step_s": []}
+  with tempfile.TemporaryDirectory(prefix="offlax-gpu-layers-") as tmp:
+    with offlax.LayerStore.create(
+      os.path.join(tmp, "s"), layers, optimizer=tx, progress=False
+    ) as store:
+      for _ in range(steps):
+        start = time.perf_counter()
+        grad(store.source(), x)
+        store.update()
+        out["step_s"].append(time.perf_counter() - start)
+        g = jax.device_put(grad(jax.device_put(params, jax.devices()[0]), x), cpu)
+        got = store.read_grads()
+        out["grads_bit_exact"].append(
+          bool(np.array_equal(np.asarray(got["w"]), np.asarray(g["w"])))
+        )
+        with jax.default_device(cpu):
+          params, state = update(g, state, params)
+      diff = np.abs(
+        np.asarray(store.read_params()["w"], np.float32) - np.asarray(params["w"], np.float32)
+      )
+      out["params_max_abs_diff"] = float(diff.max())
+      out["params_bit_exact"] = out["params_max_abs_diff"] == 0.0
+      out["last_update"] = store.last_update._asdict()
+  return out

@@ -32,9 +32,11 @@ What the CPU cannot show, checked in one run of a few minutes on a GPU machine:
 11. the native host step on the CPU backend, all cores and one;
 12. `offlax.HostStateSave` / `HostStateRestore` of the host tier's state (its `pinned_host`
    arrays copied out as their files are written): exact, memory kinds kept, GB/s against
-   the raw disk measured just before.
+   the raw disk measured just before;
+13. `offlax.LayerStore`: layers' params, gradients and state on disk, the forward and
+   backward pass on the GPU, the update on the CPU, against the same layers in device memory.
 
-The sections are in _gpu_correctness.py (1, 7, 12), _gpu_peaks.py (2, 8, 9) and _gpu_speed.py
+The sections are in _gpu_correctness.py (1, 7, 12, 13), _gpu_peaks.py (2, 8, 9) and _gpu_speed.py
 (3, 4, 6, 10, 11), what they share in _gpu.py; this script runs them, works out 5 from 3 and 4,
 and draws the plot and the table.
 Each section's result (or error) is written to `<out>/gpu_check.json` as it ends, with a plot
@@ -74,6 +76,7 @@ SECTIONS = (
   "examples",
   "host_step_params_per_s",
   "host_state_checkpoint",
+  "layer_store",
 )
 
 
@@ -130,6 +133,7 @@ def main(argv=None) -> dict:
     "host_state_checkpoint": lambda: _gpu_correctness.host_state_checkpoint(
       offlax, optax, jax, 2.5e8 * scale
     ),
+    "layer_store": lambda: _gpu_correctness.layer_store(offlax, optax, jax),
   }
   args.out.mkdir(parents=True, exist_ok=True)
   # One section at a time, the JSON rewritten after each: a run stopped at a time limit (a lent
