@@ -101,15 +101,10 @@ def check_elementwise(optimizer: Any, stacked: Any) -> None:
 
 
 def layer_update(optimizer: Any, store: Any):
-  """The optimizer's update of one layer, jitted: (params, grads, state) leaves -> new ones."""
-  stacked = jax.tree.unflatten(
-    store.treedef,
-    [
-      jax.ShapeDtypeStruct((store.n_layers, *r["shape"]), np.dtype(r["dtype"]))
-      for r in store.records
-    ],
-  )
-  check_elementwise(optimizer, stacked)
+  """The optimizer's update of one layer, jitted: (params, grads, state) leaves -> new ones.
+
+  The caller has checked it with `check_elementwise`.
+  """
 
   def update(p, g, s):
     p = jax.tree.unflatten(store.treedef, p)

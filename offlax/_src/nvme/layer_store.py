@@ -266,6 +266,7 @@ class LayerStore:
     if optimizer is not None:
       one = layer_step.one_layer_state(optimizer, layers)
       state_records, state_treedef = _state_records(one), jax.tree.structure(one)
+      layer_step.check_elementwise(optimizer, layers)
     if os.path.isdir(path) and os.listdir(path):
       raise errors.NotAStoreError(f"LayerStore.create: {path} exists and is not empty.")
     manifest = {
@@ -335,6 +336,7 @@ class LayerStore:
         )
       one = layer_step.one_layer_state(optimizer, like)
       state_records = _check_records(path, "state", manifest["state"], _state_records(one))
+      layer_step.check_elementwise(optimizer, like)
       state_treedef = jax.tree.structure(one)
     store = cls(path, manifest, treedef, optimizer, state_treedef, records, state_records,
                 pool_layers, pool_bytes, fsync, progress)  # fmt: skip
@@ -500,6 +502,10 @@ class LayerStore:
         "LayerStore.create or LayerStore.open."
       )
     self.flush_grads()
+    with self._lock:  # layers read ahead are of the generation this step replaces
+      for j in list(self._ahead):
+        self._drop(self._ahead.pop(j))
+      self._last = None
     target = next(g for g in range(self.generations) if g not in {g for _, g in self.kept})
     try:
       stats = layer_step.run(self, self._update_fn, target)
