@@ -31,6 +31,8 @@ from offlax._src import coupling as coupling_lib
 from offlax._src import errors
 from offlax._src import layout as layout_lib
 
+IO_THREADS = 4  # per direction: what a disk needs to reach its bandwidth with 8-64 MiB transfers
+
 
 class Stats(NamedTuple):
   """What one `LayerStore.update` moved and how long it took.
@@ -117,7 +119,13 @@ def layer_update(optimizer: Any, store: Any):
 
 
 def run(store: Any, update: Any, target: int) -> Stats:
-  """Updates every layer of `store` from its committed generation into `target`."""
+  """Updates every layer of `store` from its committed generation into `target`.
+
+  Each layer's slots (a leaf's layer each, of params, gradients and state) are
+  read and written by `IO_THREADS` threads each way, as one reader thread
+  reaches only part of an NVMe's bandwidth; ``pool_layers - 1`` layers are read
+  ahead, and at most two layers' writes are queued while the next computes.
+  """
   from offlax._src.nvme.store import progress_bar
 
   cpu = jax.devices("cpu")[0]  # the host's compute, whatever the default device
@@ -125,51 +133,61 @@ def run(store: Any, update: Any, target: int) -> Stats:
   ahead = max(1, store.pool_layers - 1)
   lock = threading.Lock()
   tally: collections.defaultdict[str, float] = collections.defaultdict(float)
+  kinds = [("params", gen), ("grads", 0), ("state", gen)]
+  counts = {
+    "params": len(store.records),
+    "grads": len(store.records),
+    "state": len(store.state_records),
+  }
 
-  def count(what, seconds, arrays):
-    with lock:
-      tally[what + "_seconds"] += seconds
-      tally[what + "_bytes"] += sum(x.nbytes for x in arrays)
-
-  def read(i):
+  def timed(what, fn, *args):
     start = time.perf_counter()
-    out = [
-      store.read_slots(kind, 0 if kind == "grads" else gen, i)
-      for kind in ("params", "grads", "state")
-    ]
-    count("read", time.perf_counter() - start, [x for leaves in out for x in leaves])
+    out = fn(*args)
+    with lock:
+      tally[what + "_seconds"] += time.perf_counter() - start
     return out
 
-  def write(i, params, state):
-    start = time.perf_counter()
-    store.write_slots("params", target, i, params)
-    store.write_slots("state", target, i, state)
-    count("write", time.perf_counter() - start, [*params, *state])
+  def read(pool, i):
+    return [
+      [pool.submit(timed, "read", store.read_slot, kind, g, k, i) for k in range(counts[kind])]
+      for kind, g in kinds
+    ]
+
+  def write(pool, i, params, state):
+    return [
+      pool.submit(timed, "write", store.write_slot, kind, target, k, i, x)
+      for kind, leaves in (("params", params), ("state", state))
+      for k, x in enumerate(leaves)
+    ]
 
   start = time.perf_counter()
   with (
-    concurrent.futures.ThreadPoolExecutor(ahead, "offlax-update-read") as readers,
-    concurrent.futures.ThreadPoolExecutor(1, "offlax-update-write") as writer,
+    concurrent.futures.ThreadPoolExecutor(IO_THREADS, "offlax-update-read") as readers,
+    concurrent.futures.ThreadPoolExecutor(IO_THREADS, "offlax-update-write") as writers,
   ):
-    reads = {i: readers.submit(read, i) for i in range(min(ahead, n))}
-    writes: collections.deque[concurrent.futures.Future] = collections.deque()
+    reads = {i: read(readers, i) for i in range(min(ahead, n))}
+    writes: collections.deque[list[concurrent.futures.Future]] = collections.deque()
     try:
       for i in progress_bar(range(n), store.progress, f"offlax: updating {store.path}"):
-        p, g, s = reads.pop(i).result()
+        p, g, s = [[f.result() for f in futures] for futures in reads.pop(i)]
+        tally["read_bytes"] += sum(x.nbytes for x in [*p, *g, *s])
         if i + ahead < n:
-          reads[i + ahead] = readers.submit(read, i + ahead)
+          reads[i + ahead] = read(readers, i + ahead)
         t = time.perf_counter()
         with jax.default_device(cpu):
           new_p, new_s = update(p, g, s)
           new_p, new_s = [np.asarray(x) for x in new_p], [np.asarray(x) for x in new_s]
         tally["compute_seconds"] += time.perf_counter() - t
         while len(writes) >= 2:  # one layer written, one queued, while the next computes
-          writes.popleft().result()
-        writes.append(writer.submit(write, i, new_p, new_s))
+          [f.result() for f in writes.popleft()]
+        writes.append(write(writers, i, new_p, new_s))
+        tally["write_bytes"] += sum(x.nbytes for x in [*new_p, *new_s])
       while writes:
-        writes.popleft().result()
+        [f.result() for f in writes.popleft()]
     except BaseException:
-      for f in [*reads.values(), *writes]:
+      for f in [f for layer in reads.values() for fs in layer for f in fs]:
+        f.cancel()
+      for f in [f for fs in writes for f in fs]:
         f.cancel()
       raise
   return Stats(

@@ -472,7 +472,7 @@ class LayerStore:
       if accumulate:
         r = self.records[k]
         count = int(np.prod(r["shape"], dtype=np.int64)) * np.dtype(r["dtype"]).itemsize
-        old = self._read_slot("grads", 0, k, i)
+        old = self.read_slot("grads", 0, k, i)
         new = slot[:count].view(old.dtype).reshape(old.shape)
         new[...] = old + new
       self._write_raw("grads", 0, k, i, slot)
@@ -531,19 +531,28 @@ class LayerStore:
   def read_slots(self, kind: str, gen: int, i: int) -> list[np.ndarray]:
     """Layer `i` of every leaf of `kind` ("params", "state" or "grads") in generation `gen`."""
     records = self.state_records if kind == "state" else self.records
-    return [self._read_slot(kind, gen, k, i) for k in range(len(records))]
+    return [self.read_slot(kind, gen, k, i) for k in range(len(records))]
 
   def write_slots(self, kind: str, gen: int, i: int, leaves: Sequence[Any]) -> None:
     """Writes layer `i` of every leaf of `kind` into generation `gen`."""
     records = self.state_records if kind == "state" else self.records
-    for k, (r, x) in enumerate(zip(records, leaves, strict=True)):
-      x = np.asarray(x)
-      if x.shape != tuple(r["shape"]) or x.dtype != np.dtype(r["dtype"]):
-        raise errors.StoreMismatchError(
-          f"LayerStore: layer {i} of {kind} leaf {r['path']} is {x.dtype.name}{list(x.shape)}, "
-          f"expected {r['dtype']}{r['shape']}."
-        )
-      self._write_raw(kind, gen, k, i, _to_slot(x, r["slot"]))
+    for k, x in enumerate(leaves):
+      self.write_slot(kind, gen, k, i, x)
+    if len(leaves) != len(records):
+      raise errors.StoreMismatchError(
+        f"LayerStore: {len(leaves)} {kind} leaves for layer {i}, expected {len(records)}."
+      )
+
+  def write_slot(self, kind: str, gen: int, k: int, i: int, x: Any) -> None:
+    """Writes layer `i` of leaf `k` of `kind` into generation `gen`, checked."""
+    r = (self.state_records if kind == "state" else self.records)[k]
+    x = np.asarray(x)
+    if x.shape != tuple(r["shape"]) or x.dtype != np.dtype(r["dtype"]):
+      raise errors.StoreMismatchError(
+        f"LayerStore: layer {i} of {kind} leaf {r['path']} is {x.dtype.name}{list(x.shape)}, "
+        f"expected {r['dtype']}{r['shape']}."
+      )
+    self._write_raw(kind, gen, k, i, _to_slot(x, r["slot"]))
 
   # -- slots, files, commits -----------------------------------------------------
 
@@ -553,7 +562,8 @@ class LayerStore:
     layers = [self.read_slots(kind, gen, i) for i in range(self.n_layers)]
     return jax.tree.unflatten(treedef, [np.stack([x[k] for x in layers]) for k in range(n)])
 
-  def _read_slot(self, kind: str, gen: int, k: int, i: int) -> np.ndarray:
+  def read_slot(self, kind: str, gen: int, k: int, i: int) -> np.ndarray:
+    """Layer `i` of leaf `k` of `kind` in generation `gen` (the gradients have one)."""
     r = (self.state_records if kind == "state" else self.records)[k]
     buffer = aligned_empty(r["slot"])
     try:

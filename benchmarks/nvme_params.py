@@ -1,0 +1,229 @@
+"""Params, gradients and optimizer state on disk (`offlax.LayerStore`): RAM flat as the model grows.
+
+What is measured, in one run and on one filesystem (a fresh directory under `--dir`, default
+/tmp, removed at the end; its free space is checked first):
+
+1. The raw disk: sequential direct-I/O write and read of `--raw-gib` GiB, and both at once
+   (`_disk.measure_raw`, as `nvme_throughput.py`).
+2. For each size (`--sizes`, default 0.5B and 1.8B params), in a fresh subprocess: a stack of
+   Llama-like layers (four d x d matrices and a d x f, f x d MLP, d = 2048, ~28M params a
+   layer) in bf16, AdamW with an fp32 master (`offlax.master_weights(offlax.adamw(...))`,
+   the native kernel on the CPU), `keep=1`. The store is written a layer at a time
+   (`init_layer`). Then `--steps` steps: the loss's gradients through `offlax.scan_layers`
+   over `store.source()` (each layer read from disk, read again in the backward pass, its
+   gradient written back), then `store.update()` (params, gradients and state read a layer
+   at a time, AdamW on the CPU, params and state written and committed). Peak RSS of the
+   whole subprocess (VmHWM), against the 8 GB goal and against the model's training state
+   (params + gradients + master + moments: 16 bytes a parameter).
+3. The update's I/O against the raw disk: its bytes read and written over its wall time, and
+   the ratio of the time the raw disk needs for the same traffic (`_disk.raw_seconds`) to
+   the update's time (goal >= 0.8x). The forward/backward pass's traffic and time too.
+4. `python -m offlax inspect` of the store after the steps (exit status and summary line).
+
+  python benchmarks/nvme_params.py [--sizes 0.5 1.8] [--steps 3] [--dir /tmp]
+
+Results: `<out>/nvme_params.json` and `<out>/nvme_params.png`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+if __package__ in (None, ""):  # run as a file: make `benchmarks` importable
+  sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from benchmarks import _common, _disk  # noqa: E402
+
+D, F, TOKENS = 2048, 2816, 8
+LAYER_PARAMS = 4 * D * D + 2 * D * F
+RSS_GOAL = 8e9
+RATIO_GOAL = 0.8
+
+
+def layer_like(n: int, d: int, f: int):
+  import jax
+  import jax.numpy as jnp
+
+  s = lambda *shape: jax.ShapeDtypeStruct((n, *shape), jnp.bfloat16)
+  return {"q": s(d, d), "k": s(d, d), "v": s(d, d), "o": s(d, d), "up": s(d, f), "down": s(f, d)}
+
+
+def init_layer(i: int, d: int, f: int):
+  import numpy as np
+  from ml_dtypes import bfloat16
+
+  rng = np.random.default_rng(i)
+  m = lambda a, b: (rng.standard_normal((a, b), np.float32) / np.sqrt(a)).astype(bfloat16)
+  return {"q": m(d, d), "k": m(d, d), "v": m(d, d), "o": m(d, d), "up": m(d, f), "down": m(f, d)}
+
+
+def block(h, p):
+  import jax
+  import jax.numpy as jnp
+
+  a = jnp.tanh(h @ p["q"]) * (h @ p["k"])
+  h = h + ((a * (h @ p["v"])) @ p["o"]) * 0.1
+  return h + (jax.nn.gelu(h @ p["up"]) @ p["down"]) * 0.1, None
+
+
+def child(path: str, n_layers: int, steps: int, d: int, f: int) -> dict[str, Any]:
+  """One size: create, `steps` steps, RSS and I/O figures (JSON on stdout)."""
+  import jax
+  import jax.numpy as jnp
+
+  import offlax
+
+  tx = offlax.master_weights(offlax.adamw(1e-4, weight_decay=0.01))
+  start = time.perf_counter()
+  store = offlax.LayerStore.create(
+    path, layer_like(n_layers, d, f), optimizer=tx, keep=1, progress=False,
+    init_layer=lambda i: init_layer(i, d, f),
+  )  # fmt: skip
+  create_s = time.perf_counter() - start
+
+  @jax.jit
+  def grads(source, x):
+    loss = lambda s, x: jnp.mean(offlax.scan_layers(block, x, s)[0].astype(jnp.float32) ** 2)
+    return jax.value_and_grad(loss)(source, x)
+
+  x = jax.random.normal(jax.random.key(0), (TOKENS, d)).astype(jnp.bfloat16)
+  rows = []
+  for step in range(steps):
+    start = time.perf_counter()
+    loss, _ = grads(store.source(), x)
+    store.flush_grads()  # the backward pass's gradient writes, done
+    backward_s = time.perf_counter() - start
+    store.update()
+    u = store.last_update
+    rows.append({"loss": float(loss), "forward_backward_s": backward_s, **u._asdict()})
+    print(f"step {step + 1}: loss {float(loss):.5f}, forward+backward {backward_s:.1f} s, "
+          f"update {u.seconds:.1f} s", file=sys.stderr, flush=True)  # fmt: skip
+  store.close()
+  return {"create_s": create_s, "steps": rows, "peak_rss_bytes": _common.peak_rss()}
+
+
+def run_size(workdir: pathlib.Path, billions: float, steps: int, d: int, f: int) -> dict[str, Any]:
+  n_layers = max(2, round(billions * 1e9 / (4 * d * d + 2 * d * f)))
+  n_params = n_layers * (4 * d * d + 2 * d * f)
+  path = workdir / f"store-{billions:g}b"
+  cmd = [sys.executable, __file__, "--child", str(path), str(n_layers), str(steps), str(d), str(f)]
+  print(f"{n_params / 1e9:.2f}B params ({n_layers} layers): {' '.join(cmd)}", flush=True)
+  done = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True)
+  out = json.loads(done.stdout.splitlines()[-1])
+  disk_bytes = _disk.tree_bytes(path)
+  inspect = subprocess.run([sys.executable, "-m", "offlax", "inspect", str(path)],
+                           capture_output=True, text=True)  # fmt: skip
+  shutil.rmtree(path)
+  return {
+    "n_params": n_params, "n_layers": n_layers, "disk_bytes": disk_bytes,
+    "train_state_bytes": 16 * n_params,  # bf16 params + grads, fp32 master + two moments
+    "inspect": {"returncode": inspect.returncode, "output": inspect.stdout[-2000:]},
+    **out,
+  }  # fmt: skip
+
+
+def io_figures(size: dict[str, Any], raw: dict[str, Any]) -> dict[str, Any]:
+  """The update's GB/s and its ratio to the raw disk, per step (the first is warm-up too)."""
+  out = []
+  for s in size["steps"]:
+    moved = s["bytes_read"] + s["bytes_written"]
+    raw_s = _disk.raw_seconds(raw, s["bytes_read"], s["bytes_written"])
+    out.append({"bytes_per_s": moved / s["seconds"], "ratio_vs_raw": raw_s / s["seconds"]})
+  return {"per_step": out, "best_ratio": max(o["ratio_vs_raw"] for o in out),
+          "median_ratio": sorted(o["ratio_vs_raw"] for o in out)[len(out) // 2]}  # fmt: skip
+
+
+def plot(result: dict[str, Any], path: pathlib.Path) -> None:
+  plt = _common.pyplot()
+  fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+  sizes = result["sizes"]
+  names = [f"{s['n_params'] / 1e9:.1f}B" for s in sizes]
+  xs = range(len(sizes))
+  a.bar([x - 0.2 for x in xs], [s["train_state_bytes"] / 1e9 for s in sizes], 0.4,
+        label="training state (16 B/param)")  # fmt: skip
+  a.bar([x + 0.2 for x in xs], [s["peak_rss_bytes"] / 1e9 for s in sizes], 0.4, label="peak RSS")
+  a.axhline(RSS_GOAL / 1e9, color="red", ls="--", label="goal: RSS <= 8 GB")
+  a.axhline(24 * 2**30 / 1e9, color="gray", ls=":", label="this machine's RAM")
+  a.set_xticks(list(xs), names)
+  a.set_ylabel("GB")
+  a.set_title("RAM: params, grads and state on disk")
+  a.legend(fontsize=8)
+  ratios = [s["io"]["median_ratio"] for s in sizes]
+  b.bar(names, ratios, color="tab:green")
+  b.axhline(RATIO_GOAL, color="red", ls="--", label="goal >= 0.8x")
+  b.set_ylabel("update I/O time at raw speed / update time")
+  b.set_title("update() against the raw disk (median step)")
+  b.legend(fontsize=8)
+  _common.save_png(fig, path, suptitle=f"offlax.LayerStore, {result['environment_line']}")
+
+
+def summary_table(result: dict[str, Any]) -> str:
+  raw = result["raw"]
+  lines = [f"raw disk: write {raw['write_bytes_per_s'] / 1e9:.2f} GB/s, read "
+           f"{raw['read_bytes_per_s'] / 1e9:.2f} GB/s, both at once "
+           f"{raw.get('mixed_bytes_per_s', 0) / 1e9:.2f} GB/s"]  # fmt: skip
+  for s in result["sizes"]:
+    last = s["steps"][-1]
+    lines.append(
+      f"{s['n_params'] / 1e9:.2f}B ({s['n_layers']} layers): peak RSS "
+      f"{s['peak_rss_bytes'] / 1e9:.2f} GB (goal <= 8; state {s['train_state_bytes'] / 1e9:.1f} "
+      f"GB), disk {s['disk_bytes'] / 1e9:.1f} GB; update {last['seconds']:.1f} s moving "
+      f"{(last['bytes_read'] + last['bytes_written']) / 1e9:.1f} GB, ratio vs raw "
+      f"{s['io']['median_ratio']:.2f}x (goal >= 0.8); forward+backward "
+      f"{last['forward_backward_s']:.1f} s; inspect exit {s['inspect']['returncode']}"
+    )
+  return "\n".join(lines)
+
+
+def main(argv=None) -> dict[str, Any]:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--sizes", type=float, nargs="+", default=[0.5, 1.8], help="billions")
+  parser.add_argument("--steps", type=int, default=3)
+  parser.add_argument("--width", type=int, default=D, help="d (f = 1.375 d)")
+  parser.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
+  _disk.add_raw_arguments(parser, raw_gib=4.0)
+  _common.add_dir_argument(parser, "the stores and the raw-disk file")
+  _common.add_out_argument(parser, "nvme_params")
+  args = parser.parse_args(argv)
+  if args.child:
+    path, n, steps, d, f = args.child
+    print(json.dumps(child(path, int(n), int(steps), int(d), int(f))))
+    return {}
+  d, f = args.width, int(args.width * 1.375) // 64 * 64
+  need = max(args.sizes) * 1e9 * (2 * 14 + 2) * 1.05 + args.raw_gib * 2**30 * 2
+  free = shutil.disk_usage(args.dir).free
+  print(f"{args.dir}: {free / 1e9:.1f} GB free, the run needs {need / 1e9:.1f} GB", flush=True)
+  if free < need:
+    raise SystemExit(
+      f"not enough disk in {args.dir}: {free / 1e9:.1f} GB free, need {need / 1e9:.1f}"
+    )
+  start = time.perf_counter()
+  env = _common.environment()
+  result: dict[str, Any] = {"benchmark": "nvme_params", **env, "sizes": []}
+  result["environment_line"] = f"{env.get('cpu_count', '?')} CPUs"
+  workdir = pathlib.Path(tempfile.mkdtemp(prefix="offlax-nvme-params-", dir=args.dir))
+  try:
+    result["raw"] = _disk.combine_raw([_disk.raw_pass(workdir, args, "before")])
+    for b in args.sizes:
+      size = run_size(workdir, b, args.steps, d, f)
+      size["io"] = io_figures(size, result["raw"])
+      result["sizes"].append(size)
+  finally:
+    shutil.rmtree(workdir, ignore_errors=True)
+  result["wall_s"] = time.perf_counter() - start
+  _common.write_outputs(result, args.out, "nvme_params", plot, summary_table)
+  return result
+
+
+if __name__ == "__main__":
+  main()
