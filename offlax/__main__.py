@@ -78,7 +78,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   p.add_argument("--chunk", default="64MiB", help="slice size (64MiB)")
   p.add_argument("--layers", type=int, default=16, help="transformer layers (16)")
   p = sub.add_parser(
-    "inspect", help="an NVMe store's (or orbax checkpoint's) steps, arrays and checksums"
+    "inspect",
+    help="an NVMe store's, a LayerStore's or an orbax checkpoint's steps, arrays, checksums",
   )
   p.add_argument("path", help="an NVMe store directory or an orbax checkpoint directory")
   p.add_argument("--verify", action="store_true", help="reread every chunk, check checksums")

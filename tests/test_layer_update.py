@@ -267,3 +267,29 @@ def make_layers_like():
 
 def run_optimizer():
   return offlax.master_weights(optax.adamw(1e-2, weight_decay=0.1))
+
+
+def test_inspect_verifies_a_layer_store(tmp_path):
+  tx, layers, path = optax.adam(1e-2), make_layers(), str(tmp_path / "s")
+  with offlax.LayerStore.create(path, layers, optimizer=tx, keep=2, progress=False) as store:
+    for step in range(2):
+      grad(store.source(), batch(step))
+      store.update()
+  [report] = offlax.inspect_store(path, verify=True, progress=False)
+  assert report.ok and report.kind == "layers", report.format()
+  assert report.step == 2 and report.kept == [2, 1] and report.generations == 3
+  assert {leaf.path for leaf in report.leaves} >= {"params ['w']", "state [0].mu['w']"}
+  assert all(leaf.status == "verified" for leaf in report.leaves)
+  gen = dict(store.kept)[2]
+  name = tmp_path / "s" / f"gen{gen}" / "params" / "1.bin"  # leaf ['w']
+  data = bytearray(name.read_bytes())
+  data[3 * store.records[1]["slot"] + 5] ^= 1  # one bit of layer 3
+  name.write_bytes(bytes(data))
+  [report] = offlax.inspect_store(path, verify=False, progress=False)
+  assert report.ok  # sizes only
+  [report] = offlax.inspect_store(path, verify=True, progress=False)
+  assert report.problems == [f"step 2: {name}: layer 3 of ['w'] does not match its checksum"]
+  os.truncate(tmp_path / "s" / "grads" / "0.bin", 10)
+  out = subprocess.run([sys.executable, "-m", "offlax", "inspect", path], capture_output=True,
+                       text=True)  # fmt: skip
+  assert out.returncode == 1 and "0.bin holds 10 bytes" in out.stdout, out.stdout + out.stderr

@@ -1,4 +1,4 @@
-"""`inspect_store`: what an NVMe store (or an orbax checkpoint of offloaded state) holds.
+"""`inspect_store`: what an NVMe store, a layer store or an orbax checkpoint holds.
 
 Read-only: it takes no lock and writes nothing, so it can look at a store a
 training process has open (the committed step may then move under it, which
@@ -12,11 +12,12 @@ import fcntl
 import math
 import os
 
+import crc32c
 import numpy as np
 
 from offlax._src import errors, host_checkpoint
 from offlax._src import layout as layout_lib
-from offlax._src.nvme import array_files, direct_io
+from offlax._src.nvme import array_files, direct_io, layer_store
 from offlax._src.nvme import format as store_format
 from offlax._src.nvme import store as store_lib
 from offlax._src.telemetry import format_bytes
@@ -42,7 +43,8 @@ class StoreReport:
 
   Attributes:
     path: the store (or orbax item) directory.
-    kind: ``"nvme"``, ``"orbax"`` (a pytree item) or ``"host_state"`` (a `HostStateSave` item).
+    kind: ``"nvme"``, ``"layers"`` (an `offlax.LayerStore`), ``"orbax"`` (a pytree item) or
+      ``"host_state"`` (a `HostStateSave` item).
     step: the committed step (an NVMe store), else None.
     kept: the committed steps kept, newest first (an NVMe store).
     generations: generation directories of the store.
@@ -71,7 +73,7 @@ class StoreReport:
   def format(self) -> str:
     """A readable multi-line report."""
     lines = [f"{self.kind} store {self.path}"]
-    if self.kind == "nvme":
+    if self.kind in ("nvme", "layers"):
       lines.append(
         f"  committed step {self.step}; kept steps {self.kept} "
         f"({self.generations} generations on disk)"
@@ -142,6 +144,8 @@ def inspect_store(
     raise errors.StoreError(f"inspect: {root} is not a directory.")
   if os.path.exists(os.path.join(root, store_format.METADATA)):
     return [_inspect_nvme(root, verify, progress)]
+  if os.path.exists(os.path.join(root, store_format.LAYERS)):
+    return [_inspect_layers(root, verify, progress)]
   reports = []
   for directory, dirs, files in os.walk(root):
     # Hidden directories (.venv, .git), virtual environments and installed
@@ -153,6 +157,9 @@ def inspect_store(
       continue
     if store_format.METADATA in files:
       reports.append(_inspect_nvme(directory, verify, progress))
+      dirs.clear()
+    elif store_format.LAYERS in files:
+      reports.append(_inspect_layers(directory, verify, progress))
       dirs.clear()
     elif host_checkpoint.is_host_state(directory):
       reports.append(_inspect_host_state(directory, verify, progress))
@@ -215,6 +222,68 @@ def _inspect_nvme(path: str, verify: bool, progress: bool) -> StoreReport:
     for leaf in report.leaves:
       leaf.status = "verified" if leaf.status == "ok" else leaf.status
   return report
+
+
+def _inspect_layers(path: str, verify: bool, progress: bool) -> StoreReport:
+  """An `offlax.LayerStore`: each kept generation's files there at their size; `verify`: crcs."""
+  report = StoreReport(path, "layers", verified=verify)
+  try:
+    manifest = layer_store.read_manifest(path)
+  except (errors.StoreError, errors.StoreCorruptedError, errors.StoreMismatchError) as e:
+    report.problems.append(str(e))
+    return report
+  n = manifest["n_layers"]
+  report.step, report.generations = manifest["step"], manifest["generations"]
+  report.kept = [s for s, _ in manifest["kept"]]
+  report.structure = f"{n} layers"
+  if _locked(path):
+    report.notes.append("a training process has the store open; the step may move meanwhile")
+  kinds = [("params", manifest["leaves"]), ("state", manifest["state"] or [])]
+  leaves = {}
+  for kind, records in kinds:
+    for k, r in enumerate(records):
+      nbytes = n * math.prod(r["shape"]) * np.dtype(r["dtype"]).itemsize
+      leaf = LeafReport(f"{kind} {r['path']}", (n, *r["shape"]), r["dtype"], nbytes, False)
+      leaves[kind, k] = leaf
+      report.leaves.append(leaf)
+  files = [(step, gen, kind, k, r) for step, gen in manifest["kept"]
+           for kind, records in kinds for k, r in enumerate(records)]  # fmt: skip
+  files += [(None, None, "grads", k, r) for k, r in enumerate(manifest["leaves"])]
+  desc = f"offlax: verifying {path}"
+  for step, gen, kind, k, r in store_lib.progress_bar(files, progress and verify, desc):
+    folder = "grads" if gen is None else os.path.join(f"gen{gen}", kind)
+    name = os.path.join(path, folder, f"{k}.bin")
+    size = os.path.getsize(name) if os.path.isfile(name) else None
+    problem = None
+    if size != n * r["slot"]:
+      problem = f"{name} holds {size} bytes, expected {n * r['slot']} ({n} layers of {r['slot']})"
+    elif verify and gen is not None:
+      crcs = manifest["crc"][str(gen)][kind]
+      problem = _check_slots(name, r, n, [crcs[i * len(dict(kinds)[kind]) + k] for i in range(n)])
+    if problem is not None:
+      report.problems.append(problem if step is None else f"step {step}: {problem}")
+      leaf = leaves.get((kind, k)) or leaves["params", k]
+      leaf.status = "BAD" if step in (None, manifest["step"]) else f"bad in step {step}"
+  if verify:
+    for leaf in report.leaves:
+      leaf.status = "verified" if leaf.status == "ok" else leaf.status
+  return report
+
+
+def _check_slots(name: str, r: dict, n: int, crcs: list) -> str | None:
+  """The first layer of file `name` whose crc32c is not its recorded one, or None."""
+  buffer = direct_io.aligned_empty(r["slot"])
+  fd, _ = direct_io.open_direct(name, os.O_RDONLY | os.O_NOFOLLOW)
+  try:
+    for i, crc in enumerate(crcs):
+      direct_io.pread_into(fd, buffer, i * r["slot"])
+      if crc is not None and crc32c.crc32c(buffer.data) != crc:
+        return f"{name}: layer {i} of {r['path']} does not match its checksum"
+  except OSError as e:
+    return f"{name}: {e}"
+  finally:
+    os.close(fd)
+  return None
 
 
 def _check_item(store: store_lib.Store, r: store_format.LeafRecord, gen: int, verify: bool):

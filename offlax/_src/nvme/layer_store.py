@@ -46,6 +46,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import crc32c
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -274,6 +275,7 @@ class LayerStore:
       "state": state_records if optimizer is not None else None, "generations": keep + 1,
       "step": 0, "generation": 0, "kept": [[0, 0]],
     }  # fmt: skip
+    manifest["crc"] = {str(g): _no_crcs(manifest) for g in range(keep + 1)}
     made = not os.path.exists(path)
     try:
       _make_files(path, manifest, reserve=init_layer is not None or not any(abstract))
@@ -319,7 +321,7 @@ class LayerStore:
       StoreMismatchError: it holds another layer tree, another optimizer's
         state or no optimizer state, or not `step`.
     """
-    manifest = _read_manifest(path)
+    manifest = read_manifest(path)
     records, n, treedef = _layer_records(like)
     if manifest.get("n_layers") != n:
       raise errors.StoreMismatchError(
@@ -507,6 +509,7 @@ class LayerStore:
         self._drop(self._ahead.pop(j))
       self._last = None
     target = next(g for g in range(self.generations) if g not in {g for _, g in self.kept})
+    self.manifest["crc"][str(target)] = _no_crcs(self.manifest)
     try:
       stats = layer_step.run(self, self._update_fn, target)
       if self.fsync:
@@ -577,7 +580,10 @@ class LayerStore:
     return buffer[: count * dtype.itemsize].view(dtype).reshape(r["shape"])
 
   def _write_raw(self, kind: str, gen: int, k: int, i: int, slot: np.ndarray) -> None:
-    r = (self.state_records if kind == "state" else self.records)[k]
+    records = self.state_records if kind == "state" else self.records
+    r = records[k]
+    if kind != "grads":  # checked by `offlax.inspect_store(verify=True)`
+      self.manifest["crc"][str(gen)][kind][i * len(records) + k] = crc32c.crc32c(slot.data)
     try:
       pwrite_all(self._fds[kind, 0 if kind == "grads" else gen][k], [slot], i * r["slot"])
     except OSError as e:
@@ -655,6 +661,13 @@ class LayerStore:
   def _commit(self) -> None:
     self.manifest.update(step=self.step, generation=self.generation, kept=self.kept)
     _write_manifest(self.path, self.manifest, fsync=self.fsync)
+
+
+def _no_crcs(manifest: dict) -> dict[str, list[int | None]]:
+  """A generation's slot checksums, none known yet (layer i of leaf k at ``i * leaves + k``)."""
+  n = manifest["n_layers"]
+  kinds = [("params", manifest["leaves"]), ("state", manifest["state"] or [])]
+  return {kind: [None] * (n * len(records)) for kind, records in kinds}
 
 
 def _lock(path: str) -> int:
@@ -767,7 +780,8 @@ def _free_bytes(path: str) -> int | None:
   return s.f_bavail * s.f_frsize
 
 
-def _read_manifest(path: str) -> dict:
+def read_manifest(path: str) -> dict:
+  """A layer store's manifest, checked for its format; raises `StoreError` and kin."""
   manifest_path = os.path.join(path, MANIFEST)
   try:
     with open(manifest_path) as f:
@@ -791,7 +805,7 @@ def _read_manifest(path: str) -> dict:
       f"LayerStore.open: {manifest_path} is format version {manifest.get('version')}; this "
       f"offlax reads version {VERSION}."
     )
-  keys = ("n_layers", "leaves", "state", "generations", "step", "generation", "kept")
+  keys = ("n_layers", "leaves", "state", "generations", "step", "generation", "kept", "crc")
   missing = [k for k in keys if k not in manifest]
   if missing:
     raise errors.StoreCorruptedError(f"LayerStore.open: {manifest_path} lacks {missing}.")
