@@ -102,43 +102,76 @@ def check_elementwise(optimizer: Any, stacked: Any) -> None:
     )
 
 
-def layer_update(optimizer: Any, store: Any):
-  """The optimizer's update of one layer, jitted: (params, grads, state) leaves -> new ones.
+class LeafUpdate(NamedTuple):
+  """The optimizer's update of one leaf of one layer (`layer_update`).
 
-  The caller has checked it with `check_elementwise`.
+  Attributes:
+    fn: jitted (param, grad, owned state, global state) -> (param, owned, global).
+    owned: indices of the state leaves that belong to this leaf.
+    shared: indices of the state leaves that belong to no leaf (the count).
   """
 
-  def update(p, g, s):
-    p = jax.tree.unflatten(store.treedef, p)
-    updates, s = optimizer.update(
-      jax.tree.unflatten(store.treedef, g), jax.tree.unflatten(store.state_treedef, s), p
+  fn: Any
+  owned: list[int]
+  shared: list[int]
+
+
+def layer_update(optimizer: Any, store: Any) -> list[LeafUpdate]:
+  """The optimizer's update of each leaf of a layer, the other leaves masked.
+
+  A leaf at a time rather than a layer: RAM then holds a few leaves' params,
+  gradients and state in flight, not a few layers' (a 70B model's layer is 14
+  GB of them). The other leaves are `optax.MaskedNode`s, as in the NVMe tier's
+  slices, so masks and per-path options see the layer's whole tree. The
+  caller has checked the update with `check_elementwise`.
+  """
+  one = jax.tree.unflatten(
+    store.treedef,
+    [jax.ShapeDtypeStruct(tuple(r["shape"]), np.dtype(r["dtype"])) for r in store.records],
+  )
+  spec = layout_lib.ParamSpec.of(one)
+  layout = layout_lib.StateLayout(jax.eval_shape(optimizer.init, one), spec)
+  owners = layout.owners  # in the state's leaf order, as the store's state records
+  shared = [j for j, o in enumerate(owners) if o == coupling_lib.GLOBAL]
+
+  def make(k: int) -> LeafUpdate:
+    owned = [j for j, o in enumerate(owners) if o == k]
+    masked = lambda x: spec.treedef.unflatten(
+      [x if i == k else layout_lib.MASKED() for i in range(len(store.records))]
     )
-    return jax.tree.leaves(optax.apply_updates(p, updates)), jax.tree.leaves(s)
 
-  return jax.jit(update)
+    def update(p, g, s_owned, s_shared):
+      items: list[Any] = [layout_lib.MASK] * len(owners)
+      for j, x in zip([*owned, *shared], [*s_owned, *s_shared], strict=True):
+        items[j] = x
+      updates, state = optimizer.update(masked(g), layout.merge(items), masked(p))
+      [u] = jax.tree.leaves(updates)
+      new = layout.split(state)
+      return optax.apply_updates(p, u), [new[j] for j in owned], [new[j] for j in shared]
+
+    return LeafUpdate(jax.jit(update), owned, shared)
+
+  return [make(k) for k in range(len(store.records))]
 
 
-def run(store: Any, update: Any, target: int) -> Stats:
+def run(store: Any, updates: list[LeafUpdate], target: int) -> Stats:
   """Updates every layer of `store` from its committed generation into `target`.
 
-  Each layer's slots (a leaf's layer each, of params, gradients and state) are
-  read and written by `IO_THREADS` threads each way, as one reader thread
-  reaches only part of an NVMe's bandwidth; ``pool_layers - 1`` layers are read
-  ahead, and at most two layers' writes are queued while the next computes.
+  The unit is one leaf of one layer: its param, gradient and state slots are
+  read (``pool_layers - 1`` layers' worth of units ahead) by `IO_THREADS`
+  threads, as one reader reaches only part of an NVMe's bandwidth; its update
+  runs on the CPU; its new param and state are written by as many threads, at
+  most two units queued while the next computes. A layer's shared state (the
+  step count) is read with its first leaf and written with it.
   """
   from offlax._src.nvme.store import progress_bar
 
   cpu = jax.devices("cpu")[0]  # the host's compute, whatever the default device
-  gen, n = store.generation, store.n_layers
-  ahead = max(1, store.pool_layers - 1)
+  gen, n, nk = store.generation, store.n_layers, len(store.records)
+  units = [(i, k) for i in range(n) for k in range(nk)]
+  ahead = max(2, nk * (store.pool_layers - 1))
   lock = threading.Lock()
   tally: collections.defaultdict[str, float] = collections.defaultdict(float)
-  kinds = [("params", gen), ("grads", 0), ("state", gen)]
-  counts = {
-    "params": len(store.records),
-    "grads": len(store.records),
-    "state": len(store.state_records),
-  }
 
   def timed(what, fn, *args):
     start = time.perf_counter()
@@ -147,45 +180,54 @@ def run(store: Any, update: Any, target: int) -> Stats:
       tally[what + "_seconds"] += time.perf_counter() - start
     return out
 
-  def read(pool, i):
+  def read(pool, u):
+    i, k = units[u]
+    slot = lambda kind, g, j: pool.submit(timed, "read", store.read_slot, kind, g, j, i)
+    shared = updates[k].shared if k == 0 else []
     return [
-      [pool.submit(timed, "read", store.read_slot, kind, g, k, i) for k in range(counts[kind])]
-      for kind, g in kinds
-    ]
+      [slot("params", gen, k)], [slot("grads", 0, k)],
+      [slot("state", gen, j) for j in updates[k].owned], [slot("state", gen, j) for j in shared],
+    ]  # fmt: skip
 
-  def write(pool, i, params, state):
-    return [
-      pool.submit(timed, "write", store.write_slot, kind, target, k, i, x)
-      for kind, leaves in (("params", params), ("state", state))
-      for k, x in enumerate(leaves)
-    ]
+  def write(pool, i, k, p, owned, shared):
+    state = zip(updates[k].owned, owned, strict=True)
+    slots = [("params", k, p), *(("state", j, x) for j, x in state)]
+    if k == 0:
+      slots += [("state", j, x) for j, x in zip(updates[k].shared, shared, strict=True)]
+    return [pool.submit(timed, "write", store.write_slot, kind, target, j, i, x)
+            for kind, j, x in slots]  # fmt: skip
 
   start = time.perf_counter()
   with (
     concurrent.futures.ThreadPoolExecutor(IO_THREADS, "offlax-update-read") as readers,
     concurrent.futures.ThreadPoolExecutor(IO_THREADS, "offlax-update-write") as writers,
   ):
-    reads = {i: read(readers, i) for i in range(min(ahead, n))}
+    reads = {u: read(readers, u) for u in range(min(ahead, len(units)))}
     writes: collections.deque[list[concurrent.futures.Future]] = collections.deque()
+    shared: list[Any] = []
     try:
       for i in progress_bar(range(n), store.progress, f"offlax: updating {store.path}"):
-        p, g, s = [[f.result() for f in futures] for futures in reads.pop(i)]
-        tally["read_bytes"] += sum(x.nbytes for x in [*p, *g, *s])
-        if i + ahead < n:
-          reads[i + ahead] = read(readers, i + ahead)
-        t = time.perf_counter()
-        with jax.default_device(cpu):
-          new_p, new_s = update(p, g, s)
-          new_p, new_s = [np.asarray(x) for x in new_p], [np.asarray(x) for x in new_s]
-        tally["compute_seconds"] += time.perf_counter() - t
-        while len(writes) >= 2:  # one layer written, one queued, while the next computes
-          [f.result() for f in writes.popleft()]
-        writes.append(write(writers, i, new_p, new_s))
-        tally["write_bytes"] += sum(x.nbytes for x in [*new_p, *new_s])
+        for k in range(nk):
+          u = i * nk + k
+          [p], [g], owned, got = [[f.result() for f in futures] for futures in reads.pop(u)]
+          shared = got if k == 0 else shared
+          tally["read_bytes"] += sum(x.nbytes for x in [p, g, *owned, *got])
+          if u + ahead < len(units):
+            reads[u + ahead] = read(readers, u + ahead)
+          t = time.perf_counter()
+          with jax.default_device(cpu):
+            new_p, new_owned, new_shared = updates[k].fn(p, g, owned, shared)
+            new_p, new_owned = np.asarray(new_p), [np.asarray(x) for x in new_owned]
+            new_shared = [np.asarray(x) for x in new_shared] if k == 0 else []
+          tally["compute_seconds"] += time.perf_counter() - t
+          while len(writes) >= 2:  # one unit written, one queued, while the next computes
+            [f.result() for f in writes.popleft()]
+          writes.append(write(writers, i, k, new_p, new_owned, new_shared))
+          tally["write_bytes"] += sum(x.nbytes for x in [new_p, *new_owned, *new_shared])
       while writes:
         [f.result() for f in writes.popleft()]
     except BaseException:
-      for f in [f for layer in reads.values() for fs in layer for f in fs]:
+      for f in [f for unit in reads.values() for fs in unit for f in fs]:
         f.cancel()
       for f in [f for fs in writes for f in fs]:
         f.cancel()

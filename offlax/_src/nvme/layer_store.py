@@ -193,7 +193,7 @@ class LayerStore:
     )
     self._writer = concurrent.futures.ThreadPoolExecutor(1, "offlax-grads")
     self._pending: collections.deque[concurrent.futures.Future] = collections.deque()
-    self._update_fn = None if optimizer is None else layer_step.layer_update(optimizer, self)
+    self._updates = None if optimizer is None else layer_step.layer_update(optimizer, self)
     self._fds: dict[tuple[str, int], list[int]] = {}
     self._lock_fd: int | None = None
     try:
@@ -498,7 +498,7 @@ class LayerStore:
         nothing was committed, the store still holds the step before, and
         `update` may be called again.
     """
-    if self._update_fn is None:
+    if self._updates is None:
       raise errors.InvalidOptionError(
         f"LayerStore.update: {self.path} is open without an optimizer; pass optimizer= to "
         "LayerStore.create or LayerStore.open."
@@ -511,7 +511,7 @@ class LayerStore:
     target = next(g for g in range(self.generations) if g not in {g for _, g in self.kept})
     self.manifest["crc"][str(target)] = _no_crcs(self.manifest)
     try:
-      stats = layer_step.run(self, self._update_fn, target)
+      stats = layer_step.run(self, self._updates, target)
       if self.fsync:
         for kind in ("params", "state"):
           for fd in self._fds.get((kind, target), []):
