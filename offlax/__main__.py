@@ -56,6 +56,10 @@ def main(argv: Sequence[str] | None = None) -> int:
   )  # fmt: skip
   p.add_argument("--nvme-path", default=None, help="directory --measure writes to (temp)")
   p.add_argument(
+    "--measure-disk", metavar="PATH", default=None,
+    help="measure the disk's direct-I/O speed in PATH (512 MiB written and read) first",
+  )  # fmt: skip
+  p.add_argument(
     "--compile", metavar="TARGET", default=None,
     help="also compile the chosen mode's step for this GPU (e.g. h100) and print its memory",
   )  # fmt: skip
@@ -140,6 +144,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     rates = measure.all(args.nvme_path)
     print("measured: " + ", ".join(f"{k} {v:.3g}" for k, v in rates.items()))
+  if args.measure_disk is not None:
+    from offlax._src import measure
+
+    try:
+      rates["disk_bytes_per_s"] = measure.disk(args.measure_disk, 512 * 2**20)
+    except OSError as e:
+      parser.error(f"--measure-disk {args.measure_disk}: {e}")
+    print(f"measured: disk {rates['disk_bytes_per_s'] / 1e9:.2f} GB/s in {args.measure_disk}")
   for key, flag, scale in (
     ("bus_bytes_per_s", args.bus_gbps, 1e9),
     ("disk_bytes_per_s", args.disk_gbps, 1e9),
@@ -196,6 +208,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   if args.master:
     inner_code = f"offlax.master_weights({inner_code})"
   print(result.table(inner=inner_code))
+  if result.mode == "params_nvme" and "disk_bytes_per_s" not in rates:
+    print(f"- the disk's {planner.DISK_BYTES_PER_S / 1e9:g} GB/s is assumed (a datacenter NVMe "
+          "SSD): --measure-disk PATH measures yours, --disk-gbps sets it")  # fmt: skip
   if result.fits and args.activations is None and not args.layers:
     _with_layers(n, shapes, tx, sizes, rates, args)
   mode = {"device": "plain", "host": "streamed", "host_compute": "host"}.get(result.mode)

@@ -177,8 +177,13 @@ def test_params_in_host_memory_when_params_and_gradients_do_not_fit():
   q = offlax.plan(shapes, tx, host_bytes=128 * 10**9, layers=40, **sizes)
   assert (q.mode, q.fits) == ("params_host_nvme", True)
   assert 4 * n < q.bytes["host"] <= 128 * 10**9 and q.bytes["nvme"] == 3 * 12 * n
-  # Not enough RAM for params and gradients: nothing fits.
-  assert not offlax.plan(shapes, tx, host_bytes=40 * 10**9, layers=40, **sizes).fits
+  # Not enough RAM for params and gradients: all on disk (an offlax.LayerStore) ...
+  r = offlax.plan(shapes, tx, host_bytes=40 * 10**9, layers=40, **sizes)
+  assert (r.mode, r.fits) == ("params_nvme", True)
+  assert 0 <= r.bytes["nvme"] - (2 * 14 + 2) * n <= 64  # and the step counts
+  # ... unless the disk cannot hold two generations of params and state: nothing fits.
+  small_disk = {**sizes, "nvme_bytes": 25 * n}
+  assert not offlax.plan(shapes, tx, host_bytes=40 * 10**9, layers=40, **small_disk).fits
 
 
 def test_every_no_fit_lists_offlaxs_own_ways_out_first(capsys):
@@ -306,3 +311,42 @@ def test_mode_bytes_is_what_the_plan_of_that_mode_counts(master, fused):
     assert offlax.plan(params, tx, device_bytes=device - 2 * MiB, **sizes).mode != mode
   with pytest.raises(ValueError, match="params_host"):
     planner.mode_bytes(params, tx, "params_host", **kw)
+
+
+@pytest.mark.parametrize("master, per_param", [(True, 36), (False, 20)])  # bf16 moments: 20
+def test_params_on_disk_when_they_do_not_fit_in_ram(capsys, tmp_path, master, per_param):
+  """70B on one 80 GB GPU with 64 GB of RAM: params, gradients and state in a LayerStore."""
+  args = ["plan", "--params", "70e9", "--device-mem", "80GB", "--host-mem", "64GB",
+          "--nvme", "4TB", *(["--master"] if master else []), "--disk-gbps", "2"]  # fmt: skip
+  assert cli(args) == 0
+  out = capsys.readouterr().out
+  assert "mode: params_nvme (fits)" in out and "offlax.LayerStore.create(" in out
+  assert f"moves {per_param} B/param on disk" in out
+  n = 70e9
+  shapes = {"w": jax.ShapeDtypeStruct((70, int(n) // 70), jnp.bfloat16)}
+  inner = optax.adamw(1e-3)
+  tx = offlax.master_weights(inner) if master else inner
+  p = offlax.plan(shapes, tx, device_bytes=80 * 10**9, host_bytes=64 * 10**9,
+                  nvme_bytes=4 * 10**12, layers=70, disk_bytes_per_s=2e9)  # fmt: skip
+  assert p.mode == "params_nvme" and p.fits
+  assert p.bytes["host"] <= 64e9 and p.bytes["nvme"] <= 4e12
+  state = 12 if master else 4  # fp32 master and moments, or optax's bf16 moments
+  assert p.bytes["nvme"] == pytest.approx((2 * (2 + state) + 2) * n, rel=1e-6)  # keep=1, grads
+  assert p.disk_bytes_per_step == pytest.approx(per_param * n, rel=1e-6)
+  assert p.overhead_s == pytest.approx(per_param * n / 2e9, rel=1e-6)  # the disk's time
+  # The disk too small for two generations: refused, saying what it would need.
+  assert cli([*args[:-2], "--nvme", "500GB"]) == 1
+  assert "DOES NOT FIT" in capsys.readouterr().out
+
+
+def test_measure_disk(capsys, tmp_path):
+  args = ["plan", "--params", "70e9", "--device-mem", "80GB", "--host-mem", "64GB",
+          "--nvme", "4TB", "--master"]  # fmt: skip
+  assert cli(args) == 0
+  assert "3 GB/s is assumed" in capsys.readouterr().out
+  assert cli([*args, "--measure-disk", str(tmp_path)]) == 0
+  out = capsys.readouterr().out
+  measured = float(out.split("measured: disk ")[1].split()[0])
+  assert measured > 0 and "is assumed" not in out
+  with pytest.raises(SystemExit):
+    cli([*args, "--measure-disk", str(tmp_path / "missing")])

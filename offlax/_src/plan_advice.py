@@ -45,6 +45,11 @@ def code(mode: str, fraction: float, cache_bytes: int, fused: bool) -> str:
     "nvme": [nvme, *step],
     "params_host": [_HOST_PARAMS, 'tx = offlax.offload(inner, compute="host")', _FUSED_STEP],
     "params_host_nvme": [_HOST_PARAMS, nvme, _FUSED_STEP],
+    "params_nvme": [
+      "store = offlax.LayerStore.create(path, layers, optimizer=inner, keep=1, init_layer=...)",
+      "grads = jax.grad(loss)(store.source(), ...)  # offlax.scan_layers over store.source()",
+      "store.update()  # the optimizer over the layers on disk, committed",
+    ],
   }.get(mode, [])
   return "\n".join(lines)
 

@@ -47,7 +47,8 @@ class Plan:
       host tier), ``"host_compute"`` (``HostTier(compute="host")``),
       ``"nvme"`` (the NVMe tier), ``"params_host"`` (params, gradients and
       state in host memory: `offlax.scan_layers` and host compute),
-      ``"params_host_nvme"`` (the same with the state on the NVMe tier), or
+      ``"params_host_nvme"`` (the same with the state on the NVMe tier),
+      ``"params_nvme"`` (params, gradients and state on disk: `offlax.LayerStore`), or
       ``"none"`` if nothing fits.
     fits: whether the mode fits the given memories.
     chunk_bytes: the slice size the plan assumes.
@@ -370,13 +371,60 @@ def _params_on_host(
   )
   store_bytes = (DEFAULT_KEEP + 1) * (state - small)
   if cache <= 0 or store_bytes > nvme_bytes:
-    return None
+    return _params_on_disk(
+      make, everywhere, layers, param_bytes, n_params, state, device, host_bytes, nvme_bytes,
+      bus_bytes_per_s, disk_bytes_per_s, host_adam_params_per_s,
+    )  # fmt: skip
   disk = 2 * max(0, state - small - cache) + min(cache, state - small) + small
   bus += 2 * (state - small)
   return make(
     "params_host_nvme", True, everywhere("nvme"), device, 2 * param_bytes + cache, store_bytes,
     bus, disk, max(bus / bus_bytes_per_s, disk / disk_bytes_per_s) + compute, [why],
     cache=cache,
+  )  # fmt: skip
+
+
+def params_on_disk_bytes(param_bytes: int, state: int, n_params: int, layers: int) -> dict:
+  """RAM, disk and bytes per step of an `offlax.LayerStore` (mode ``params_nvme``).
+
+  RAM: the model's read pool (2 layers of params) and the update's leaves in
+  flight (2 read ahead, 1 computing with its copies, 2 being written: about 4 x
+  a leaf's params, gradients and state in and out), a leaf taken as a third of
+  a layer (Llama's MLP matrices). Disk: 2 generations (``keep=1``) of params
+  and state, and the gradients. Per step: the params read twice (forward, and
+  the rematerialised backward), the gradients written, then the update reads
+  params, gradients and state and writes params and state.
+  """
+  layer = param_bytes / layers
+  leaf_in, leaf_out = (2 * param_bytes + state) / layers / 3, (param_bytes + state) / layers / 3
+  return {
+    "ram": int(2 * layer + 4 * (leaf_in + leaf_out)),
+    "disk": 2 * (param_bytes + state) + param_bytes,
+    "disk_per_step": 3 * param_bytes + (2 * param_bytes + state) + (param_bytes + state),
+  }
+
+
+def _params_on_disk(
+  make, everywhere, layers, param_bytes, n_params, state, device, host_bytes, nvme_bytes,
+  bus_bytes_per_s, disk_bytes_per_s, host_adam_params_per_s,
+) -> Plan | None:  # fmt: skip
+  """Params, gradients and state on disk (`offlax.LayerStore`), or None."""
+  b = params_on_disk_bytes(param_bytes, state, n_params, layers)
+  if b["ram"] > host_bytes or b["disk"] > nvme_bytes:
+    return None
+  bus = 3 * param_bytes
+  disk_s = b["disk_per_step"] / disk_bytes_per_s
+  note = (
+    "params, gradients and state do not fit in RAM: all on disk in an offlax.LayerStore "
+    f"(docs/nvme_tier.md), a few layers in RAM; every step moves "
+    f"{b['disk_per_step'] / n_params:.0f} B/param on disk, {format_bytes(b['disk_per_step'])}: "
+    f"at least {disk_s:.0f} s a step at {format_bytes(disk_bytes_per_s)}/s (weigh it against "
+    "a machine with the RAM for params_host_nvme)"
+  )
+  overhead = max(bus / bus_bytes_per_s, disk_s, n_params / host_adam_params_per_s)
+  return make(
+    "params_nvme", True, everywhere("nvme"), device, b["ram"], b["disk"], bus,
+    b["disk_per_step"], overhead, [note],
   )  # fmt: skip
 
 
