@@ -31,6 +31,7 @@ from offlax._src import coupling as coupling_lib
 from offlax._src import errors
 from offlax._src import layout as layout_lib
 
+AHEAD = 2  # units read ahead: with the writes queued, RAM holds about 4 leaves' streams
 IO_THREADS = 4  # per direction: what a disk needs to reach its bandwidth with 8-64 MiB transfers
 
 
@@ -158,7 +159,7 @@ def run(store: Any, updates: list[LeafUpdate], target: int) -> Stats:
   """Updates every layer of `store` from its committed generation into `target`.
 
   The unit is one leaf of one layer: its param, gradient and state slots are
-  read (``pool_layers - 1`` layers' worth of units ahead) by `IO_THREADS`
+  read (`AHEAD` units ahead) by `IO_THREADS`
   threads, as one reader reaches only part of an NVMe's bandwidth; its update
   runs on the CPU; its new param and state are written by as many threads, at
   most two units queued while the next computes. A layer's shared state (the
@@ -169,7 +170,7 @@ def run(store: Any, updates: list[LeafUpdate], target: int) -> Stats:
   cpu = jax.devices("cpu")[0]  # the host's compute, whatever the default device
   gen, n, nk = store.generation, store.n_layers, len(store.records)
   units = [(i, k) for i in range(n) for k in range(nk)]
-  ahead = max(2, nk * (store.pool_layers - 1))
+  ahead = AHEAD
   lock = threading.Lock()
   tally: collections.defaultdict[str, float] = collections.defaultdict(float)
 
