@@ -19,6 +19,12 @@ What is measured, in one run and on one filesystem (a fresh directory under `--d
    the ratio of the time the raw disk needs for the same traffic (`_disk.raw_seconds`) to
    the update's time (goal >= 0.8x). The forward/backward pass's traffic and time too.
 4. `python -m offlax inspect` of the store after the steps (exit status and summary line).
+5. Compiled for a GPU (`--compile`, default a100-80gb): Llama-70B (`llama.MODELS["70b"]`), bf16
+   params, AdamW with an fp32 master, 1 x 2048 tokens, its layers in a sparse `LayerStore` (the
+   embedding, head and norm in host memory, host compute), beside the params-in-host-memory
+   step of the same model: the device peak (goal: within that mode's 16 GB) and the program's
+   host buffers; with the planner's RAM figure for the store's pool and update
+   (`planner.params_on_disk_bytes`), the RAM in all (goal <= 64 GB).
 
   python benchmarks/nvme_params.py [--sizes 0.5 1.8] [--steps 3] [--dir /tmp]
 
@@ -132,6 +138,29 @@ def run_size(workdir: pathlib.Path, billions: float, steps: int, d: int, f: int)
   }  # fmt: skip
 
 
+def compiled(target: str, workdir: pathlib.Path) -> dict[str, Any]:
+  """Llama-70B's step with its layers on disk, and in host memory, compiled for `target`."""
+  from offlax._src import llama, planner
+
+  m = llama.MODELS["70b"]
+  out: dict[str, Any] = {"model": str(m), "n_params": m.n_params, "target": target}
+  for mode, kw in (("layers_on_disk", {"layer_store": str(workdir / "sparse")}),
+                   ("params_host", {})):  # fmt: skip
+    start = time.perf_counter()
+    c = llama.compile_step(m, target, **kw)
+    out[mode] = {
+      "device_peak": c.device_peak, "host_peak": c.host_peak, "host": c.host,
+      "host_compute": list(c.host_compute), "compile_s": time.perf_counter() - start,
+    }  # fmt: skip
+  layer_params = m.layers * m.layer_params
+  rest = m.n_params - layer_params
+  bytes_ = planner.params_on_disk_bytes(2 * layer_params, 12 * layer_params, layer_params, m.layers)
+  out["store_ram_bytes"] = bytes_["ram"]  # the read pool and the update's leaves in flight
+  out["ram_bytes"] = out["layers_on_disk"]["host_peak"] + bytes_["ram"]
+  out["rest_params"] = rest
+  return out
+
+
 def io_figures(size: dict[str, Any], raw: dict[str, Any]) -> dict[str, Any]:
   """The update's GB/s and its ratio to the raw disk, per step (the first is warm-up too)."""
   out = []
@@ -182,6 +211,16 @@ def summary_table(result: dict[str, Any]) -> str:
       f"{s['io']['median_ratio']:.2f}x (goal >= 0.8); forward+backward "
       f"{last['forward_backward_s']:.1f} s; inspect exit {s['inspect']['returncode']}"
     )
+  c = result.get("compiled")
+  if c:
+    d, h = c["layers_on_disk"], c["params_host"]
+    lines.append(
+      f"70B compiled for {c['target']}: layers on disk: device peak {d['device_peak'] / 1e9:.2f} "
+      f"GB (params in host memory: {h['device_peak'] / 1e9:.2f}; goal 16), program's host "
+      f"buffers {d['host_peak'] / 1e9:.1f} GB + the store's pool and update "
+      f"{c['store_ram_bytes'] / 1e9:.1f} GB = RAM {c['ram_bytes'] / 1e9:.1f} GB (goal <= 64; "
+      f"params in host memory: {h['host_peak'] / 1e9:.0f} GB)"
+    )
   return "\n".join(lines)
 
 
@@ -191,6 +230,7 @@ def main(argv=None) -> dict[str, Any]:
   parser.add_argument("--steps", type=int, default=3)
   parser.add_argument("--width", type=int, default=D, help="d (f = 1.375 d)")
   parser.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
+  parser.add_argument("--compile", default="a100-80gb", help="GPU target, or 'none' (a100-80gb)")
   _disk.add_raw_arguments(parser, raw_gib=4.0)
   _common.add_dir_argument(parser, "the stores and the raw-disk file")
   _common.add_out_argument(parser, "nvme_params")
@@ -213,6 +253,8 @@ def main(argv=None) -> dict[str, Any]:
   result["environment_line"] = f"{env.get('cpu_count', '?')} CPUs"
   workdir = pathlib.Path(tempfile.mkdtemp(prefix="offlax-nvme-params-", dir=args.dir))
   try:
+    if args.compile != "none":
+      result["compiled"] = compiled(args.compile, workdir)
     result["raw"] = _disk.combine_raw([_disk.raw_pass(workdir, args, "before")])
     for b in args.sizes:
       size = run_size(workdir, b, args.steps, d, f)

@@ -81,6 +81,20 @@ def test_nvme_params_example_trains_and_resumes(tmp_path, capsys):
   assert "starting at step 25" in out and "committed step 28" in out
 
 
+@pytest.mark.slow
+def test_nvme_params_benchmark_runs(tmp_path):
+  bench = _load("benchmarks/nvme_params.py")
+  bench.main(["--sizes", "0.01", "0.02", "--steps", "2", "--width", "512", "--raw-gib", "0.1",
+              "--compile", "none", "--dir", str(tmp_path), "--out", str(tmp_path)])  # fmt: skip
+  result = json.loads((tmp_path / "nvme_params.json").read_text())
+  assert (tmp_path / "nvme_params.png").stat().st_size > 10_000
+  for size in result["sizes"]:
+    assert size["inspect"]["returncode"] == 0 and "OK" in size["inspect"]["output"]
+    assert size["peak_rss_bytes"] > 0 and size["io"]["median_ratio"] > 0
+    assert size["steps"][-1]["loss"] < size["steps"][0]["loss"]
+  assert not list(tmp_path.glob("offlax-nvme-params-*"))  # the stores removed
+
+
 def test_nvme_throughput_benchmark_runs(tmp_path):
   nvme = _load("benchmarks/nvme_throughput.py")
   nvme.main(["--params-m", "2", "--raw-gib", "0.05", "--steps", "1", "--out", str(tmp_path)])

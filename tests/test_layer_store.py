@@ -196,3 +196,25 @@ def test_compiles_for_gpu_with_flat_device_memory(tmp_path):
     assert m.hlo.count('custom_call_target="xla_ffi_python_gpu_callback"') == 3
     peaks.append(m.device["temp"] + m.device["argument"])
   assert peaks[0] == peaks[1]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+  not offlax.gpu_compile_available(), reason="needs offlax[gpu-compile] (jax-cuda12-plugin)"
+)
+def test_a_llama_with_its_layers_on_disk_compiles_flat(tmp_path):
+  """Llama's step with its layers in a sparse store: no host buffer grows with the layers."""
+  from offlax._src import llama
+
+  peaks = {}
+  for n in (2, 4):
+    m = llama.Llama(layers=n, d=256, ffn=512, vocab=512, heads=2, tokens=128)
+    on_disk = llama.compile_step(m, "h100", layer_store=str(tmp_path / str(n)))
+    in_host = llama.compile_step(m, "h100")
+    assert on_disk.host_compute == () and on_disk.fits
+    peaks[n] = on_disk.host_peak, on_disk.device_peak, in_host.host_peak
+  # Params in host memory: the host buffers grow by two layers' params, gradients and state;
+  # on disk: not at all (the embedding, head and norm and their state only).
+  assert peaks[4][2] - peaks[2][2] >= 2 * 16 * m.layer_params
+  assert peaks[4][0] == peaks[2][0]
+  assert peaks[4][1] == peaks[2][1]

@@ -155,9 +155,12 @@ def compile_step(
   *,
   offloaded: bool = True,
   chunk_bytes: int = 256 * 2**20,
+  layer_store: str | None = None,
   **compile_options,
 ):
   """The compiled train step's memory (`offlax.CompiledMemory`); options go to `compile_for_gpu`."""
+  if layer_store is not None:
+    return _compile_layers_on_disk(m, target, layer_store, chunk_bytes, compile_options)
   inner = master_weights(optax.adamw(1e-5))
   params = param_specs(m, "pinned_host" if offloaded else None)
   if offloaded:
@@ -171,6 +174,35 @@ def compile_step(
   return gpu_compile.compile_for_gpu(
     step, params, state, tokens, target=target, n_params=m.n_params, **compile_options
   )
+
+
+def _compile_layers_on_disk(m: Llama, target, path: str, chunk_bytes: int, options: dict):
+  """The step with the layers in an `offlax.LayerStore` at `path` (sparse: nothing written).
+
+  The layers' gradients go to the store and its `update` runs outside the
+  program; the embedding, head and final norm stay in host memory with
+  AdamW and an fp32 master in host compute, as in the params-in-host-memory step.
+  """
+  from offlax._src.nvme.layer_store import LayerStore
+
+  rest = param_specs(m, "pinned_host")
+  layers = rest.pop("layers")
+  tx = offload(master_weights(optax.adamw(1e-5)), compute="host", chunk_bytes=chunk_bytes)
+  state = gpu_compile.state_specs(abstract_state(tx, rest))
+  loss = loss_fn(m)
+
+  def step(source, rest, state, tokens):
+    merged = lambda source, rest: loss({**rest, "layers": source}, tokens)
+    value, (_, grads) = jax.value_and_grad(merged, argnums=(0, 1))(source, rest)
+    rest, state = update_and_apply(tx, grads, state, rest)
+    return rest, state, value
+
+  tokens = jax.ShapeDtypeStruct((m.tokens,), jnp.int32, sharding=gpu_compile.one_device(None))
+  with LayerStore.create(path, layers, progress=False) as store:
+    return gpu_compile.compile_for_gpu(
+      jax.jit(step, donate_argnums=(1, 2)), store.source(), rest, state, tokens, target=target,
+      n_params=m.n_params, **options,
+    )  # fmt: skip
 
 
 def from_config(name: str, *, tokens: int = 2048) -> Llama:
