@@ -20,6 +20,7 @@ import pytest
 
 import offlax
 from offlax._src import errors
+from offlax._src.nvme import layer_files
 from offlax._src.nvme import layer_store as layer_store_lib
 
 L, D = 5, 16
@@ -222,7 +223,7 @@ def test_bad_input(tmp_path, monkeypatch):
                              init_layer=lambda i: {"b": np.zeros(D, jnp.bfloat16),
                                                    "w": np.zeros((D, D), np.float32)})  # fmt: skip
   assert not os.path.exists(tmp_path / "i")  # a failed create leaves nothing
-  monkeypatch.setattr(layer_store_lib, "_free_bytes", lambda path: 1000)
+  monkeypatch.setattr(layer_files, "free_bytes", lambda path: 1000)
   with pytest.raises(errors.StoreError, match=r"needs 0.00 GiB .*has 0.00 GiB free") as e:
     offlax.LayerStore.create(str(tmp_path / "f"), layers, optimizer=optax.adam(1e-2))
   assert e.value.errno == errno.ENOSPC

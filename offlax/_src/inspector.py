@@ -17,7 +17,7 @@ import numpy as np
 
 from offlax._src import errors, host_checkpoint
 from offlax._src import layout as layout_lib
-from offlax._src.nvme import array_files, direct_io, layer_store
+from offlax._src.nvme import array_files, direct_io, layer_files
 from offlax._src.nvme import format as store_format
 from offlax._src.nvme import store as store_lib
 from offlax._src.telemetry import format_bytes
@@ -228,7 +228,7 @@ def _inspect_layers(path: str, verify: bool, progress: bool) -> StoreReport:
   """An `offlax.LayerStore`: each kept generation's files there at their size; `verify`: crcs."""
   report = StoreReport(path, "layers", verified=verify)
   try:
-    manifest = layer_store.read_manifest(path)
+    manifest = layer_files.read_manifest(path)
   except (errors.StoreError, errors.StoreCorruptedError, errors.StoreMismatchError) as e:
     report.problems.append(str(e))
     return report

@@ -1,15 +1,15 @@
-"""The optimizer step over a `LayerStore`'s layers: a layer at a time, on the host CPU.
+"""The optimizer step over a `LayerStore`'s layers: a leaf of a layer at a time, on the CPU.
 
 As ZeRO-Infinity's CPU Adam: the params, their gradients and the optimizer
-state never sit whole in RAM. For each layer, read-ahead threads bring its
-params, gradients and state from disk, the optimizer's update runs on the CPU
-(jitted once for one layer: offlax's `adam`/`adamw` use their native kernel
-there), and one writer thread writes the new params and state into the free
-generation while the next layer computes.
+state never sit whole in RAM. For each leaf of each layer (a unit), read-ahead
+threads bring its param, gradient and state slots from disk, the optimizer's
+update runs on the CPU (jitted once per leaf: offlax's `adam`/`adamw` use
+their native kernel there), and writer threads write the new param and state
+into the free generation while the next unit computes.
 
-A layer at a time is the optimizer applied to the stacked tree only where
-every leaf's update is elementwise (Adam: yes; a global-norm clip, LAMB's
-per-leaf trust ratio: no). `layer_update` checks that on the update's jaxpr
+Piece by piece is the optimizer applied to the stacked tree only where every
+leaf's update is elementwise (Adam: yes; a global-norm clip, LAMB's per-leaf
+trust ratio: no). `check_elementwise` checks that on the update's jaxpr
 (`coupling.analyze`) rather than trusting a list of optimizers. The state is
 `jax.vmap` of ``init``: each layer holds its own copy of global leaves (the
 step count), all equal, since a global leaf never depends on the params.

@@ -38,8 +38,6 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import errno
-import fcntl
-import json
 import logging
 import os
 import threading
@@ -52,86 +50,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from offlax._src import errors
-from offlax._src.nvme import format as format_lib
+from offlax._src.nvme import layer_files as files
 from offlax._src.nvme import layer_step
-from offlax._src.nvme.direct_io import BLOCK, aligned_empty, open_direct, pread_into, pwrite_all
+from offlax._src.nvme.direct_io import aligned_empty, open_direct, pread_into, pwrite_all
 from offlax._src.nvme.layer_source import LayerSource
 from offlax._src.nvme.pipeline import wait_for_dispatched_steps
-
-MANIFEST = format_lib.LAYERS
-FORMAT = "offlax-layer-store"
-VERSION = 2
-KINDS = ("params", "state", "grads")
-
-
-def _padded(n: int) -> int:
-  return -(-n // BLOCK) * BLOCK
-
-
-def _record(key: str, shape: Sequence[int], dtype: Any) -> dict[str, Any]:
-  dtype = np.dtype(dtype)
-  nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-  return {"path": key, "shape": list(shape), "dtype": dtype.name, "slot": _padded(nbytes)}
-
-
-def _layer_records(layers: Any) -> tuple[list[dict[str, Any]], int, Any]:
-  """Per leaf: key path, one layer's shape and dtype; the layer count; the treedef."""
-  flat, treedef = jax.tree_util.tree_flatten_with_path(layers)
-  if not flat:
-    raise errors.InvalidOptionError("LayerStore: the layer pytree has no leaves.")
-  records, n = [], None
-  for path, leaf in flat:
-    key = jax.tree_util.keystr(path)
-    shape = tuple(getattr(leaf, "shape", ()))
-    if not hasattr(leaf, "dtype") or not shape:
-      raise errors.LeafTypeError(
-        f"LayerStore: leaf {key} must be an array with a leading layer axis, got "
-        f"{type(leaf).__name__} of shape {shape}."
-      )
-    if n is None:
-      n = shape[0]
-    elif shape[0] != n:
-      raise errors.TreeMismatchError(
-        f"LayerStore: leaf {key} stacks {shape[0]} layers, expected {n} (as the first leaf)."
-      )
-    records.append(_record(key, shape[1:], leaf.dtype))
-  assert n is not None
-  return records, n, treedef
-
-
-def _state_records(one_layer_state: Any) -> list[dict[str, Any]]:
-  records = []
-  for path, leaf in jax.tree_util.tree_flatten_with_path(one_layer_state)[0]:
-    key = jax.tree_util.keystr(path)
-    if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-      raise errors.LeafTypeError(
-        f"LayerStore: optimizer state leaf {key} is a PRNG key; the store holds numeric state only."
-      )
-    records.append(_record(key, leaf.shape, leaf.dtype))
-  return records
-
-
-def _check_records(path: str, what: str, stored: list[dict], want: list[dict]) -> list[dict]:
-  """`want`'s records with the store's slots, or StoreMismatchError naming the leaf."""
-  got = {r.get("path"): r for r in stored}
-  for r in want:
-    s = got.get(r["path"])
-    if s is None:
-      raise errors.StoreMismatchError(
-        f"LayerStore.open: {path} has no {what} leaf {r['path']}; it holds "
-        f"{', '.join(sorted(str(k) for k in got)) or 'none'}."
-      )
-    if (list(s.get("shape", [])), s.get("dtype")) != (r["shape"], r["dtype"]):
-      raise errors.StoreMismatchError(
-        f"LayerStore.open: {what} leaf {r['path']} of {path} is {s.get('dtype')}{s.get('shape')} "
-        f"per layer, expected {r['dtype']}{r['shape']}."
-      )
-  extra = sorted(str(k) for k in got if k not in {r["path"] for r in want})
-  if extra:
-    raise errors.StoreMismatchError(
-      f"LayerStore.open: {path} holds {what} leaves the tree does not have: {', '.join(extra)}."
-    )
-  return [dict(r, index=stored.index(got[r["path"]])) for r in want]
 
 
 class LayerStore:
@@ -180,7 +103,7 @@ class LayerStore:
     self.kept: list[tuple[int, int]] = [tuple(k) for k in manifest["kept"]]  # type: ignore[misc]
     self.fsync, self.progress = fsync, progress
     self.layer_bytes = sum(r["slot"] for r in records)
-    self.pool_layers = _pool_size(self.layer_bytes, pool_layers, pool_bytes)
+    self.pool_layers = files.pool_size(self.layer_bytes, pool_layers, pool_bytes)
     self.last_update: layer_step.Stats | None = None
     self._lock = threading.Lock()
     self._ahead: dict[int, concurrent.futures.Future] = {}
@@ -197,7 +120,7 @@ class LayerStore:
     self._fds: dict[tuple[str, int], list[int]] = {}
     self._lock_fd: int | None = None
     try:
-      self._lock_fd = _lock(path)
+      self._lock_fd = files.lock_store(path)
       for kind, gen in self._files():
         names = self._file_names(kind, gen)
         self._fds[kind, gen] = [open_direct(name, os.O_RDWR | os.O_NOFOLLOW)[0] for name in names]
@@ -254,10 +177,10 @@ class LayerStore:
         couples elements of a leaf (its update cannot run a layer at a time).
       StoreError: the disk has no room for the store.
     """
-    records, n, treedef = _layer_records(layers)
+    records, n, treedef = files.layer_records(layers)
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
       raise errors.InvalidOptionError(f"LayerStore: keep must be an int >= 1, got {keep!r}.")
-    _pool_size(sum(r["slot"] for r in records), pool_layers, pool_bytes)  # before writing
+    files.pool_size(sum(r["slot"] for r in records), pool_layers, pool_bytes)  # before writing
     abstract = [isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(layers)]
     if init_layer is not None and not all(abstract):
       raise errors.InvalidOptionError(
@@ -266,19 +189,19 @@ class LayerStore:
     state_records, state_treedef = [], None
     if optimizer is not None:
       one = layer_step.one_layer_state(optimizer, layers)
-      state_records, state_treedef = _state_records(one), jax.tree.structure(one)
+      state_records, state_treedef = files.state_records(one), jax.tree.structure(one)
       layer_step.check_elementwise(optimizer, layers)
     if os.path.isdir(path) and os.listdir(path):
       raise errors.NotAStoreError(f"LayerStore.create: {path} exists and is not empty.")
     manifest = {
-      "format": FORMAT, "version": VERSION, "n_layers": n, "leaves": records,
+      "format": files.FORMAT, "version": files.VERSION, "n_layers": n, "leaves": records,
       "state": state_records if optimizer is not None else None, "generations": keep + 1,
       "step": 0, "generation": 0, "kept": [[0, 0]],
     }  # fmt: skip
-    manifest["crc"] = {str(g): _no_crcs(manifest) for g in range(keep + 1)}
+    manifest["crc"] = {str(g): files.no_crcs(manifest) for g in range(keep + 1)}
     made = not os.path.exists(path)
     try:
-      _make_files(path, manifest, reserve=init_layer is not None or not any(abstract))
+      files.make_files(path, manifest, reserve=init_layer is not None or not any(abstract))
       store = cls(path, manifest, treedef, optimizer, state_treedef, records, state_records,
                   pool_layers, pool_bytes, fsync, progress)  # fmt: skip
       try:
@@ -288,12 +211,12 @@ class LayerStore:
           host = [None if a else np.asarray(jax.device_get(x))
                   for a, x in zip(abstract, jax.tree.leaves(layers), strict=True)]  # fmt: skip
           store._write_initial(lambda i: [None if x is None else x[i] for x in host])
-        _write_manifest(path, manifest)  # the manifest last: a store is whole
+        files.write_manifest(path, manifest)  # the manifest last: a store is whole
       except BaseException:
         store.close()
         raise
     except BaseException:
-      _remove_files(path, manifest, made)
+      files.remove_files(path, manifest, made)
       raise
     return store
 
@@ -321,13 +244,13 @@ class LayerStore:
       StoreMismatchError: it holds another layer tree, another optimizer's
         state or no optimizer state, or not `step`.
     """
-    manifest = read_manifest(path)
-    records, n, treedef = _layer_records(like)
+    manifest = files.read_manifest(path)
+    records, n, treedef = files.layer_records(like)
     if manifest.get("n_layers") != n:
       raise errors.StoreMismatchError(
         f"LayerStore.open: {path} holds {manifest.get('n_layers')} layers, expected {n}."
       )
-    records = _check_records(path, "param", manifest["leaves"], records)
+    records = files.check_records(path, "param", manifest["leaves"], records)
     state_records, state_treedef = [], None
     if optimizer is not None:
       if manifest.get("state") is None:
@@ -337,7 +260,9 @@ class LayerStore:
           "new store with LayerStore.create(path, layers, optimizer=...)."
         )
       one = layer_step.one_layer_state(optimizer, like)
-      state_records = _check_records(path, "state", manifest["state"], _state_records(one))
+      state_records = files.check_records(
+        path, "state", manifest["state"], files.state_records(one)
+      )
       layer_step.check_elementwise(optimizer, like)
       state_treedef = jax.tree.structure(one)
     store = cls(path, manifest, treedef, optimizer, state_treedef, records, state_records,
@@ -457,7 +382,9 @@ class LayerStore:
   def put_grads(self, accumulate: bool, i: Any, *grads: np.ndarray) -> np.ndarray:
     """Layer `i`'s gradients (a callback): copied out, written behind compute."""
     i = int(i)
-    slots = [_to_slot(np.asarray(g), r["slot"]) for g, r in zip(grads, self.records, strict=True)]
+    slots = [
+      files.to_slot(np.asarray(g), r["slot"]) for g, r in zip(grads, self.records, strict=True)
+    ]
     while len(self._pending) >= self.pool_layers:
       self._pending.popleft().result()  # bounds the RAM queued; raises a failed write
     self._pending.append(self._writer.submit(self._store_grads, accumulate, i, slots))
@@ -509,7 +436,7 @@ class LayerStore:
         self._drop(self._ahead.pop(j))
       self._last = None
     target = next(g for g in range(self.generations) if g not in {g for _, g in self.kept})
-    self.manifest["crc"][str(target)] = _no_crcs(self.manifest)
+    self.manifest["crc"][str(target)] = files.no_crcs(self.manifest)
     try:
       stats = layer_step.run(self, self._updates, target)
       if self.fsync:
@@ -555,7 +482,7 @@ class LayerStore:
         f"LayerStore: layer {i} of {kind} leaf {r['path']} is {x.dtype.name}{list(x.shape)}, "
         f"expected {r['dtype']}{r['shape']}."
       )
-    self._write_raw(kind, gen, k, i, _to_slot(x, r["slot"]))
+    self._write_raw(kind, gen, k, i, files.to_slot(x, r["slot"]))
 
   # -- slots, files, commits -----------------------------------------------------
 
@@ -602,7 +529,7 @@ class LayerStore:
         leaves = self._layer_leaves(leaves, i)
       for k, x in enumerate(leaves):
         if x is not None:
-          self._write_raw("params", 0, k, i, _to_slot(np.asarray(x), self.records[k]["slot"]))
+          self._write_raw("params", 0, k, i, files.to_slot(np.asarray(x), self.records[k]["slot"]))
       if init is not None:
         shapes = [np.zeros(r["shape"], r["dtype"]) for r in self.records]
         params = [s if x is None else x for s, x in zip(shapes, leaves, strict=True)]
@@ -660,169 +587,4 @@ class LayerStore:
 
   def _commit(self) -> None:
     self.manifest.update(step=self.step, generation=self.generation, kept=self.kept)
-    _write_manifest(self.path, self.manifest, fsync=self.fsync)
-
-
-def _no_crcs(manifest: dict) -> dict[str, list[int | None]]:
-  """A generation's slot checksums, none known yet (layer i of leaf k at ``i * leaves + k``)."""
-  n = manifest["n_layers"]
-  kinds = [("params", manifest["leaves"]), ("state", manifest["state"] or [])]
-  return {kind: [None] * (n * len(records)) for kind, records in kinds}
-
-
-def _lock(path: str) -> int:
-  """Takes the store's writer lock (``.lock``, as the NVMe tier's): one process writes it."""
-  fd = os.open(os.path.join(path, format_lib.LOCK), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-  try:
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-  except BlockingIOError:
-    os.close(fd)
-    raise errors.StoreLockedError(
-      f"LayerStore: {path} is already open for writing, in this process or another; close it "
-      "first (store.close(), or leave its with-block)."
-    ) from None
-  return fd
-
-
-def _pool_size(layer_bytes: int, pool_layers: int | None, pool_bytes: int | None) -> int:
-  if pool_bytes is not None:
-    if pool_bytes < layer_bytes:
-      raise errors.InvalidOptionError(
-        f"LayerStore: pool_bytes={pool_bytes} cannot hold one layer; the minimum is "
-        f"{layer_bytes} bytes (one layer, its leaves padded to {BLOCK} bytes)."
-      )
-    return int(pool_bytes // layer_bytes)
-  if not isinstance(pool_layers, int) or pool_layers < 1:
-    raise errors.InvalidOptionError(
-      f"LayerStore: pool_layers={pool_layers!r} cannot hold one layer; the minimum is 1 "
-      f"(one layer, {layer_bytes} bytes; 2 reads one layer ahead)."
-    )
-  return pool_layers
-
-
-def _to_slot(x: np.ndarray, slot: int) -> np.ndarray:
-  """`x`'s bytes in a new aligned buffer of `slot` bytes, zero-padded."""
-  buffer = aligned_empty(slot)
-  data = np.ascontiguousarray(x).reshape(-1).view(np.uint8)
-  buffer[: data.size] = data
-  buffer[data.size :] = 0
-  return buffer
-
-
-def _store_files(path: str, manifest: dict) -> list[tuple[str, int]]:
-  """Every file of a store and its size."""
-  n, files = manifest["n_layers"], []
-  kinds = [("params", manifest["leaves"]), ("state", manifest["state"] or [])]
-  for g in range(manifest["generations"]):
-    for kind, records in kinds:
-      files += [(os.path.join(path, f"gen{g}", kind, f"{k}.bin"), n * r["slot"])
-                for k, r in enumerate(records)]  # fmt: skip
-  files += [(os.path.join(path, "grads", f"{k}.bin"), n * r["slot"])
-            for k, r in enumerate(manifest["leaves"])]  # fmt: skip
-  return files
-
-
-def _make_files(path: str, manifest: dict, *, reserve: bool) -> None:
-  """Creates the store's files at their sizes; with `reserve`, allocates their space."""
-  files = _store_files(path, manifest)
-  if reserve:
-    os.makedirs(path, exist_ok=True)
-    need, free = sum(size for _, size in files), _free_bytes(path)
-    if free is not None and need > free:
-      raise errors.StoreError(
-        errno.ENOSPC,
-        f"LayerStore.create: {path} needs {need / 2**30:.2f} GiB ({manifest['generations']} "
-        f"generations of params and state, and the gradients) and its disk has "
-        f"{free / 2**30:.2f} GiB free. Free space, lower keep=, or choose another disk.",
-      )
-  for name, size in files:
-    os.makedirs(os.path.dirname(name), exist_ok=True)
-    fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    try:
-      os.ftruncate(fd, size)  # sparse: zero until written
-      if reserve and size:
-        os.posix_fallocate(fd, 0, size)
-    except OSError as e:
-      raise errors.StoreError(e.errno, f"LayerStore.create: cannot make {name}: {e}") from e
-    finally:
-      os.close(fd)
-
-
-def _remove_files(path: str, manifest: dict, made: bool) -> None:
-  """Removes what `create` made (a failed create leaves the folder as it found it)."""
-  for name, _ in _store_files(path, manifest):
-    if os.path.exists(name):
-      os.remove(name)
-  for g in range(manifest["generations"]):
-    for kind in ("params", "state"):
-      _rmdir(os.path.join(path, f"gen{g}", kind))
-    _rmdir(os.path.join(path, f"gen{g}"))
-  _rmdir(os.path.join(path, "grads"))
-  for name in (MANIFEST, MANIFEST + ".tmp", format_lib.LOCK):
-    if os.path.exists(os.path.join(path, name)):
-      os.remove(os.path.join(path, name))
-  if made:
-    _rmdir(path)
-
-
-def _rmdir(path: str) -> None:
-  try:
-    os.rmdir(path)
-  except OSError:
-    pass
-
-
-def _free_bytes(path: str) -> int | None:
-  try:
-    s = os.statvfs(path)
-  except OSError:
-    return None
-  return s.f_bavail * s.f_frsize
-
-
-def read_manifest(path: str) -> dict:
-  """A layer store's manifest, checked for its format; raises `StoreError` and kin."""
-  manifest_path = os.path.join(path, MANIFEST)
-  try:
-    with open(manifest_path) as f:
-      manifest = json.load(f)
-  except FileNotFoundError:
-    if os.path.exists(os.path.join(path, format_lib.METADATA)):
-      raise errors.StoreMismatchError(
-        f"LayerStore.open: {path} holds an NVMeTier store (optimizer state, made without "
-        "params), not a LayerStore: params on disk need their own store. Create one with "
-        "offlax.LayerStore.create(new_path, layers, optimizer=...)."
-      ) from None
-    raise errors.StoreError(
-      f"LayerStore.open: no layer store at {path} ({MANIFEST} is missing)."
-    ) from None
-  except (OSError, ValueError) as e:
-    raise errors.StoreCorruptedError(f"LayerStore.open: cannot read {manifest_path}: {e}") from e
-  if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-    raise errors.StoreCorruptedError(f"LayerStore.open: {manifest_path} is not a layer store's.")
-  if manifest.get("version") != VERSION:
-    raise errors.StoreCorruptedError(
-      f"LayerStore.open: {manifest_path} is format version {manifest.get('version')}; this "
-      f"offlax reads version {VERSION}."
-    )
-  keys = ("n_layers", "leaves", "state", "generations", "step", "generation", "kept", "crc")
-  missing = [k for k in keys if k not in manifest]
-  if missing:
-    raise errors.StoreCorruptedError(f"LayerStore.open: {manifest_path} lacks {missing}.")
-  return manifest
-
-
-def _write_manifest(path: str, manifest: dict, *, fsync: bool = True) -> None:
-  tmp = os.path.join(path, MANIFEST + ".tmp")
-  with open(tmp, "w") as f:
-    json.dump(manifest, f, indent=1)
-    f.flush()
-    if fsync:
-      os.fsync(f.fileno())
-  os.replace(tmp, os.path.join(path, MANIFEST))
-  if fsync:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-      os.fsync(fd)  # the rename itself
-    finally:
-      os.close(fd)
+    files.write_manifest(self.path, self.manifest, fsync=self.fsync)
