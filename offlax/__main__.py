@@ -208,6 +208,17 @@ def main(argv: Sequence[str] | None = None) -> int:
   if args.master:
     inner_code = f"offlax.master_weights({inner_code})"
   print(result.table(inner=inner_code))
+  if result.mode == "params_nvme" and model is not None:
+    rest = model.n_params - model.layers * model.layer_params  # embedding, head, final norm
+    extra = rest * (2 * dtype.itemsize + result.assumptions["state_bytes"] / n)
+    print(f"- the params outside the layers ({rest / 1e9:.2f}B: embedding, head, final norm) "
+          f"stay in RAM with their gradients and state: {planner.format_bytes(extra)} more, "
+          f"{planner.format_bytes(result.bytes['host'] + extra)} in all")  # fmt: skip
+    if result.bytes["host"] + extra > sizes["host_bytes"]:
+      short = result.bytes["host"] + extra - sizes["host_bytes"]
+      print(f"- RAM short by {planner.format_bytes(short)} once those are counted: keep their "
+            "optimizer state on the NVMe tier (offlax.NVMeTier), or add RAM")  # fmt: skip
+      return 1
   if result.mode == "params_nvme" and "disk_bytes_per_s" not in rates:
     print(f"- the disk's {planner.DISK_BYTES_PER_S / 1e9:g} GB/s is assumed (a datacenter NVMe "
           "SSD): --measure-disk PATH measures yours, --disk-gbps sets it")  # fmt: skip

@@ -322,6 +322,10 @@ def test_params_on_disk_when_they_do_not_fit_in_ram(capsys, tmp_path, master, pe
   out = capsys.readouterr().out
   assert "mode: params_nvme (fits)" in out and "offlax.LayerStore.create(" in out
   assert f"moves {per_param} B/param on disk" in out
+  assert "the params outside the layers (0.58B: embedding, head, final norm)" in out
+  if master:  # 16 B/param of them: the embedding's RAM beside the store's
+    assert cli([*args[:6], "50GB", *args[7:]]) == 1
+    assert "RAM short by 3.9 GB once those are counted" in capsys.readouterr().out
   n = 70e9
   shapes = {"w": jax.ShapeDtypeStruct((70, int(n) // 70), jnp.bfloat16)}
   inner = optax.adamw(1e-3)
