@@ -69,6 +69,7 @@ def test_nvme_example_trains_and_resumes(tmp_path, capsys):
   assert "starting at step 30" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_nvme_params_example_trains_and_resumes(tmp_path, capsys):
   example = _load("examples/nvme_params.py")
   args = ["--layers", "3", "--width", "32", "--dir", str(tmp_path)]

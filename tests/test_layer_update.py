@@ -136,6 +136,7 @@ def test_keep_and_open_at_a_step(tmp_path):
     assert_bits(store.read_params(), reference(tx, layers, 4)[0])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", ["disk-full", "ctrl-c"])
 def test_a_failed_update_keeps_the_committed_step(tmp_path, monkeypatch, fault):
   tx, layers, path = optax.adam(1e-2), make_layers(), str(tmp_path / "s")

@@ -510,7 +510,8 @@ class LayerStore:
     records = self.state_records if kind == "state" else self.records
     r = records[k]
     if kind != "grads":  # checked by `offlax.inspect_store(verify=True)`
-      self.manifest["crc"][str(gen)][kind][i * len(records) + k] = crc32c.crc32c(slot.data)
+      at = i * len(records) + r.get("index", k)  # the manifest's leaf order
+      self.manifest["crc"][str(gen)][kind][at] = crc32c.crc32c(slot.data)
     try:
       pwrite_all(self._fds[kind, 0 if kind == "grads" else gen][k], [slot], i * r["slot"])
     except OSError as e:
