@@ -9,23 +9,22 @@ The model's stacked blocks live in an `offlax.LayerStore` under `--dir`:
 blocks in RAM at a time), the backward pass writes each block's gradient back,
 and `store.update()` applies AdamW with an fp32 master a block at a time on
 the CPU and commits params and state together. The embedding stays in memory
-with a plain optax AdamW and is saved beside the store after each commit.
+with a plain optax AdamW, and each commit takes it and its state along
+(`update(rest=...)`): blocks and embedding are always of one step.
 
 Stop the script at any time (Ctrl-C, or kill -9) and run it again with
-`--resume`: it reopens the store at the step of the saved embedding (the store
-keeps two steps, so it may be one ahead) and continues.
+`--resume`: it reopens the store at its committed step, takes the embedding
+back from it, and continues.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import pickle
 import tempfile
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 import offlax
@@ -76,21 +75,18 @@ def main(argv: list[str] | None = None) -> float:
   parser.add_argument("--resume", action="store_true", help="continue the run stored in --dir")
   args = parser.parse_args(argv)
   root = args.dir or tempfile.mkdtemp(prefix="offlax-layers-")
-  path, saved = os.path.join(root, "layers"), os.path.join(root, "embed.pkl")
+  path = os.path.join(root, "layers")
 
   layer_tx = offlax.master_weights(offlax.adamw(3e-3, weight_decay=0.01))
   embed_tx = optax.adamw(3e-3, weight_decay=0.01)
+  embed = jax.random.normal(jax.random.key(0), (VOCAB, args.width)) * 0.1
+  embed_state = embed_tx.init(embed)
   if args.resume:
-    with open(saved, "rb") as f:
-      step, embed, embed_state = pickle.load(f)
-    # The store commits before the embedding is saved: it may be a step ahead. It
-    # keeps two steps, so it goes back to the embedding's.
-    store = offlax.LayerStore.open(path, blocks(args), optimizer=layer_tx, step=step)
+    store = offlax.LayerStore.open(path, blocks(args), optimizer=layer_tx)
+    embed, embed_state = store.read_rest((embed, embed_state))  # of the store's step
   else:
-    store = offlax.LayerStore.create(path, blocks(args), optimizer=layer_tx, keep=2,
+    store = offlax.LayerStore.create(path, blocks(args), optimizer=layer_tx,
                                      init_layer=lambda i: init_block(i, args))  # fmt: skip
-    embed = jax.random.normal(jax.random.key(0), (VOCAB, args.width)) * 0.1
-    embed_state = embed_tx.init(embed)
   print(f"store {path}: {args.layers} blocks on disk, starting at step {store.step}")
 
   @jax.jit
@@ -102,11 +98,7 @@ def main(argv: list[str] | None = None) -> float:
   with store:
     for _ in range(args.steps):
       loss, embed, embed_state = grads(store.source(), embed, embed_state, data(store.step))
-      step = store.update()  # the blocks' step, committed
-      tmp = saved + ".tmp"
-      with open(tmp, "wb") as f:
-        pickle.dump((step, np.asarray(embed), jax.tree.map(np.asarray, embed_state)), f)
-      os.replace(tmp, saved)  # then the embedding of the same step
+      step = store.update(rest=(embed, embed_state))  # blocks and embedding, committed
       if step % 20 == 0 or step == 1:
         print(f"step {step}: loss {float(loss):.4f}")
     s = store.last_update

@@ -1,7 +1,7 @@
 """offlax: optimizer state off the accelerator, as an optax wrapper.
 
-`import offlax` loads neither orbax nor tensorstore: the names of the
-checkpoint and NVMe code load their modules on first use (`__getattr__`), and
+`import offlax` loads neither orbax, tensorstore nor flax: the names of the
+checkpoint, NVMe and NNX code load their modules on first use (`__getattr__`), and
 the one patch of another library made at import is JAX's donation pairing
 (docs/patches.md; ``OFFLAX_NO_PATCHES=1`` turns it off).
 """
@@ -48,7 +48,7 @@ from offlax._src.transform import offload
 
 _donation.install()
 
-# The names whose modules import orbax or tensorstore, by module: loaded on first use.
+# The names whose modules import orbax, tensorstore or flax, by module: loaded on first use.
 _LAZY = {
   "offlax._src.checkpoint": (
     "NVMeStoreRestore",
@@ -60,6 +60,7 @@ _LAZY = {
   ),
   "offlax._src.host_checkpoint": ("HostStateRestore", "HostStateSave"),
   "offlax._src.inspector": ("LeafReport", "StoreReport", "inspect_store"),
+  "offlax._src.nnx_layer_store": ("LayerToken", "StoredParam", "stack_layers"),
   "offlax._src.nvme.layer_store": ("LayerStore",),
   "offlax._src.nvme.rollback": ("rollback",),
   "offlax._src.nvme.tier": ("NVMeTier",),
@@ -78,6 +79,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and the API docs
   )
   from offlax._src.host_checkpoint import HostStateRestore, HostStateSave
   from offlax._src.inspector import LeafReport, StoreReport, inspect_store
+  from offlax._src.nnx_layer_store import LayerToken, StoredParam, stack_layers
   from offlax._src.nvme.layer_store import LayerStore
   from offlax._src.nvme.rollback import rollback
   from offlax._src.nvme.tier import NVMeTier
@@ -112,6 +114,7 @@ __all__ = [
   "InvalidTargetError",
   "InvalidTierError",
   "LayerStore",
+  "LayerToken",
   "LeafReport",
   "LeafTypeError",
   "MasterWeightsState",
@@ -135,6 +138,7 @@ __all__ = [
   "StoreLockedError",
   "StoreMismatchError",
   "StoreReport",
+  "StoredParam",
   "Tier",
   "TierIO",
   "TransformationTypeError",
@@ -160,6 +164,7 @@ __all__ = [
   "retier",
   "rollback",
   "scan_layers",
+  "stack_layers",
   "stats",
   "to_host",
   "update_and_apply",

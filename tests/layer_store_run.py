@@ -3,7 +3,8 @@
   python tests/layer_store_run.py PATH
 
 Creates the store at PATH, or resumes it; prints "ready" once open, then steps
-forever: the gradients of batch `store.step`, then `update`.
+forever: the gradients of batch `store.step`, then `update`, committing with
+the layers a "rest" of the model that says which step it is (`rest_of`).
 """
 
 import os
@@ -12,7 +13,14 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax.numpy as jnp  # noqa: E402
-from test_layer_update import batch, grad, make_layers, make_layers_like, run_optimizer  # noqa: E402
+from test_layer_update import (  # noqa: E402
+  batch,
+  grad,
+  make_layers,
+  make_layers_like,
+  rest_of,
+  run_optimizer,
+)
 
 import offlax  # noqa: E402
 
@@ -28,7 +36,7 @@ def main(path):
   print("ready", store.step, flush=True)
   while True:
     grad(store.source(), batch(store.step, jnp.float32))
-    store.update()
+    store.update(rest=rest_of(store.step + 1))
 
 
 if __name__ == "__main__":

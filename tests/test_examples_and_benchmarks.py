@@ -83,6 +83,20 @@ def test_nvme_params_example_trains_and_resumes(tmp_path, capsys):
 
 
 @pytest.mark.slow
+def test_nvme_params_nnx_example_trains_and_resumes(tmp_path, capsys):
+  example = _load("examples/nvme_params_nnx.py")
+  args = ["--layers", "3", "--width", "32", "--dir", str(tmp_path)]
+  loss = example.main(["--steps", "25", *args])
+  out = capsys.readouterr().out
+  first = float(out.split("loss ")[1].split()[0])  # step 1's
+  assert "committed step 25" in out and loss < 0.5 * first
+  resumed = example.main(["--steps", "3", "--resume", *args])
+  out = capsys.readouterr().out
+  assert "starting at step 25" in out and "committed step 28" in out
+  assert resumed < 0.5 * first  # the layers, the embedding and its state all came back
+
+
+@pytest.mark.slow
 def test_nvme_params_benchmark_runs(tmp_path):
   bench = _load("benchmarks/nvme_params.py")
   bench.main(["--sizes", "0.01", "0.02", "--steps", "2", "--width", "512", "--raw-gib", "0.1",

@@ -194,7 +194,7 @@ def test_compiles_for_gpu_with_flat_device_memory(tmp_path):
       m = offlax.compile_for_gpu(grad, store.source(), inputs(jnp.float32), target="h100")
     # a read forward, a read again backward (remat), a gradient write
     assert m.hlo.count('custom_call_target="xla_ffi_python_gpu_callback"') == 3
-    peaks.append(m.device["temp"] + m.device["argument"])
+    peaks.append(m.device["temp"] + m.device["argument"] - 4 * n)  # less the token: 4 B a layer
   assert peaks[0] == peaks[1]
 
 

@@ -142,7 +142,7 @@ def test_a_failed_update_keeps_the_committed_step(tmp_path, monkeypatch, fault):
   tx, layers, path = optax.adam(1e-2), make_layers(), str(tmp_path / "s")
   store = offlax.LayerStore.create(path, layers, optimizer=tx, progress=False)
   grad(store.source(), batch(0))
-  store.update()
+  store.update(rest=rest_of(1))
   grad(store.source(), batch(1))
   store.flush_grads()  # the gradients on disk before the faults start
   real, writes = layer_store_lib.pwrite_all, [0]
@@ -158,11 +158,11 @@ def test_a_failed_update_keeps_the_committed_step(tmp_path, monkeypatch, fault):
   monkeypatch.setattr(layer_store_lib, "pwrite_all", full_disk)
   if fault == "ctrl-c":
     with pytest.raises(KeyboardInterrupt):
-      store.update()
+      store.update(rest=rest_of(2))
   else:
     with pytest.raises(errors.StoreError, match=r"step 2 was not committed .*No space left.*still "
                        r"holds step 1, whole.*free space on the disk") as e:  # fmt: skip
-      store.update()
+      store.update(rest=rest_of(2))
     assert e.value.errno == errno.ENOSPC
   assert store.step == 1
   monkeypatch.setattr(layer_store_lib, "pwrite_all", real)
@@ -171,10 +171,44 @@ def test_a_failed_update_keeps_the_committed_step(tmp_path, monkeypatch, fault):
   like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), layers)
   with offlax.LayerStore.open(path, like, optimizer=tx) as store:  # as after a kill
     assert store.step == 1
+    assert_bits(store.read_rest(rest_of(0)), rest_of(1))
     assert_bits(store.read_state(), per_layer(reference(tx, layers, 1)[1]))
     grad(store.source(), batch(1))
     store.update()
     assert_bits(store.read_params(), reference(tx, layers, 2)[0])
+
+
+def test_the_rest_of_the_model_commits_with_the_layers(tmp_path):
+  tx, layers, path = optax.adam(1e-2), make_layers(), str(tmp_path / "s")
+  like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), layers)
+  with offlax.LayerStore.create(path, layers, optimizer=tx, keep=2, progress=False) as store:
+    with pytest.raises(errors.StoreMismatchError, match="step 0 .* committed without rest="):
+      store.read_rest(rest_of(0))
+    for step in range(3):
+      grad(store.source(), batch(step))
+      store.update(rest=rest_of(step + 1))
+    assert_bits(store.read_rest(rest_of(0)), rest_of(3))
+  with offlax.LayerStore.open(path, like, optimizer=tx, step=2) as store:  # rolled back
+    assert_bits(store.read_rest(rest_of(0)), rest_of(2))
+    with pytest.raises(errors.StoreMismatchError, match=r"leaf \['embed'\] is float32\[64, 33\] "
+                       r"in step 2, `like` has float32\[64, 32\]"):  # fmt: skip
+      store.read_rest({**rest_of(0), "embed": np.zeros((64, 32), np.float32)})
+    with pytest.raises(errors.StoreMismatchError, match=r"the rest lacks \['other'\]"):
+      store.read_rest({**rest_of(0), "other": np.zeros(2)})
+    grad(store.source(), batch(2))
+    store.update()  # without rest: step 3 has none
+    with pytest.raises(errors.StoreMismatchError, match="step 3 .* committed without rest="):
+      store.read_rest(rest_of(0))
+    gen = dict(store.kept)[2]
+  name = tmp_path / "s" / f"gen{gen}" / "rest.bin"
+  data = bytearray(name.read_bytes())
+  data[100] ^= 1
+  name.write_bytes(bytes(data))
+  [report] = offlax.inspect_store(path, verify=True, progress=False)
+  assert report.problems == [f"step 2: {name}: rest leaf ['embed'] does not match its checksum"]
+  with offlax.LayerStore.open(path, like, optimizer=tx, step=2) as store:
+    with pytest.raises(errors.StoreCorruptedError, match=r"leaf \['embed'\] of step 2 does not"):
+      store.read_rest(rest_of(0))
 
 
 def test_one_writer_at_a_time(tmp_path):
@@ -260,7 +294,15 @@ def test_killed_at_any_moment_resumes_params_and_state_of_one_step(tmp_path):
       params, state = reference(run_optimizer(), make_layers(jnp.float32), store.step, jnp.float32)
       assert_bits(store.read_params(), params)
       assert_bits(store.read_state(), per_layer(state))
+      if store.step:  # the rest of the model committed with the layers: of the same step
+        assert_bits(store.read_rest(rest_of(0)), rest_of(store.step))
   assert steps == sorted(steps) and steps[-1] > 0, steps
+
+
+def rest_of(step):
+  """A stand-in for the rest of a model (embedding and its state) at `step`."""
+  return {"embed": np.full((64, 33), step, np.float32), "count": np.array(step, np.int32),
+          "mu": np.full((3,), step, jnp.bfloat16)}  # fmt: skip
 
 
 def make_layers_like():

@@ -17,7 +17,7 @@ import numpy as np
 
 from offlax._src import errors, host_checkpoint
 from offlax._src import layout as layout_lib
-from offlax._src.nvme import array_files, direct_io, layer_files
+from offlax._src.nvme import array_files, direct_io, layer_files, layer_rest
 from offlax._src.nvme import format as store_format
 from offlax._src.nvme import store as store_lib
 from offlax._src.telemetry import format_bytes
@@ -264,6 +264,10 @@ def _inspect_layers(path: str, verify: bool, progress: bool) -> StoreReport:
       report.problems.append(problem if step is None else f"step {step}: {problem}")
       leaf = leaves.get((kind, k)) or leaves["params", k]
       leaf.status = "BAD" if step in (None, manifest["step"]) else f"bad in step {step}"
+  rest = manifest.get("rest", {})
+  for step, gen in manifest["kept"]:  # the rest of the model, committed with the layers
+    if verify and rest.get(str(gen)) and (problem := layer_rest.check(path, gen, rest[str(gen)])):
+      report.problems.append(f"step {step}: {problem}")
   if verify:
     for leaf in report.leaves:
       leaf.status = "verified" if leaf.status == "ok" else leaf.status

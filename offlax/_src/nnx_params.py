@@ -32,6 +32,7 @@ from offlax._src import errors, host_params, memory, nnx_hooks
 _WRT = "_offlax_wrt"
 _OFFLOAD_ACTIVATIONS = "_offlax_offload_activations"
 _BASE = "_offlax_base"
+_SOURCE = "_offlax_source"  # a stored layer's class: the `LayerSource` its layers read
 
 
 def offload_params(
@@ -40,6 +41,7 @@ def offload_params(
   wrt: Any = None,
   memory_kind: str = "pinned_host",
   offload_activations: bool = False,
+  store: Any = None,
 ) -> Any:
   """`model` with its params in host memory, each fetched to the device where it is used.
 
@@ -54,6 +56,14 @@ def offload_params(
   ``nnx.Optimizer(model, offlax.offload(tx, compute="host"), wrt=...)``,
   whose ``update`` then runs offlax's fused host update.
 
+  With ``store``, an `offlax.LayerStore`, the model's list of layers keeps
+  its params on disk instead (ZeRO-Infinity's params on NVMe): each layer's
+  params become `StoredParam` placeholders, read from the store a layer ahead
+  where the layer runs (and again in the backward pass); under `nnx.grad`
+  each layer's gradient goes to the store, and ``store.update()`` applies
+  the store's optimizer. The layer gains a `LayerToken`, an `nnx.Param`
+  whose gradient is a zero. The other params go to host memory as above.
+
   Args:
     model: a Flax NNX module, with arrays or (under `nnx.eval_shape`)
       `jax.ShapeDtypeStruct`s; changed in place.
@@ -63,12 +73,16 @@ def offload_params(
     memory_kind: ``"pinned_host"`` or ``"unpinned_host"``.
     offload_activations: keep each unit's saved inputs (for the backward
       pass) in host memory too, so device memory stays nearly flat in depth.
+    store: an `offlax.LayerStore` holding the layers of one list of the
+      model (found by matching its layers' params, leaf for leaf), or its
+      ``source(accumulate=True)`` to add the gradients into the store's.
 
   Returns:
     `model` itself.
 
   Raises:
     InvalidOptionError: `model` is already offloaded, or is not an NNX module.
+    StoreMismatchError: no list of layers in `model` matches ``store``.
 
   Example:
     >>> import jax, jax.numpy as jnp, offlax
@@ -81,6 +95,8 @@ def offload_params(
     'pinned_host'
   """
   from flax import nnx
+
+  from offlax._src import nnx_layer_store as stored_lib
 
   if not isinstance(model, nnx.Module):
     raise errors.InvalidOptionError(
@@ -99,15 +115,19 @@ def offload_params(
       f"offload_params: the model is already offloaded (its module at "
       f"{_path(offloaded[0])} fetches its params); call offlax.onload_params(model) first."
     )
+  stored: list[tuple[Any, ...]] = []
+  if store is not None:
+    stored = [_store_layers(model, store, wrt, offload_activations)]
+    wrt = nnx.All(wrt, nnx.Not(stored_lib.LayerToken))
+    nodes = list(nnx.graph.iter_graph(model))
   units = _units(nodes, nnx.filterlib.to_predicate(wrt))
   for path in units:
     module = _at(model, path)
     cls: Any = type(module)
     object.__setattr__(module, "__class__", _offloaded_class(cls, wrt, offload_activations))
   if () not in units:  # the root names, in an error, the modules that fetch
-    object.__setattr__(
-      model, "__class__", _guarded_class(type(model), tuple(_path(p) for p in units))
-    )
+    names = tuple(_path(p) for p in units) + tuple(f"{_path(p)}[...]" for p in stored)
+    object.__setattr__(model, "__class__", _guarded_class(type(model), names))
   state = nnx.state(model, wrt)
   nnx.update(model, jax.tree.map(functools.partial(_host_copy, kind=memory_kind), state))
   nnx_hooks.install()
@@ -134,17 +154,44 @@ def onload_params(model: Any) -> Any:
   """
   from flax import nnx
 
-  wrt = None
+  from offlax._src import nnx_layer_store as stored_lib
+
+  wrt, stored = None, False
+  for _, node in nnx.graph.iter_graph(model):
+    if isinstance(node, (list, tuple, nnx.List)) and node:
+      source = getattr(type(node[0]), _SOURCE, None)
+      if source is not None:
+        stored_lib.detach(node, source)
+        stored = True
   for _, node in nnx.graph.iter_graph(model):
     base = getattr(type(node), _BASE, None)
     if isinstance(node, nnx.Module) and base is not None:
       wrt = getattr(type(node), _WRT) or wrt
       object.__setattr__(node, "__class__", base)
-  if wrt is None:
+  if wrt is None and not stored:
     raise errors.InvalidOptionError("onload_params: the model was not given to offload_params.")
-  state = nnx.state(model, wrt)
-  nnx.update(model, jax.tree.map(_device_copy, state))
+  if wrt is not None:
+    nnx.update(model, jax.tree.map(_device_copy, nnx.state(model, wrt)))
   return model
+
+
+def _store_layers(model: Any, store: Any, wrt: Any, offload_activations: bool) -> tuple:
+  """Puts the store's list of layers in `model` on the store; returns the list's path."""
+  from flax import nnx
+
+  from offlax._src import nnx_layer_store as stored_lib
+
+  source = stored_lib.source_of(store)
+  is_stored = nnx.filterlib.to_predicate(wrt)
+  path = stored_lib.find_layers(model, source, is_stored)
+  layers = _at(model, path)
+  stored_lib.attach(layers, is_stored)
+  cls = type(layers[0])
+  attributes = {_BASE: cls, _WRT: None, _SOURCE: source, _OFFLOAD_ACTIVATIONS: offload_activations}
+  stored_class = _subclass(cls, _reading, attributes)
+  for layer in layers:
+    object.__setattr__(layer, "__class__", stored_class)
+  return path
 
 
 def _units(nodes: list[tuple[tuple[Any, ...], Any]], is_offloaded: Callable[..., bool]) -> list:
@@ -243,7 +290,39 @@ def _fetching(method: Callable[..., Any]) -> Callable[..., Any]:
       return method(self, *args, **kwargs)
     out, rest = remat_call(
       method, graphdef, params, rest, args, kwargs,
+      offload_activations=getattr(cls, _OFFLOAD_ACTIVATIONS), params_filter=getattr(cls, _WRT),
+    )  # fmt: skip
+    nnx.update(self, rest)
+    return out
+
+  return wrapped
+
+
+def _reading(method: Callable[..., Any]) -> Callable[..., Any]:
+  """`method` run by `remat_call` on its layer's params read from its `LayerStore`."""
+
+  @functools.wraps(method)
+  def wrapped(self, *args, **kwargs):
+    from flax import nnx
+
+    from offlax._src import nnx_layer_store as stored_lib
+
+    cls = type(self)
+    graphdef, token, stored, rest = nnx.split(
+      self, stored_lib.LayerToken, stored_lib.StoredParam, ...
+    )
+    if not stored_lib.is_placeholder(stored):  # inside the layer's own run: read already
+      return method(self, *args, **kwargs)
+    source, i, treedef = (
+      getattr(cls, _SOURCE),
+      getattr(self, stored_lib.INDEX),
+      jax.tree.structure(stored),
+    )
+    out, rest = remat_call(
+      method, graphdef, token, rest, args, kwargs,
       offload_activations=getattr(cls, _OFFLOAD_ACTIVATIONS),
+      params_filter=nnx.Any(stored_lib.LayerToken, stored_lib.StoredParam),
+      states=lambda token: (token, stored_lib.read(source, i, token, treedef)), order_grads=True,
     )  # fmt: skip
     nnx.update(self, rest)
     return out
@@ -260,13 +339,20 @@ def remat_call(
   kwargs: dict[str, Any],
   *,
   offload_activations: bool,
+  params_filter: Any,
+  states: Callable[[Any], tuple[Any, ...]] = lambda params: (params,),
+  order_grads: bool = False,
 ) -> tuple[Any, Any]:
   """``method(nnx.merge(graphdef, fetch(params), rest), *args, **kwargs)``, rematerialised.
 
-  Returns its output and the module's non-param state after the call (RNG
-  counts, caches). The float arrays among params, state and arguments are the
-  differentiable inputs; everything else (integer arrays, keys, Python
-  values) is closed over.
+  Returns its output and the module's state outside ``params_filter`` after
+  the call (RNG counts, caches). The float arrays among params, state and
+  arguments are the differentiable inputs; everything else (integer arrays,
+  keys, Python values) is closed over. ``states`` makes, from the fetched
+  params, the states merged before ``rest`` (a stored layer's: its token and
+  its params read from the store). With ``order_grads`` the cotangents of
+  the unit's inputs wait for those of its params: a stored layer's gradients
+  leave for the store before the layer below starts its backward pass.
   """
   from flax import nnx
 
@@ -282,9 +368,9 @@ def remat_call(
     it, fixed_it = iter(inputs), iter(fixed)
     tree = jax.tree.unflatten(treedef, [next(it) if d else next(fixed_it) for d in diff])
     params, rest, args, kwargs = tree
-    module = nnx.merge(graphdef, params, rest)
+    module = nnx.merge(graphdef, *states(params), rest)
     out = method(module, *args, **kwargs)
-    return out, nnx.state(module, nnx.Not(getattr(type(module), _WRT)))
+    return out, nnx.state(module, nnx.Not(params_filter))
 
   # Traced once, here, where the caller's context holds (a framework's interception of
   # the module's ops, as qwix's LoRA does while the model's __call__ runs): the backward
@@ -317,6 +403,8 @@ def remat_call(
     ]
     _, vjp = jax.vjp(lambda i, c: traced(fetch(i), *c), inputs, consts)
     grads, const_grads = vjp(cotangent)
+    if order_grads:  # the input's cotangent waits for the params' (a stored layer's hand-off)
+      grads = jax.lax.optimization_barrier(grads)
     grads = [jax.device_put(g, jax.memory.Space.Host) if f else g
              for g, f in zip(grads, fetched, strict=True)]  # fmt: skip
     return grads, const_grads

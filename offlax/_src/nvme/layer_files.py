@@ -62,6 +62,28 @@ def layer_records(layers: Any) -> tuple[list[dict[str, Any]], int, Any]:
   return records, n, treedef
 
 
+def layer_leaves(
+  records: list[dict[str, Any]], treedef: Any, tree: Any, i: int
+) -> list[np.ndarray]:
+  """`init_layer(i)`'s result as the store's leaves, checked against its records."""
+  flat, got = jax.tree_util.tree_flatten(tree)
+  if got != treedef:
+    raise errors.TreeMismatchError(
+      f"LayerStore.create: init_layer({i}) returned a tree of structure {got}, "
+      f"expected {treedef}."
+    )
+  out = []
+  for r, x in zip(records, flat, strict=True):
+    x = np.asarray(jax.device_get(x))
+    if x.shape != tuple(r["shape"]) or x.dtype != np.dtype(r["dtype"]):
+      raise errors.StoreMismatchError(
+        f"LayerStore.create: init_layer({i}) leaf {r['path']} is {x.dtype.name}"
+        f"{list(x.shape)}, expected {r['dtype']}{r['shape']}."
+      )
+    out.append(x)
+  return out
+
+
 def state_records(one_layer_state: Any) -> list[dict[str, Any]]:
   records = []
   for path, leaf in jax.tree_util.tree_flatten_with_path(one_layer_state)[0]:

@@ -48,17 +48,22 @@ class LayerSource:
     return _read(self.store, self.accumulate, i, token)
 
 
-def _fetch_callback(store: Any, i):
-  return host_callbacks.call(store.fetch, store.avals(), i, side_effect=False)
+def _fetch_callback(store: Any, i, token):
+  # The token is an operand so that the read waits for it: the caller orders each read by
+  # passing the token through a barrier with the layer's inputs (`offload_params`'s unrolled
+  # layers), and the forward read and the backward pass's read again are not one to XLA.
+  return host_callbacks.call(
+    lambda i, _: store.fetch(i), store.avals(), i, token, side_effect=False
+  )
 
 
 def _read(store: Any, accumulate: bool, i, token):
   @jax.custom_vjp
   def read(i, token):
-    return _fetch_callback(store, i)
+    return _fetch_callback(store, i, token)
 
   def fwd(i, token):
-    return _fetch_callback(store, i), i
+    return _fetch_callback(store, i, token), i
 
   def bwd(i, grads):
     write = lambda i, *g: [store.put_grads(accumulate, i, *g)]

@@ -51,7 +51,7 @@ import numpy as np
 
 from offlax._src import errors
 from offlax._src.nvme import layer_files as files
-from offlax._src.nvme import layer_step
+from offlax._src.nvme import layer_rest, layer_step
 from offlax._src.nvme.direct_io import aligned_empty, open_direct, pread_into, pwrite_all
 from offlax._src.nvme.layer_source import LayerSource
 from offlax._src.nvme.pipeline import wait_for_dispatched_steps
@@ -335,6 +335,21 @@ class LayerStore:
       raise errors.InvalidOptionError(f"LayerStore: {self.path} is open without an optimizer.")
     return self._stacked("state", self.state_treedef)
 
+  def read_rest(self, like: Any) -> Any:
+    """What `update(rest=...)` committed with the current step, as numpy arrays.
+
+    Args:
+      like: a pytree of arrays or `jax.ShapeDtypeStruct`s with the rest's
+        leaves (key paths, shapes and dtypes checked).
+
+    Raises:
+      StoreMismatchError: the step was committed without ``rest``, or its
+        leaves differ from `like`'s.
+      StoreCorruptedError: a leaf does not match its checksum.
+    """
+    records = self.manifest.get("rest", {}).get(str(self.generation))
+    return layer_rest.read(self.path, self.generation, self.step, records, like)
+
   def zero_grads(self) -> None:
     """Sets every gradient to zero (before accumulating anew)."""
     self.flush_grads()
@@ -408,13 +423,19 @@ class LayerStore:
 
   # -- the optimizer's side ----------------------------------------------------
 
-  def update(self) -> int:
+  def update(self, *, rest: Any = None) -> int:
     """Applies the optimizer to the layers on disk with the stored gradients; commits.
 
     Waits for the gradient writes, then reads params, gradients and state a
     layer at a time (read ahead), runs the optimizer's update on the host CPU,
     writes the new params and state into a free generation (written behind)
     and commits them together.
+
+    Args:
+      rest: a pytree of arrays committed with the layers, of the same step:
+        the rest of the model (embedding, head) and its optimizer state, as
+        updated by this step. `read_rest` gives them back (after `open`,
+        of the step opened).
 
     Returns:
       The new committed step.
@@ -438,6 +459,9 @@ class LayerStore:
     target = next(g for g in range(self.generations) if g not in {g for _, g in self.kept})
     self.manifest["crc"][str(target)] = files.no_crcs(self.manifest)
     try:
+      rest_records = (
+        None if rest is None else layer_rest.write(self.path, target, rest, fsync=self.fsync)
+      )
       stats = layer_step.run(self, self._updates, target)
       if self.fsync:
         for kind in ("params", "state"):
@@ -451,6 +475,7 @@ class LayerStore:
         + ("free space on the disk, then " if e.errno == errno.ENOSPC else "")
         + "call update() again.",
       ) from e
+    self.manifest.setdefault("rest", {})[str(target)] = rest_records
     keep = self.generations - 1
     self.kept = [(self.step + 1, target)] + self.kept[: keep - 1]
     self.step, self.generation = self.step + 1, target
@@ -527,7 +552,7 @@ class LayerStore:
     for i in progress_bar(range(self.n_layers), self.progress, f"offlax: writing {self.path}"):
       leaves = layer(i)
       if not isinstance(leaves, list):  # a layer's pytree, from init_layer
-        leaves = self._layer_leaves(leaves, i)
+        leaves = files.layer_leaves(self.records, self.treedef, leaves, i)
       for k, x in enumerate(leaves):
         if x is not None:
           self._write_raw("params", 0, k, i, files.to_slot(np.asarray(x), self.records[k]["slot"]))
@@ -538,24 +563,6 @@ class LayerStore:
     for fds in self._fds.values():
       for fd in fds:
         os.fsync(fd)
-
-  def _layer_leaves(self, tree: Any, i: int) -> list[np.ndarray]:
-    flat, treedef = jax.tree_util.tree_flatten(tree)
-    if treedef != self.treedef:
-      raise errors.TreeMismatchError(
-        f"LayerStore.create: init_layer({i}) returned a tree of structure {treedef}, "
-        f"expected {self.treedef}."
-      )
-    out = []
-    for r, x in zip(self.records, flat, strict=True):
-      x = np.asarray(jax.device_get(x))
-      if x.shape != tuple(r["shape"]) or x.dtype != np.dtype(r["dtype"]):
-        raise errors.StoreMismatchError(
-          f"LayerStore.create: init_layer({i}) leaf {r['path']} is {x.dtype.name}"
-          f"{list(x.shape)}, expected {r['dtype']}{r['shape']}."
-        )
-      out.append(x)
-    return out
 
   def _check_sizes(self) -> None:
     for kind, gen in self._files():
