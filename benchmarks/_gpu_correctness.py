@@ -199,3 +199,77 @@ def layer_store(offlax, optax, jax, steps: int = 3) -> dict:
       out["params_bit_exact"] = out["params_max_abs_diff"] == 0.0
       out["last_update"] = store.last_update._asdict()
   return out
+
+
+def layer_store_nnx(offlax, optax, jax, steps: int = 3) -> dict:
+  """An NNX model's list of layers on disk (`offload_params(store=)`) on this GPU.
+
+  The reference: the same model with its params in host memory (`offload_params`
+  without a store: each layer rematerialised alike). Reported: whether the losses
+  and the first step's layer gradients are the same bits, and the step times.
+  """
+  import jax.numpy as jnp
+  from flax import nnx
+
+  d, n = 512, 6
+
+  class Block(nnx.Module):
+    def __init__(self, rngs):
+      self.up = nnx.Linear(d, 2 * d, param_dtype=jnp.bfloat16, dtype=jnp.bfloat16, rngs=rngs)
+      self.down = nnx.Linear(2 * d, d, param_dtype=jnp.bfloat16, dtype=jnp.bfloat16, rngs=rngs)
+
+    def __call__(self, x):
+      return x + self.down(jax.nn.gelu(self.up(x)))
+
+  class Model(nnx.Module):
+    def __init__(self, rngs):
+      self.embed = nnx.Linear(d, d, param_dtype=jnp.bfloat16, dtype=jnp.bfloat16, rngs=rngs)
+      self.layers = nnx.List([Block(rngs) for _ in range(n)])
+
+    def __call__(self, x):
+      x = self.embed(x)
+      for layer in self.layers:
+        x = layer(x)
+      return jnp.mean(x.astype(jnp.float32) ** 2)
+
+  x = jax.random.normal(jax.random.key(1), (16, d)).astype(jnp.bfloat16)
+  tx = lambda: offlax.master_weights(offlax.adamw(1e-3))
+
+  def train(model, store=None):
+    optimizer = nnx.Optimizer(model, offlax.offload(tx(), compute="host"), wrt=nnx.Param)
+    grad = nnx.jit(nnx.value_and_grad(lambda m, x: m(x)))
+    update = nnx.jit(lambda m, o, g: o.update(m, g))
+    losses, times, first = [], [], None
+    for step in range(steps):
+      start = time.perf_counter()
+      loss, grads = grad(model, x)
+      update(model, optimizer, grads)
+      if store is not None:
+        if step == 0:
+          first = store.read_grads()
+        store.update()
+      losses.append(float(loss))
+      times.append(time.perf_counter() - start)
+      if store is None and step == 0:
+        layers = nnx.state(grads, nnx.Param)["layers"]
+        first = jax.tree.map(lambda *g: np.stack([np.asarray(a) for a in g]),
+                             *[layers[i] for i in range(n)])  # fmt: skip
+    return losses, times, first
+
+  out: dict = {}
+  with tempfile.TemporaryDirectory(prefix="offlax-gpu-nnx-layers-") as tmp:
+    model = Model(nnx.Rngs(0))
+    stacked = offlax.stack_layers(model.layers)
+    with offlax.LayerStore.create(os.path.join(tmp, "s"), stacked, optimizer=tx(),
+                                  progress=False) as store:  # fmt: skip
+      offlax.offload_params(model, store=store)
+      losses, out["step_s"], first = train(model, store)
+  want_losses, out["host_params_step_s"], want_first = train(
+    offlax.offload_params(Model(nnx.Rngs(0)))
+  )
+  out["losses_bit_exact"] = losses == want_losses
+  out["grads_bit_exact"] = all(
+    np.array_equal(np.asarray(a), np.asarray(b))
+    for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(want_first), strict=True)
+  )
+  return out

@@ -77,6 +77,7 @@ SECTIONS = (
   "host_step_params_per_s",
   "host_state_checkpoint",
   "layer_store",
+  "layer_store_nnx",
 )
 
 
@@ -134,6 +135,7 @@ def main(argv=None) -> dict:
       offlax, optax, jax, 2.5e8 * scale
     ),
     "layer_store": lambda: _gpu_correctness.layer_store(offlax, optax, jax),
+    "layer_store_nnx": lambda: _gpu_correctness.layer_store_nnx(offlax, optax, jax),
   }
   args.out.mkdir(parents=True, exist_ok=True)
   # One section at a time, the JSON rewritten after each: a run stopped at a time limit (a lent

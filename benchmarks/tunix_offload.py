@@ -133,9 +133,15 @@ def compile_step(
   *,
   offloaded: bool = True,
   offload_activations: bool = False,
+  store: str | None = None,
   **compile_options: Any,
 ) -> tuple[Any, int]:
-  """The compiled train step of `case` at `layers` layers: (`CompiledMemory`, parameter count)."""
+  """The compiled train step of `case` at `layers` layers: (`CompiledMemory`, parameter count).
+
+  With `store` (a directory), the model's layers are read from a sparse
+  `offlax.LayerStore` made there (``offload_params(model, store=...)``); the
+  rest of the model is offloaded to host memory as without it.
+  """
   import jax
   import jax.numpy as jnp
   import optax
@@ -147,8 +153,11 @@ def compile_step(
   model = abstract_model(case, cfg)
   n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
   tx: Any = offlax.master_weights(optax.adamw(1e-5))
+  layer_store = None
+  if store is not None:  # sparse: nothing written, no space reserved (a compile only)
+    layer_store = offlax.LayerStore.create(store, offlax.stack_layers(model.layers), progress=False)
   if offloaded:
-    offlax.offload_params(model, offload_activations=offload_activations)
+    offlax.offload_params(model, offload_activations=offload_activations, store=layer_store)
     tx = offlax.offload(tx, compute="host")
   optimizer = abstract_optimizer(model, tx, offloaded)
   graphdef, state = nnx.split((model, optimizer))
@@ -167,10 +176,14 @@ def compile_step(
   t = case.tokens
   tokens = jax.ShapeDtypeStruct((1, t), jnp.int32)
   mask = jax.ShapeDtypeStruct((1, t, t), jnp.bool_)
-  compiled = offlax.compile_for_gpu(
-    jax.jit(step, donate_argnums=0), state, tokens, tokens, mask,
-    target=case.target, n_params=n_params, **compile_options,
-  )  # fmt: skip
+  try:
+    compiled = offlax.compile_for_gpu(
+      jax.jit(step, donate_argnums=0), state, tokens, tokens, mask,
+      target=case.target, n_params=n_params, **compile_options,
+    )  # fmt: skip
+  finally:
+    if layer_store is not None:
+      layer_store.close()
   return compiled, n_params
 
 

@@ -97,6 +97,22 @@ def test_nvme_params_nnx_example_trains_and_resumes(tmp_path, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not offlax.gpu_compile_available(), reason="needs offlax[gpu-compile]")
+def test_nvme_params_nnx_benchmark_runs(tmp_path):
+  pytest.importorskip("tunix")
+  bench = _load("benchmarks/nvme_params_nnx.py")
+  result = bench.main(["--model", "tiny", "--out", str(tmp_path)])
+  assert (tmp_path / "nvme_params_nnx.png").stat().st_size > 10_000
+  runs = {(r["mode"], r["layers"]): r for r in result["runs"]}
+  # The layers on disk: host buffers flat in depth (the rest of the model), three callbacks a
+  # layer; in host memory, the params grow.
+  assert runs["store", 2]["host_bytes"] == runs["store", 4]["host_bytes"]
+  assert runs["host", 4]["host_bytes"] > runs["host", 2]["host_bytes"]
+  assert [runs["store", n]["callbacks"] for n in (2, 4)] == [6, 12]
+  assert all(not r["host_compute"] for r in result["runs"])
+
+
+@pytest.mark.slow
 def test_nvme_params_benchmark_runs(tmp_path):
   bench = _load("benchmarks/nvme_params.py")
   bench.main(["--sizes", "0.01", "0.02", "--steps", "2", "--width", "512", "--raw-gib", "0.1",
