@@ -15,7 +15,7 @@ program's host buffers are what RAM must hold besides the store's pool and
 update (`LayerStore`: a few layers).
 
   python benchmarks/nvme_params_nnx.py                   # Llama3-70B at 2, 4, 8, 16 layers
-  python benchmarks/nvme_params_nnx.py --model tiny      # seconds: the smoke run
+  python benchmarks/nvme_params_nnx.py --model tiny --depths 2 4   # seconds: the smoke run
 
 Writes ``benchmarks/results/nvme_params_nnx.{json,png}``.
 """

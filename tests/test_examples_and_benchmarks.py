@@ -70,27 +70,16 @@ def test_nvme_example_trains_and_resumes(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_nvme_params_example_trains_and_resumes(tmp_path, capsys):
-  example = _load("examples/nvme_params.py")
+@pytest.mark.parametrize("example", ["nvme_params", "nvme_params_nnx"])
+def test_nvme_params_examples_train_and_resume(tmp_path, capsys, example):
+  """scan_layers over a LayerStore, and an NNX model by offload_params(store=)."""
+  main = _load(f"examples/{example}.py").main
   args = ["--layers", "3", "--width", "32", "--dir", str(tmp_path)]
-  loss = example.main(["--steps", "25", *args])
-  out = capsys.readouterr().out
-  assert "committed step 25" in out
-  assert loss < 0.5 * float(out.split("loss ")[1].split()[0])  # step 1's
-  example.main(["--steps", "3", "--resume", *args])
-  out = capsys.readouterr().out
-  assert "starting at step 25" in out and "committed step 28" in out
-
-
-@pytest.mark.slow
-def test_nvme_params_nnx_example_trains_and_resumes(tmp_path, capsys):
-  example = _load("examples/nvme_params_nnx.py")
-  args = ["--layers", "3", "--width", "32", "--dir", str(tmp_path)]
-  loss = example.main(["--steps", "25", *args])
+  loss = main(["--steps", "25", *args])
   out = capsys.readouterr().out
   first = float(out.split("loss ")[1].split()[0])  # step 1's
   assert "committed step 25" in out and loss < 0.5 * first
-  resumed = example.main(["--steps", "3", "--resume", *args])
+  resumed = main(["--steps", "3", "--resume", *args])
   out = capsys.readouterr().out
   assert "starting at step 25" in out and "committed step 28" in out
   assert resumed < 0.5 * first  # the layers, the embedding and its state all came back
@@ -101,12 +90,12 @@ def test_nvme_params_nnx_example_trains_and_resumes(tmp_path, capsys):
 def test_nvme_params_nnx_benchmark_runs(tmp_path):
   pytest.importorskip("tunix")
   bench = _load("benchmarks/nvme_params_nnx.py")
-  result = bench.main(["--model", "tiny", "--out", str(tmp_path)])
+  result = bench.main(["--model", "tiny", "--depths", "2", "4", "--out", str(tmp_path)])
   assert (tmp_path / "nvme_params_nnx.png").stat().st_size > 10_000
   runs = {(r["mode"], r["layers"]): r for r in result["runs"]}
-  # The layers on disk: host buffers flat in depth (the rest of the model), three callbacks a
-  # layer; in host memory, the params grow.
-  assert runs["store", 2]["host_bytes"] == runs["store", 4]["host_bytes"]
+  # The layers on disk: host buffers flat in depth (the rest of the model; the layers' tokens'
+  # AdamW state adds a few bytes each), three callbacks a layer; in host memory, the params grow.
+  assert 0 <= runs["store", 4]["host_bytes"] - runs["store", 2]["host_bytes"] < 4096
   assert runs["host", 4]["host_bytes"] > runs["host", 2]["host_bytes"]
   assert [runs["store", n]["callbacks"] for n in (2, 4)] == [6, 12]
   assert all(not r["host_compute"] for r in result["runs"])

@@ -48,7 +48,8 @@ def code(mode: str, fraction: float, cache_bytes: int, fused: bool) -> str:
     "params_nvme": [
       "store = offlax.LayerStore.create(path, layers, optimizer=inner, keep=1, init_layer=...)",
       "grads = jax.grad(loss)(store.source(), ...)  # offlax.scan_layers over store.source()",
-      "store.update()  # the optimizer over the layers on disk, committed",
+      "# or a Flax NNX model as it is: offlax.offload_params(model, store=store)",
+      "store.update(rest=...)  # the layers' step on disk, committed with the rest of the model",
     ],
   }.get(mode, [])
   return "\n".join(lines)

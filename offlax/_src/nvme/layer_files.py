@@ -69,8 +69,7 @@ def layer_leaves(
   flat, got = jax.tree_util.tree_flatten(tree)
   if got != treedef:
     raise errors.TreeMismatchError(
-      f"LayerStore.create: init_layer({i}) returned a tree of structure {got}, "
-      f"expected {treedef}."
+      f"LayerStore.create: init_layer({i}) returned a tree of structure {got}, expected {treedef}."
     )
   out = []
   for r, x in zip(records, flat, strict=True):
