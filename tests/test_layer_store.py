@@ -217,4 +217,4 @@ def test_a_llama_with_its_layers_on_disk_compiles_flat(tmp_path):
   # on disk: not at all (the embedding, head and norm and their state only).
   assert peaks[4][2] - peaks[2][2] >= 2 * 16 * m.layer_params
   assert peaks[4][0] == peaks[2][0]
-  assert peaks[4][1] == peaks[2][1]
+  assert 0 <= peaks[4][1] - peaks[2][1] <= 16  # the source's token: 4 B a layer (a read's operand)
