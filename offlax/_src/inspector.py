@@ -266,7 +266,8 @@ def _inspect_layers(path: str, verify: bool, progress: bool) -> StoreReport:
       leaf.status = "BAD" if step in (None, manifest["step"]) else f"bad in step {step}"
   rest = manifest.get("rest", {})
   for step, gen in manifest["kept"]:  # the rest of the model, committed with the layers
-    if verify and rest.get(str(gen)) and (problem := layer_rest.check(path, gen, rest[str(gen)])):
+    records = rest.get(str(gen))
+    if verify and records and (problem := layer_rest.check(path, gen, records)):
       report.problems.append(f"step {step}: {problem}")
   if verify:
     for leaf in report.leaves:

@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx
 
 from offlax._src import errors
+from offlax._src import nnx_paths as paths
 from offlax._src.nvme.layer_source import LayerSource
 
 # The attributes a stored layer gains: its index in the store and its token.
@@ -79,8 +80,7 @@ def stack_layers(layers: Any, *, wrt: Any = nnx.Param) -> Any:
 
 
 def _leaf_specs(state: Any) -> list[str]:
-  flat = jax.tree_util.tree_flatten_with_path(state)[0]
-  return [f"{jax.tree_util.keystr(p)} {np.dtype(x.dtype).name}{list(x.shape)}" for p, x in flat]
+  return [f"{key} {np.dtype(x.dtype).name}{list(x.shape)}" for key, x in _keyed(state)]
 
 
 def source_of(store: Any) -> LayerSource:
@@ -121,7 +121,7 @@ def find_layers(model: Any, source: LayerSource, is_stored: Any) -> tuple[Any, .
 
 def _mismatch(path: tuple[Any, ...], layers: Any, source: LayerSource, is_stored: Any):
   """Why the list at `path` does not match the store's layers, or None."""
-  name = _path(path)
+  name = paths.name(path)
   if len(layers) != source.n_layers:
     return f"{name} has {len(layers)} layers, the store {source.n_layers}"
   records = source.store.records
@@ -142,7 +142,11 @@ def _mismatch(path: tuple[Any, ...], layers: Any, source: LayerSource, is_stored
 
 def _stored_leaves(layer: Any, is_stored: Any) -> list[tuple[str, Any]]:
   """A layer's params that go to the store, in the store's leaf order (its state's)."""
-  state = nnx.state(layer, nnx.All(is_stored, nnx.Not(LayerToken)))
+  return _keyed(nnx.state(layer, is_stored))
+
+
+def _keyed(state: Any) -> list[tuple[str, Any]]:
+  """`state`'s leaves with their key paths, in its leaf order."""
   return [(jax.tree_util.keystr(p), x) for p, x in jax.tree_util.tree_flatten_with_path(state)[0]]
 
 
@@ -150,8 +154,8 @@ def attach(layers: Any, is_stored: Any) -> None:
   """Each layer's stored params as placeholders, and its index and token."""
   for i, layer in enumerate(layers):
     for path, var in list(nnx.graph.iter_graph(layer)):
-      if isinstance(var, nnx.Variable) and _matches(is_stored, path, var):
-        _set(layer, path, StoredParam(_placeholder(var.get_value())))
+      if isinstance(var, nnx.Variable) and is_stored(path, var):
+        paths.set_at(layer, path, StoredParam(_placeholder(var.get_value())))
     setattr(layer, INDEX, i)
     setattr(layer, TOKEN, LayerToken(jnp.zeros((), jnp.float32)))
 
@@ -162,7 +166,7 @@ def detach(layers: Any, source: LayerSource) -> None:
     values = iter(source.store.read_layer(i))
     for path, var in list(nnx.graph.iter_graph(layer)):
       if isinstance(var, StoredParam):
-        _set(layer, path, nnx.Param(jnp.asarray(next(values))))
+        paths.set_at(layer, path, nnx.Param(jnp.asarray(next(values))))
     delattr(layer, INDEX)
     delattr(layer, TOKEN)
 
@@ -183,25 +187,7 @@ def _name(key: str) -> str:
   return key.removesuffix(".value")
 
 
-def _matches(is_stored: Any, path: tuple[Any, ...], var: Any) -> bool:
-  return not isinstance(var, LayerToken) and is_stored(path, var)
-
-
 def _placeholder(x: Any) -> Any:
   if isinstance(x, jax.ShapeDtypeStruct):
     return jax.ShapeDtypeStruct((0,), x.dtype)
   return jnp.zeros((0,), x.dtype)
-
-
-def _set(root: Any, path: tuple[Any, ...], value: Any) -> None:
-  parent = root
-  for key in path[:-1]:
-    parent = parent[key] if isinstance(key, int) else getattr(parent, key)
-  if isinstance(path[-1], int):
-    parent[path[-1]] = value
-  else:
-    setattr(parent, path[-1], value)
-
-
-def _path(path: tuple[Any, ...]) -> str:
-  return "model" + "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in path)

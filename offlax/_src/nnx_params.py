@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from offlax._src import errors, host_params, memory, nnx_hooks
+from offlax._src import nnx_paths as paths
 
 # The attributes of an offloaded unit's class (and of its instances' graphdefs): which
 # Variables it fetches, and whether its saved inputs go to host memory.
@@ -113,7 +114,7 @@ def offload_params(
   if offloaded:
     raise errors.InvalidOptionError(
       f"offload_params: the model is already offloaded (its module at "
-      f"{_path(offloaded[0])} fetches its params); call offlax.onload_params(model) first."
+      f"{paths.name(offloaded[0])} fetches its params); call offlax.onload_params(model) first."
     )
   stored: list[tuple[Any, ...]] = []
   if store is not None:
@@ -122,11 +123,11 @@ def offload_params(
     nodes = list(nnx.graph.iter_graph(model))
   units = _units(nodes, nnx.filterlib.to_predicate(wrt))
   for path in units:
-    module = _at(model, path)
+    module = paths.at(model, path)
     cls: Any = type(module)
     object.__setattr__(module, "__class__", _offloaded_class(cls, wrt, offload_activations))
   if () not in units:  # the root names, in an error, the modules that fetch
-    names = tuple(_path(p) for p in units) + tuple(f"{_path(p)}[...]" for p in stored)
+    names = tuple(paths.name(p) for p in units) + tuple(f"{paths.name(p)}[...]" for p in stored)
     object.__setattr__(model, "__class__", _guarded_class(type(model), names))
   state = nnx.state(model, wrt)
   nnx.update(model, jax.tree.map(functools.partial(_host_copy, kind=memory_kind), state))
@@ -184,7 +185,7 @@ def _store_layers(model: Any, store: Any, wrt: Any, offload_activations: bool) -
   source = stored_lib.source_of(store)
   is_stored = nnx.filterlib.to_predicate(wrt)
   path = stored_lib.find_layers(model, source, is_stored)
-  layers = _at(model, path)
+  layers = paths.at(model, path)
   stored_lib.attach(layers, is_stored)
   cls = type(layers[0])
   attributes = {_BASE: cls, _WRT: None, _SOURCE: source, _OFFLOAD_ACTIVATIONS: offload_activations}
@@ -210,16 +211,6 @@ def _units(nodes: list[tuple[tuple[Any, ...], Any]], is_offloaded: Callable[...,
       if p and p[:-1] in listed and path[: len(p)] == p:
         units[p] = None
   return sorted(units, key=len)
-
-
-def _at(model: Any, path: tuple[Any, ...]) -> Any:
-  for key in path:
-    model = model[key] if isinstance(key, int) else getattr(model, key)
-  return model
-
-
-def _path(path: tuple[Any, ...]) -> str:
-  return "model" + "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in path)
 
 
 @functools.cache
