@@ -314,6 +314,9 @@ _SLOW = {
   "test_layer_update.py::test_inspect_verifies_a_layer_store",
   "test_layer_update.py::test_keep_and_open_at_a_step",
   "test_planner.py::test_every_no_fit_lists_offlaxs_own_ways_out_first",  # test_cli's no-fit
+  # CI's fresh venv at d53257e: 308 s (284 s at 7b41a64, the same tests): params in host memory
+  # is proposed by test_params_in_host_memory_proposed_for_a_usual_decoder_or_a_named_model.
+  "test_planner.py::test_params_in_host_memory_when_params_and_gradients_do_not_fit",
 }
 _KEEP = {
   "test_third_tier.py::test_conformance_bit_exact_in_many_slices_with_its_step": {
@@ -329,7 +332,9 @@ _KEEP = {
     "1000000",
   },
   "test_bad_input.py::test_nan_and_inf_gradients_propagate_like_optax": {"host/host"},
-  "test_equivalence.py::test_bit_identical_to_inner": {"adamw"},
+  # (-m slow: every optimizer; test_host_adam.py and test_composition.py run the host tier
+  # against optax by default)
+  "test_equivalence.py::test_bit_identical_to_inner": set(),
   "test_layer_update.py::test_update_bit_exact_with_layers_in_memory": {"adam"},
   # Layers read from a LayerStore: fp32 plain, and bf16 under a remat policy; one pool size.
   "test_layer_store.py::test_loss_and_grads_bit_exact": {"float32-kw0", "bfloat16-kw3"},
