@@ -12,6 +12,10 @@ from typing import TYPE_CHECKING, Any
 from offlax._src import donation as _donation
 from offlax._src.apply import apply_updates, update_and_apply
 from offlax._src.errors import (
+  CheckpointCorruptedError,
+  CheckpointExistsError,
+  CheckpointMismatchError,
+  CheckpointNotFoundError,
   InvalidOptionError,
   InvalidTargetError,
   InvalidTierError,
@@ -58,6 +62,8 @@ _LAZY = {
     "reshard",
     "retier",
   ),
+  "offlax._src.hf.load": ("load_safetensors",),
+  "offlax._src.hf.save": ("save_safetensors",),
   "offlax._src.host_checkpoint": ("HostStateRestore", "HostStateSave"),
   "offlax._src.inspector": ("LeafReport", "StoreReport", "inspect_store"),
   "offlax._src.nnx_layer_store": ("LayerToken", "StoredParam", "stack_layers"),
@@ -77,6 +83,8 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and the API docs
     reshard,
     retier,
   )
+  from offlax._src.hf.load import load_safetensors
+  from offlax._src.hf.save import save_safetensors
   from offlax._src.host_checkpoint import HostStateRestore, HostStateSave
   from offlax._src.inspector import LeafReport, StoreReport, inspect_store
   from offlax._src.nnx_layer_store import LayerToken, StoredParam, stack_layers
@@ -105,6 +113,10 @@ def __dir__() -> list[str]:
 __version__ = "0.1.0"
 
 __all__ = [
+  "CheckpointCorruptedError",
+  "CheckpointExistsError",
+  "CheckpointMismatchError",
+  "CheckpointNotFoundError",
   "CompiledMemory",
   "GpuTarget",
   "HostStateRestore",
@@ -153,6 +165,7 @@ __all__ = [
   "fetch",
   "gpu_compile_available",
   "inspect_store",
+  "load_safetensors",
   "master_weights",
   "nnx_update",
   "offload",
@@ -163,6 +176,7 @@ __all__ = [
   "reshard",
   "retier",
   "rollback",
+  "save_safetensors",
   "scan_layers",
   "stack_layers",
   "stats",

@@ -83,6 +83,22 @@ class PerformanceWarning(UserWarning):
   """The configuration works but costs speed or memory; the message says what to change."""
 
 
+class CheckpointNotFoundError(OffloadError, FileNotFoundError):
+  """A Hugging Face checkpoint folder, or a shard its index names, is missing."""
+
+
+class CheckpointCorruptedError(OffloadError, ValueError):
+  """A checkpoint's file is cut short, or its header or index is damaged."""
+
+
+class CheckpointMismatchError(OffloadError, ValueError):
+  """A checkpoint does not fit the model: a tensor too many or missing, a shape, dtype or config."""
+
+
+class CheckpointExistsError(OffloadError, FileExistsError):
+  """`save_safetensors` was to write into a folder that holds files."""
+
+
 class InvalidTargetError(OffloadError, ValueError):
   """`compile_for_gpu` was given a GPU target it does not know."""
 

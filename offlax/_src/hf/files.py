@@ -1,0 +1,249 @@
+"""A Hugging Face checkpoint folder's safetensors files: headers, index, reads and writes.
+
+A safetensors file is an 8-byte little-endian header length, a JSON header
+(each tensor's dtype, shape and byte range in the data that follows) and the
+data. A sharded checkpoint adds ``model.safetensors.index.json``, naming each
+tensor's file. Reads go through ``os.preadv`` into one buffer per tensor (no
+mapping of the whole file: the RSS holds the tensor being read, nothing else),
+and every byte range is checked against the file's size before anything is
+read, so a cut-short download is refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Iterable
+from typing import Any, NamedTuple
+
+import ml_dtypes
+import numpy as np
+
+from offlax._src import errors
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+DTYPES: dict[str, Any] = {
+  "BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32, "F64": np.float64,
+  "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2, "I8": np.int8,
+  "I16": np.int16, "I32": np.int32, "I64": np.int64, "U8": np.uint8, "U16": np.uint16,
+  "U32": np.uint32, "U64": np.uint64, "BOOL": np.bool_,
+}  # fmt: skip
+NAMES = {np.dtype(v): k for k, v in DTYPES.items()}
+
+
+class Tensor(NamedTuple):
+  """One tensor of a checkpoint: where its bytes are, and what they hold."""
+
+  name: str
+  file: str  # the file's full path
+  dtype: np.dtype
+  shape: tuple[int, ...]
+  offset: int  # of its first byte in the file
+  nbytes: int
+
+
+class Folder(NamedTuple):
+  """A checkpoint folder's tensors (in the files' order) and each file's ``__metadata__``."""
+
+  path: str
+  tensors: dict[str, Tensor]
+  metadata: dict[str, dict[str, str]]  # file name -> its header's __metadata__
+
+
+def read_folder(path: str) -> Folder:
+  """The tensors of the checkpoint at `path`, every header checked against its file.
+
+  Raises:
+    CheckpointNotFoundError: no folder, no safetensors file, or a shard the
+      index names is missing.
+    CheckpointCorruptedError: a header is unreadable, a tensor's byte range
+      disagrees with its shape or runs past the end of its file (a cut-short
+      download), or the index and the files disagree.
+  """
+  if not os.path.isdir(path):
+    raise errors.CheckpointNotFoundError(f"load_safetensors: {path} is not a folder.")
+  weight_map = None
+  index = os.path.join(path, INDEX)
+  if os.path.exists(index):
+    try:
+      with open(index) as f:
+        weight_map = json.load(f)["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+      raise errors.CheckpointCorruptedError(f"load_safetensors: cannot read {index}: {e!r}") from e
+    names = sorted(set(weight_map.values()))
+    missing = [n for n in names if not os.path.isfile(os.path.join(path, n))]
+    if missing:
+      lost = sum(1 for n in weight_map.values() if n in missing)
+      raise errors.CheckpointNotFoundError(
+        f"load_safetensors: {index} names {len(names)} shards, and {', '.join(missing)} "
+        f"{'is' if len(missing) == 1 else 'are'} missing from {path} ({lost} tensors): "
+        "download the checkpoint again (all its shards)."
+      )
+  else:
+    names = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
+    if not names:
+      raise errors.CheckpointNotFoundError(
+        f"load_safetensors: {path} holds no .safetensors file (nor {INDEX})."
+      )
+  tensors: dict[str, Tensor] = {}
+  metadata = {}
+  for name in names:
+    found, metadata[name] = read_header(os.path.join(path, name))
+    for t in found:
+      if t.name in tensors:
+        raise errors.CheckpointCorruptedError(
+          f"load_safetensors: tensor {t.name} is in both {tensors[t.name].file} and {t.file}."
+        )
+      if weight_map is not None and weight_map.get(t.name) != name:
+        raise errors.CheckpointCorruptedError(
+          f"load_safetensors: {t.file} holds tensor {t.name}, which {index} places in "
+          f"{weight_map.get(t.name, 'no file')}."
+        )
+      tensors[t.name] = t
+  if weight_map is not None and (absent := sorted(set(weight_map) - set(tensors))):
+    raise errors.CheckpointCorruptedError(
+      f"load_safetensors: {index} names tensors its files lack: {short(absent)}."
+    )
+  return Folder(path, tensors, metadata)
+
+
+def read_header(file: str) -> tuple[list[Tensor], dict[str, str]]:
+  """A safetensors file's tensors and ``__metadata__``, each byte range checked."""
+  size = os.path.getsize(file)
+  with open(file, "rb") as f:
+    head = f.read(8)
+    n = struct.unpack("<Q", head)[0] if len(head) == 8 else None
+    if n is None or 8 + n > size:
+      raise errors.CheckpointCorruptedError(
+        f"load_safetensors: {file} is cut short ({size} bytes, within its header): download it "
+        "again."
+      )
+    try:
+      header = json.loads(f.read(n))
+    except ValueError as e:
+      raise errors.CheckpointCorruptedError(
+        f"load_safetensors: {file}'s header is not JSON ({e}): download it again."
+      ) from e
+  start, tensors = 8 + n, []
+  for name, meta in header.items():
+    if name == "__metadata__":
+      continue
+    dtype = DTYPES.get(meta.get("dtype"))
+    if dtype is None:
+      raise errors.CheckpointCorruptedError(
+        f"load_safetensors: tensor {name} of {file} has dtype {meta.get('dtype')!r}, which "
+        f"offlax does not read ({', '.join(DTYPES)})."
+      )
+    shape = tuple(int(d) for d in meta["shape"])
+    begin, end = (int(x) for x in meta["data_offsets"])
+    want = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    if end - begin != want:
+      raise errors.CheckpointCorruptedError(
+        f"load_safetensors: tensor {name} of {file} is {meta['dtype']}{list(shape)} "
+        f"({want} bytes) but its header gives it {end - begin} bytes."
+      )
+    if start + end > size:
+      raise errors.CheckpointCorruptedError(
+        f"load_safetensors: {file} is cut short: tensor {name} ends at byte {start + end}, the "
+        f"file has {size} bytes (an interrupted download?): download it again."
+      )
+    tensors.append(Tensor(name, file, np.dtype(dtype), shape, start + begin, want))
+  return tensors, header.get("__metadata__") or {}
+
+
+def read(t: Tensor) -> np.ndarray:
+  """Tensor `t`'s values, read now into a new array."""
+  out = np.empty(t.shape, t.dtype)
+  raw = out.reshape(-1).view(np.uint8)
+  fd = os.open(t.file, os.O_RDONLY)
+  try:
+    done = 0
+    while done < t.nbytes:
+      got = os.preadv(fd, [raw[done:].data], t.offset + done)
+      if got <= 0:
+        raise errors.CheckpointCorruptedError(
+          f"load_safetensors: {t.file} ended while reading tensor {t.name}: download it again."
+        )
+      done += got
+  finally:
+    os.close(fd)
+  return out
+
+
+class Writer:
+  """Writes tensors into the shard files of a new checkpoint, laid out up front.
+
+  Each tensor's place (file, offset) is known before its bytes are: the
+  headers are written first, then `write` puts each tensor in its place, in any
+  order (a layer at a time). `finish` flushes the files and writes the index.
+  """
+
+  def __init__(self, folder: str, layout: Iterable[tuple[str, np.dtype, tuple[int, ...]]],
+               max_shard_bytes: int, metadata: dict[str, str]):  # fmt: skip
+    shards: list[list[tuple[str, np.dtype, tuple[int, ...], int]]] = [[]]
+    used = 0
+    for name, dtype, shape in layout:
+      nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+      if shards[-1] and used + nbytes > max_shard_bytes:
+        shards.append([])
+        used = 0
+      shards[-1].append((name, np.dtype(dtype), tuple(shape), nbytes))
+      used += nbytes
+    n = len(shards)
+    self.folder, self.places, self.fds = folder, {}, []
+    self.names = (
+      [SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    )
+    self.weight_map: dict[str, str] = {}
+    self.total = 0
+    for file, shard in zip(self.names, shards, strict=True):
+      header: dict[str, Any] = {"__metadata__": metadata}
+      offset = 0
+      for name, dtype, shape, nbytes in shard:
+        header[name] = {"dtype": NAMES[dtype], "shape": list(shape),
+                        "data_offsets": [offset, offset + nbytes]}  # fmt: skip
+        offset += nbytes
+      raw = json.dumps(header, separators=(",", ":")).encode()
+      raw += b" " * (-len(raw) % 8)  # the data 8-byte aligned, as safetensors writes it
+      fd = os.open(os.path.join(folder, file), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+      self.fds.append(fd)
+      os.pwrite(fd, struct.pack("<Q", len(raw)) + raw, 0)
+      os.ftruncate(fd, 8 + len(raw) + offset)
+      for name, dtype, shape, _ in shard:
+        self.places[name] = (fd, 8 + len(raw) + header[name]["data_offsets"][0], dtype, shape)
+        self.weight_map[name] = file
+      self.total += offset
+
+  def write(self, name: str, x: np.ndarray) -> None:
+    """Puts tensor `name`'s values (already of its dtype and shape) in its place."""
+    fd, offset, dtype, shape = self.places[name]
+    assert x.dtype == dtype and x.shape == shape, (name, x.dtype, x.shape, dtype, shape)
+    raw = np.ascontiguousarray(x).reshape(-1).view(np.uint8)
+    done = 0
+    while done < raw.size:
+      done += os.pwrite(fd, raw[done:].data, offset + done)
+
+  def finish(self) -> None:
+    """Flushes every file and writes the index (for more than one shard)."""
+    for fd in self.fds:
+      os.fsync(fd)
+    if len(self.names) > 1:
+      index = {"metadata": {"total_size": self.total}, "weight_map": self.weight_map}
+      with open(os.path.join(self.folder, INDEX), "w") as f:
+        json.dump(index, f, indent=2, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    self.close()
+
+  def close(self) -> None:
+    for fd in self.fds:
+      os.close(fd)
+    self.fds = []
+
+
+def short(names: list[str], n: int = 8) -> str:
+  """At most `n` of `names`, and how many more."""
+  more = f" and {len(names) - n} more" if len(names) > n else ""
+  return ", ".join(names[:n]) + more

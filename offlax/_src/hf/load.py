@@ -1,0 +1,153 @@
+"""`load_safetensors`: an NNX model's params from a Hugging Face checkpoint folder.
+
+Everything is checked first (`plan.match`, `plan.check_config`, the files'
+headers): a refused checkpoint leaves the model and its store as they were.
+Then a param at a time (a stored layer's leaves together): each tensor read
+into one host buffer, put in the param's layout and dtype, and placed where the
+param lives: ``jax.device_put`` to its sharding (a ``pinned_host`` param goes
+from host RAM straight to pinned host memory, never through the device), or
+written into the store's committed step with its optimizer's fresh state.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+from offlax._src.hf import files, plan
+from offlax._src.hf import mapping as mapping_lib
+from offlax._src.hf import params as params_lib
+
+# The folder each model was loaded from (and its mapping and skips): `save_safetensors`'s
+# default source, for the same names, layouts and dtypes.
+_LOADED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class Loaded(dict):
+  """What `load_safetensors` read into a model: ``path``, ``mapping``, ``skip``, ``seconds``."""
+
+
+def load_safetensors(model: Any, path: str, *, mapping: dict[str, Any] | None = None,
+                     skip: Iterable[str] = (), store: Any = None, config: Any = None,
+                     check_config: bool = True, cast: bool = True,
+                     progress: bool = True) -> Any:  # fmt: skip
+  """Fills `model`'s params from the Hugging Face checkpoint folder at `path`.
+
+  The folder holds ``*.safetensors`` files (one, or shards named by
+  ``model.safetensors.index.json``). Each tensor is read from disk into host
+  RAM on its own, mapped to its param (transposed, reshaped, cast to the
+  param's dtype, as the mapping says) and put where the param lives: on the
+  device, in ``pinned_host`` memory after `offlax.offload_params` (straight
+  from RAM, never through the device), or, for a model whose layers are in a
+  `LayerStore` (``offload_params(model, store=store)``), into the store's
+  committed step, a layer at a time, with the store's optimizer state made
+  afresh from the loaded params (``optimizer.init``: the fp32 master of
+  `master_weights`, zero moments). The model may be abstract
+  (`nnx.eval_shape`): loading gives it its values.
+
+  Every tensor, param, shape, dtype, file size and the folder's
+  ``config.json`` are checked before anything is written.
+
+  Args:
+    model: a Flax NNX model; changed in place.
+    path: the checkpoint folder.
+    mapping: ``{regex over tensor names: (param path, transform)}``, Tunix's
+      format (docs/pretrained.md); None: Tunix's own for its Llama3, Qwen3 and
+      Gemma3.
+    skip: names or regular expressions of tensors not to load (a vision
+      tower; `save_safetensors` copies them from the source as they are).
+    store: the `offlax.LayerStore` the model's layers read, if they do.
+    config: the model's config, compared with ``config.json``; None: the
+      model's ``config`` attribute (Tunix's models have one).
+    check_config: compare ``config.json`` with the config at all.
+    cast: convert a tensor to its param's dtype (floating point only); False
+      refuses any dtype that differs.
+    progress: show a progress bar.
+
+  Returns:
+    `model` itself.
+
+  Raises:
+    CheckpointNotFoundError: no folder, no safetensors file, or a shard the
+      index names is missing.
+    CheckpointCorruptedError: a file is cut short or its header is damaged.
+    CheckpointMismatchError: a tensor the model lacks (not skipped), a param
+      without its tensor, a wrong shape or dtype, or a ``config.json`` that
+      disagrees with the model's config.
+    InvalidOptionError: no mapping is known for the model, or its layers are
+      in a store and ``store`` is not given.
+
+  Example:
+    >>> import offlax  # doctest: +SKIP
+    >>> from tunix.models.qwen3 import model as qwen3
+    >>> model = nnx.eval_shape(lambda: qwen3.Qwen3(config, rngs=nnx.Rngs(0)))
+    >>> model = offlax.offload_params(model)  # params in pinned_host
+    >>> offlax.load_safetensors(model, "Qwen3-14B/")
+  """
+  where = "load_safetensors"
+  start = time.perf_counter()
+  folder = files.read_folder(path)
+  config = getattr(model, "config", None) if config is None else config
+  if check_config:
+    plan.check_config(path, config, where)
+  if mapping is None:
+    mapping = mapping_lib.for_model(model, config)
+  targets = params_lib.of_model(model, store)
+  skip = tuple(skip)
+  matched = plan.match(folder, mapping, targets, skip, cast, where)
+  order = sorted(targets.values(), key=order_key)
+  layer: dict[int, np.ndarray] = {}
+  for target in progress_bar(order, progress, f"offlax: loading {path}"):
+    x = assemble(matched.by_path[target.path], target)
+    if isinstance(target, params_lib.Param):
+      params_lib.put(target, x)
+      continue
+    layer[target.leaf] = x
+    params_lib.concrete_placeholder(target)
+    if len(layer) == len(store.records):  # the layer's last leaf: write it whole
+      params_lib.write_layer(store, target.layer, [layer[k] for k in range(len(layer))])
+      layer = {}
+  if store is not None and any(isinstance(t, params_lib.Stored) for t in order):
+    params_lib.commit(store)
+  _LOADED[model] = Loaded(path=path, mapping=mapping, skip=skip,
+                          seconds=time.perf_counter() - start)  # fmt: skip
+  return model
+
+
+def loaded_from(model: Any) -> Loaded | None:
+  """What `load_safetensors` last read into `model` (its folder, mapping, skips), or None."""
+  return _LOADED.get(model)
+
+
+def assemble(pairs: list[tuple[mapping_lib.Entry, files.Tensor]], target: Any) -> np.ndarray:
+  """A param's values from its tensors: each read, put in its layout, cast, stacked if indexed."""
+  if pairs[0][0].index is None:
+    ((entry, t),) = pairs
+    return _cast(mapping_lib.forward(files.read(t), entry.steps), target.dtype)
+  out = np.empty(target.shape, target.dtype)
+  for entry, t in pairs:
+    out[entry.at] = _cast(mapping_lib.forward(files.read(t), entry.steps), target.dtype)
+  return out
+
+
+def _cast(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
+  return np.ascontiguousarray(x if x.dtype == dtype else x.astype(dtype))
+
+
+def order_key(target: Any) -> tuple[int, int, str]:
+  """The params first, then the stored layers, each layer's leaves together."""
+  if isinstance(target, params_lib.Stored):
+    return (1 + target.layer, target.leaf, target.path)
+  return (0, 0, target.path)
+
+
+def progress_bar(items: list, enabled: bool, desc: str) -> Any:
+  if not enabled:
+    return items
+  from tqdm.auto import tqdm
+
+  return tqdm(items, desc=desc, unit="param", leave=False, delay=2.0)

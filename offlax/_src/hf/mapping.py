@@ -1,0 +1,172 @@
+"""Name mappings: which NNX param each checkpoint tensor fills, and how its layout changes.
+
+A mapping is Tunix's format (``tunix.models.<family>.params``'s
+``_get_key_and_transform_mapping(config)``): a dict from a regular expression
+over the checkpoint's tensor names to ``(target, transform)``. The target is
+the param's path in the model (``layers.\\1.attn.q_proj.w``, groups of the
+expression filled in); a target ending in ``[i]`` places the tensor at index
+``i`` of the param's first axis (several tensors stacked into one param: Gemma's
+``kv_einsum``); a target starting with ``unused.`` marks a tensor the model does
+not hold (read by nothing, copied as it is by `save_safetensors`). The
+transform is None or ``(permute, reshape)``: a transpose, then a reshape (each
+may be None), with an optional third element, a transpose after the reshape.
+The steps are exact (no arithmetic), so `inverse` undoes them bit for bit.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from offlax._src import errors
+
+UNUSED = "unused."
+_INDEXED = re.compile(r"^(.*)\[(\d+)\]$")
+
+
+class Entry(NamedTuple):
+  """Where one checkpoint tensor goes: its param's path, its index there, and the steps."""
+
+  name: str
+  path: str
+  at: int | None  # its index on the param's first axis, where several tensors stack
+  steps: tuple[tuple[str, tuple[int, ...]], ...]  # ("transpose", perm) or ("reshape", shape)
+
+
+def steps_of(transform: Any) -> tuple[tuple[str, tuple[int, ...]], ...]:
+  """A mapping's transform as steps: transpose, reshape, transpose (each where given)."""
+  if transform is None:
+    return ()
+  if not isinstance(transform, (tuple, list)) or not 2 <= len(transform) <= 3:
+    raise errors.InvalidOptionError(
+      f"load_safetensors: a mapping's transform is None or (permute, reshape[, permute]), got "
+      f"{transform!r}."
+    )
+  kinds = ("transpose", "reshape", "transpose")
+  return tuple((k, tuple(int(d) for d in s)) for k, s in zip(kinds, transform, strict=False) if s)
+
+
+def resolve(mapping: dict[str, Any], name: str) -> Entry | None:
+  """Where tensor `name` goes under `mapping`: an `Entry`, or None where nothing matches.
+
+  Raises:
+    InvalidOptionError: several expressions of `mapping` match `name`.
+  """
+  found = [(pattern, m) for pattern in mapping if (m := re.fullmatch(pattern, name))]
+  if not found:
+    return None
+  if len(found) > 1:
+    raise errors.InvalidOptionError(
+      f"load_safetensors: tensor {name} matches {len(found)} expressions of the mapping "
+      f"({', '.join(p for p, _ in found)}); make them exclusive."
+    )
+  pattern, m = found[0]
+  target, transform = mapping[pattern]
+  path = m.expand(target)
+  index = None
+  if indexed := _INDEXED.match(path):
+    path, index = indexed.group(1), int(indexed.group(2))
+  return Entry(name, path, index, steps_of(transform))
+
+
+def shapes(shape: tuple[int, ...], steps: Any, name: str) -> list[tuple[int, ...]]:
+  """The shape before each step and after the last, from the checkpoint's `shape`.
+
+  Raises:
+    CheckpointMismatchError: a step does not fit the shape (the wrong rank for a
+      transpose, another size for a reshape).
+  """
+  out = [tuple(shape)]
+  for kind, arg in steps:
+    now = out[-1]
+    if kind == "transpose":
+      if sorted(arg) != list(range(len(now))):
+        raise errors.CheckpointMismatchError(
+          f"tensor {name} is {list(shape)}: the mapping transposes it by {arg}, which does not "
+          f"fit its shape {list(now)} at that step."
+        )
+      out.append(tuple(now[a] for a in arg))
+    else:
+      if int(np.prod(arg, dtype=np.int64)) != int(np.prod(now, dtype=np.int64)):
+        raise errors.CheckpointMismatchError(
+          f"tensor {name} is {list(shape)}: the mapping reshapes it from {list(now)} to "
+          f"{list(arg)}, another size; the checkpoint is of another model size."
+        )
+      out.append(tuple(arg))
+  return out
+
+
+def forward(x: np.ndarray, steps: Any) -> np.ndarray:
+  """`x` (a checkpoint tensor) in the param's layout."""
+  for kind, arg in steps:
+    x = x.transpose(arg) if kind == "transpose" else x.reshape(arg)
+  return x
+
+
+def inverse(x: np.ndarray, steps: Any, shape: tuple[int, ...]) -> np.ndarray:
+  """The inverse of `forward`: `x` (in the param's layout) as the checkpoint's `shape`."""
+  before = shapes(shape, steps, "")
+  for j in reversed(range(len(steps))):
+    kind, arg = steps[j]
+    x = x.transpose(np.argsort(arg)) if kind == "transpose" else x.reshape(before[j])
+  return x
+
+
+def tunix_family(model: Any) -> str | None:
+  """The Tunix family (``llama3``, ``qwen3``, ``gemma3``, ...) of `model`'s class, or None."""
+  for cls in type(model).__mro__:
+    parts = cls.__module__.split(".")
+    if parts[:2] == ["tunix", "models"] and len(parts) > 2:
+      return parts[2]
+  return None
+
+
+def for_model(model: Any, config: Any) -> dict[str, Any]:
+  """The mapping of a Tunix Llama3, Qwen3 or Gemma3 model: Tunix's own, as its loader uses it.
+
+  Raises:
+    InvalidOptionError: `model` is of another class (pass ``mapping=``).
+  """
+  family = tunix_family(model)
+  if family in ("llama3", "qwen3"):
+    params = importlib.import_module(f"tunix.models.{family}.params")
+    # Tunix's own table (a private name of Tunix, the one its loader reads): the same regexes.
+    return dict(params._get_key_and_transform_mapping(config))
+  if family == "gemma3":
+    return gemma3(config)
+  raise errors.InvalidOptionError(
+    f"load_safetensors: no mapping is known for {type(model).__name__} (Tunix's Llama3, Qwen3 "
+    "and Gemma3 have theirs); pass mapping={regex over tensor names: (param path, transform)} "
+    "as docs/pretrained.md shows."
+  )
+
+
+def gemma3(config: Any) -> dict[str, Any]:
+  """Tunix's Gemma3 mapping with its q, k and v made direct targets.
+
+  Tunix maps them to temporary names and a preprocessing step stacks them
+  into ``qkv_einsum`` (as many kv heads as heads) or ``q_einsum`` and
+  ``kv_einsum``, each in (heads, embed, head_dim) layout: here, Tunix's
+  transpose and reshape to (embed, heads, head_dim), then the preprocessing's
+  transpose, as one transform (the same steps, so the same values).
+  """
+  params = importlib.import_module("tunix.models.gemma3.params_safetensors")
+  mapping = dict(params._get_key_and_transform_mapping(config))
+  fused = config.num_heads == config.num_kv_heads
+  d, h = config.embed_dim, config.head_dim
+  q = ((1, 0), (d, config.num_heads, h), (1, 0, 2))
+  kv = ((1, 0), (d, config.num_kv_heads, h), (1, 0, 2))
+  targets = (
+    {"q": ("qkv_einsum.w[0]", q), "k": ("qkv_einsum.w[1]", kv), "v": ("qkv_einsum.w[2]", kv)}
+    if fused
+    else {"q": ("q_einsum.w", q), "k": ("kv_einsum.w[0]", kv), "v": ("kv_einsum.w[1]", kv)}
+  )
+  for pattern, (target, transform) in list(mapping.items()):
+    if isinstance(target, str) and target.startswith("tmp.layers."):
+      which = target.rsplit(".", 1)[1]
+      name, transform = targets[which]
+      mapping[pattern] = (r"layers.\1.attn." + name, transform)
+  return mapping

@@ -1,0 +1,158 @@
+"""`save_safetensors`: a model's params as a Hugging Face checkpoint folder.
+
+The tensors' names, shapes, dtypes and order are the source checkpoint's (the
+folder the model was loaded from, or ``source=``); each param goes back
+through the inverse of its mapping's steps (exact: transposes and reshapes)
+and is cast to the source's dtype. A param at a time (a stored layer's leaves
+read together), into shards laid out up front; tensors the model does not
+hold (skipped, ``unused.``) are copied from the source as they are. All of it
+goes into a temporary folder beside `path`, renamed to `path` at the end: a
+crash leaves no half checkpoint under `path`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from typing import Any
+
+import numpy as np
+
+from offlax._src import errors
+from offlax._src.hf import files, plan
+from offlax._src.hf import load as load_lib
+from offlax._src.hf import mapping as mapping_lib
+from offlax._src.hf import params as params_lib
+
+MAX_SHARD_BYTES = 5 * 2**30
+
+
+def save_safetensors(model: Any, path: str, *, source: str | None = None,
+                     mapping: dict[str, Any] | None = None, skip: Any = None, store: Any = None,
+                     max_shard_bytes: int = MAX_SHARD_BYTES, overwrite: bool = False,
+                     progress: bool = True) -> str:  # fmt: skip
+  """Writes `model`'s params to `path` as a Hugging Face checkpoint, laid out as its source.
+
+  The params may be on the device, in ``pinned_host``, or (``store=``) in a
+  `LayerStore`'s committed step. The checkpoint has the source's tensor
+  names, shapes and dtypes, sharded into files of at most `max_shard_bytes`
+  (one tensor larger than that gets a file of its own) with
+  ``model.safetensors.index.json`` (one file: ``model.safetensors``), and the
+  source's other files (``config.json``, tokenizer files) copied. A loaded
+  model saved untrained gives every tensor back byte for byte.
+
+  Args:
+    model: a Flax NNX model with values.
+    path: the new checkpoint's folder: absent or empty (or `overwrite`).
+    source: the checkpoint folder whose layout to write; None: the folder
+      the model was last loaded from by `offlax.load_safetensors`.
+    mapping, skip: as for `load_safetensors`; None: those of the load (else
+      Tunix's mapping for its models, no skips).
+    store: the `offlax.LayerStore` the model's layers read, if they do.
+    max_shard_bytes: the largest file, in bytes (Hugging Face's 5 GiB).
+    overwrite: replace a `path` that holds files.
+    progress: show a progress bar.
+
+  Returns:
+    `path`.
+
+  Raises:
+    CheckpointExistsError: `path` holds files and not ``overwrite``.
+    CheckpointMismatchError: the source does not fit the model (as for a load).
+    InvalidOptionError: no source (the model was not loaded, and no
+      ``source=``), or the model has no values (`nnx.eval_shape`).
+
+  Example:
+    >>> offlax.save_safetensors(model, "Qwen3-14B-tuned/")  # doctest: +SKIP
+    'Qwen3-14B-tuned/'
+  """
+  where = "save_safetensors"
+  loaded = load_lib.loaded_from(model)
+  if source is None:
+    if loaded is None:
+      raise errors.InvalidOptionError(
+        f"{where}: pass source= (the checkpoint folder whose names and layout to write): the "
+        "model was not loaded by offlax.load_safetensors."
+      )
+    source = loaded["path"]
+  same = loaded if loaded is not None and loaded["path"] == source else None
+  if mapping is None:
+    config = getattr(model, "config", None)
+    mapping = same["mapping"] if same else mapping_lib.for_model(model, config)
+  if skip is None:
+    skip = same["skip"] if same else ()
+  if not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
+    raise errors.InvalidOptionError(f"{where}: max_shard_bytes must be an int >= 1.")
+  path = os.path.abspath(path)
+  if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)) and not overwrite:
+    raise errors.CheckpointExistsError(
+      f"{where}: {path} exists and holds files; pass overwrite=True to replace it, or another path."
+    )
+  folder = files.read_folder(source)
+  targets = params_lib.of_model(model, store)
+  matched = plan.match(folder, mapping, targets, skip, True, where)
+  empty = [t.path for t in targets.values() if not params_lib.has_value(t)]
+  if empty:
+    raise errors.InvalidOptionError(
+      f"{where}: the model's params {files.short(empty)} have no values (an nnx.eval_shape "
+      "model): load_safetensors gives them theirs."
+    )
+  parent = os.path.dirname(path)
+  os.makedirs(parent, exist_ok=True)
+  tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=parent)
+  try:
+    _write(tmp, folder, matched, targets, store, max_shard_bytes, progress)
+    _replace(tmp, path)
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
+  return path
+
+
+def _write(tmp: str, folder: files.Folder, matched: plan.Match, targets: dict[str, Any],
+           store: Any, max_shard_bytes: int, progress: bool) -> None:  # fmt: skip
+  layout = [(t.name, t.dtype, t.shape) for t in folder.tensors.values()]
+  metadata = next(iter(folder.metadata.values()), {}) or {"format": "pt"}
+  writer = files.Writer(tmp, layout, max_shard_bytes, metadata)
+  try:
+    order = sorted(targets.values(), key=load_lib.order_key)
+    layer, values = -1, []
+    for target in load_lib.progress_bar(order, progress, f"offlax: saving {os.path.basename(tmp)}"):
+      if isinstance(target, params_lib.Param):
+        x = params_lib.get(target)
+      else:
+        if target.layer != layer:  # a layer at a time: its leaves read together
+          layer, values = target.layer, store.read_layer(target.layer)
+        x = values[target.leaf]
+      for entry, t in matched.by_path[target.path]:
+        part = x if entry.at is None else x[entry.at]
+        part = mapping_lib.inverse(part, entry.steps, t.shape)
+        writer.write(t.name, np.ascontiguousarray(part.astype(t.dtype, copy=False)))
+    for name in matched.others:
+      writer.write(name, files.read(folder.tensors[name]))
+    writer.finish()
+  finally:
+    writer.close()
+  for name in sorted(os.listdir(folder.path)):  # config.json, tokenizer files, ...
+    full = os.path.join(folder.path, name)
+    if os.path.isfile(full) and not name.endswith(".safetensors") and name != files.INDEX:
+      shutil.copyfile(full, os.path.join(tmp, name))
+
+
+def _replace(tmp: str, path: str) -> None:
+  """Renames `tmp` to `path`; an old `path` goes aside first and is removed after."""
+  old = None
+  if os.path.exists(path):
+    old = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.", suffix=".old",
+                           dir=os.path.dirname(path))  # fmt: skip
+    os.rmdir(old)
+    os.rename(path, old)
+  os.rename(tmp, path)
+  fd = os.open(os.path.dirname(path), os.O_RDONLY)
+  try:
+    os.fsync(fd)  # the rename itself
+  finally:
+    os.close(fd)
+  if old is not None:
+    shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,447 @@
+"""`offlax.load_safetensors` / `save_safetensors` with Tunix's Llama3, Qwen3 and Gemma3.
+
+Each test writes a tiny checkpoint in Hugging Face's own layout (the tensor
+names and shapes of `transformers`' Llama, Qwen3 and Gemma3 models, written by
+the `safetensors` package), loads it with offlax into a model whose params are
+on the device, in ``pinned_host`` or in a `LayerStore`, and compares the logits
+with those of the same model loaded by Tunix's own loader
+(``create_model_from_safe_tensors``), bit for bit. Saving a loaded model gives
+back every tensor of the source byte for byte; each bad input is refused by
+name with the model, the store and the output folder untouched.
+"""
+
+import dataclasses
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import offlax
+
+pytest.importorskip("tunix", reason="the Llama3/Qwen3/Gemma3 models and loaders are Tunix's")
+safetensors_numpy = pytest.importorskip("safetensors.numpy", reason="writes the test checkpoints")
+
+from tunix.models.gemma3 import model as gemma3  # noqa: E402
+from tunix.models.gemma3 import params_safetensors as gemma3_params  # noqa: E402
+from tunix.models.llama3 import model as llama3  # noqa: E402
+from tunix.models.llama3 import params as llama3_params  # noqa: E402
+from tunix.models.qwen3 import model as qwen3  # noqa: E402
+from tunix.models.qwen3 import params as qwen3_params  # noqa: E402
+
+SMALL = dict(embed_dim=32, hidden_dim=64, num_heads=4, head_dim=8, num_kv_heads=2)
+VOCAB, LAYERS = 64, 2
+
+
+def config_of(family, **changes):
+  if family == "llama3":
+    config = llama3.ModelConfig(num_layers=LAYERS, vocab_size=VOCAB, rope_theta=500_000,
+                                norm_eps=1e-5, **SMALL)  # fmt: skip
+  elif family == "qwen3":
+    config = qwen3.ModelConfig(num_layers=LAYERS, vocab_size=VOCAB, rope_theta=1_000_000,
+                               norm_eps=1e-6, **SMALL)  # fmt: skip
+  else:
+    config = dataclasses.replace(
+      gemma3.ModelConfig.gemma3_270m(), num_layers=LAYERS, num_embed=VOCAB,
+      sliding_window_size=4, param_dtype=jnp.float32, **SMALL,
+    )  # fmt: skip
+  return dataclasses.replace(config, **changes)
+
+
+MODELS = {"llama3": llama3.Llama3, "qwen3": qwen3.Qwen3, "gemma3": gemma3.Gemma3}
+TUNIX_LOADERS = {
+  "llama3": llama3_params.create_model_from_safe_tensors,
+  "qwen3": qwen3_params.create_model_from_safe_tensors,
+  "gemma3": gemma3_params.create_model_from_safe_tensors,
+}
+
+
+def abstract_model(family, config):
+  return nnx.eval_shape(lambda: MODELS[family](config, rngs=nnx.Rngs(0)))
+
+
+def hf_tensors(family, config, dtype=np.float32, seed=0):
+  """Random tensors with the names and shapes of Hugging Face's checkpoint of `family`."""
+  d, n, k, h, f = (config.embed_dim, config.num_heads, config.num_kv_heads, config.head_dim,
+                   config.hidden_dim)  # fmt: skip
+  shapes = {"model.embed_tokens.weight": (VOCAB, d)}
+  for i in range(config.num_layers):
+    p = f"model.layers.{i}."
+    shapes |= {
+      p + "self_attn.q_proj.weight": (n * h, d), p + "self_attn.k_proj.weight": (k * h, d),
+      p + "self_attn.v_proj.weight": (k * h, d), p + "self_attn.o_proj.weight": (d, n * h),
+      p + "mlp.gate_proj.weight": (f, d), p + "mlp.up_proj.weight": (f, d),
+      p + "mlp.down_proj.weight": (d, f), p + "input_layernorm.weight": (d,),
+      p + "post_attention_layernorm.weight": (d,),
+    }  # fmt: skip
+    if family in ("qwen3", "gemma3"):
+      shapes |= {p + "self_attn.q_norm.weight": (h,), p + "self_attn.k_norm.weight": (h,)}
+    if family == "gemma3":
+      shapes |= {p + "pre_feedforward_layernorm.weight": (d,),
+                 p + "post_feedforward_layernorm.weight": (d,)}  # fmt: skip
+  shapes["model.norm.weight"] = (d,)
+  if family != "gemma3":  # Gemma ties its head to the embedding
+    shapes["lm_head.weight"] = (VOCAB, d)
+  rng = np.random.default_rng(seed)
+  return {name: (rng.standard_normal(s) * 0.3).astype(dtype) for name, s in shapes.items()}
+
+
+def write_checkpoint(folder, family, config, tensors, shards=1):
+  """`tensors` as a Hugging Face folder: shards with their index, config.json, a tokenizer file."""
+  os.makedirs(folder, exist_ok=True)
+  names = list(tensors)
+  parts = [names[i::shards] for i in range(shards)]
+  files = ["model.safetensors"] if shards == 1 else [
+    f"model-{i + 1:05d}-of-{shards:05d}.safetensors" for i in range(shards)
+  ]  # fmt: skip
+  for file, part in zip(files, parts, strict=True):
+    safetensors_numpy.save_file({n: tensors[n] for n in part}, os.path.join(folder, file),
+                                metadata={"format": "pt"})  # fmt: skip
+  if shards > 1:
+    weight_map = {n: file for file, part in zip(files, parts, strict=True) for n in part}
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+      json.dump({"metadata": {"total_size": 0}, "weight_map": weight_map}, f)
+  hf_config = {
+    "architectures": [{"llama3": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                       "gemma3": "Gemma3ForCausalLM"}[family]],
+    "num_hidden_layers": config.num_layers, "hidden_size": config.embed_dim,
+    "num_attention_heads": config.num_heads, "num_key_value_heads": config.num_kv_heads,
+    "head_dim": config.head_dim, "intermediate_size": config.hidden_dim, "vocab_size": VOCAB,
+  }  # fmt: skip
+  with open(os.path.join(folder, "config.json"), "w") as f:
+    json.dump(hf_config, f)
+  with open(os.path.join(folder, "tokenizer.json"), "w") as f:
+    f.write('{"model": "a tokenizer"}')
+  return str(folder)
+
+
+TOKENS = jax.random.randint(jax.random.key(1), (2, 8), 1, VOCAB)
+
+
+@nnx.jit
+def logits_of(model, tokens):
+  b, n = tokens.shape
+  positions = jnp.broadcast_to(jnp.arange(n), (b, n))
+  mask = jnp.broadcast_to(jnp.tril(jnp.ones((n, n), bool)), (b, n, n))
+  return model(tokens, positions, None, mask)[0]
+
+
+def tunix_loaded(family, config, folder, dtype=None):
+  return TUNIX_LOADERS[family](str(folder), config, dtype=dtype)
+
+
+def params_of(model):
+  return {
+    jax.tree_util.keystr(p): np.asarray(jax.device_get(x))
+    for p, x in jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))[0]
+  }
+
+
+def assert_same_tensors(a, b):
+  """Two checkpoint folders hold the same tensors: names, dtypes, shapes and bytes."""
+  load = lambda folder: {
+    name: x
+    for file in sorted(os.listdir(folder)) if file.endswith(".safetensors")
+    for name, x in safetensors_numpy.load_file(os.path.join(folder, file)).items()
+  }  # fmt: skip
+  x, y = load(a), load(b)
+  assert sorted(x) == sorted(y)
+  for name in x:
+    assert (x[name].dtype, x[name].shape) == (y[name].dtype, y[name].shape), name
+    assert x[name].tobytes() == y[name].tobytes(), name
+
+
+# -- loading -----------------------------------------------------------------------------------
+
+
+def _families(fast):
+  """`fast` in the default run; the other two with -m slow (each family compiles its model)."""
+  return [f if f == fast else pytest.param(f, marks=pytest.mark.slow)
+          for f in ("llama3", "qwen3", "gemma3")]  # fmt: skip
+
+
+@pytest.mark.parametrize("family", _families("gemma3"))
+def test_load_on_the_device_equals_tunix_loader(tmp_path, family):
+  config = config_of(family)
+  folder = write_checkpoint(tmp_path / "ckpt", family, config, hf_tensors(family, config), 2)
+  model = offlax.load_safetensors(abstract_model(family, config), folder, progress=False)
+  want = tunix_loaded(family, config, folder)
+  got_params, want_params = params_of(model), params_of(want)
+  assert sorted(got_params) == sorted(want_params)
+  for key in want_params:
+    np.testing.assert_array_equal(got_params[key], want_params[key], err_msg=key)
+  np.testing.assert_array_equal(logits_of(model, TOKENS), logits_of(want, TOKENS))
+
+
+@pytest.mark.parametrize("family", _families("qwen3"))
+def test_load_into_pinned_host_equals_tunix_loader(tmp_path, family):
+  config = config_of(family)
+  folder = write_checkpoint(tmp_path / "ckpt", family, config, hf_tensors(family, config))
+  model = offlax.offload_params(abstract_model(family, config))
+  offlax.load_safetensors(model, folder, progress=False)
+  kinds = {x.sharding.memory_kind for x in jax.tree.leaves(nnx.state(model, nnx.Param))}
+  assert kinds == {"pinned_host"}
+  want = offlax.offload_params(tunix_loaded(family, config, folder))
+  np.testing.assert_array_equal(logits_of(model, TOKENS), logits_of(want, TOKENS))
+
+
+def test_a_bf16_checkpoint_into_float32_params_as_tunix_casts(tmp_path):
+  config = config_of("llama3")
+  tensors = hf_tensors("llama3", config, ml_dtypes.bfloat16)
+  folder = write_checkpoint(tmp_path / "ckpt", "llama3", config, tensors)
+  model = offlax.load_safetensors(abstract_model("llama3", config), folder, progress=False)
+  assert {x.dtype for x in jax.tree.leaves(nnx.state(model, nnx.Param))} == {np.dtype("float32")}
+  want = tunix_loaded("llama3", config, folder, dtype=jnp.float32)
+  np.testing.assert_array_equal(logits_of(model, TOKENS), logits_of(want, TOKENS))
+  out = offlax.save_safetensors(model, str(tmp_path / "out"), progress=False)
+  assert_same_tensors(out, folder)  # bf16 -> float32 -> bf16: exact
+
+
+def stored_model(tmp_path, family, config, optimizer=None):
+  """An abstract model with its layers in a new (sparse, zero) store, the rest in pinned_host."""
+  model = abstract_model(family, config)
+  store = offlax.LayerStore.create(str(tmp_path / "store"), offlax.stack_layers(model.layers),
+                                   optimizer=optimizer, progress=False)  # fmt: skip
+  return offlax.offload_params(model, store=store), store
+
+
+@pytest.mark.parametrize("family", _families("llama3"))
+def test_load_into_a_layer_store_equals_tunix_loader(tmp_path, family):
+  config = config_of(family)
+  folder = write_checkpoint(tmp_path / "ckpt", family, config, hf_tensors(family, config))
+  tx = offlax.master_weights(optax.adam(1e-3))
+  model, store = stored_model(tmp_path, family, config, tx)
+  with store:
+    offlax.load_safetensors(model, folder, store=store, progress=False)
+    want = tunix_loaded(family, config, folder)
+    stacked = offlax.stack_layers(want.layers)
+    for a, b in zip(jax.tree.leaves(store.read_params()), jax.tree.leaves(stacked), strict=True):
+      np.testing.assert_array_equal(a, b)  # on disk, in the committed step
+    # The optimizer's state is init of the loaded layers: its fp32 master, zero moments.
+    fresh = jax.vmap(tx.init)(jax.tree.map(np.asarray, stacked))
+    for a, b in zip(jax.tree.leaves(store.read_state()), jax.tree.leaves(fresh), strict=True):
+      np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(
+      logits_of(model, TOKENS), logits_of(offlax.offload_params(want), TOKENS)
+    )
+  [report] = offlax.inspect_store(store.path, verify=True, progress=False)
+  assert report.ok, report  # the checksums of the slots written
+
+
+# -- saving ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["device", "pinned_host", "store"])
+def test_load_then_save_gives_every_tensor_back(tmp_path, where):
+  config = config_of("gemma3")
+  tensors = hf_tensors("gemma3", config)
+  tensors["vision_tower.vision_model.post_layernorm.weight"] = np.ones(8, np.float32)
+  source = write_checkpoint(tmp_path / "ckpt", "gemma3", config, tensors, shards=3)
+  skip = [r"vision_tower\..*"]
+  store = None
+  if where == "store":
+    model, store = stored_model(tmp_path, "gemma3", config)
+  else:
+    model = abstract_model("gemma3", config)
+    model = offlax.offload_params(model) if where == "pinned_host" else model
+  offlax.load_safetensors(model, source, skip=skip, store=store, progress=False)
+  out = offlax.save_safetensors(model, str(tmp_path / "out"), store=store,
+                                max_shard_bytes=40_000, progress=False)  # fmt: skip
+  assert_same_tensors(out, source)  # the skipped vision tensor copied as it was
+  files = sorted(os.listdir(out))
+  shards = [f for f in files if f.endswith(".safetensors")]
+  assert len(shards) > 1 and "model.safetensors.index.json" in files
+  assert {"config.json", "tokenizer.json"} <= set(files)
+  assert all(os.path.getsize(os.path.join(out, f)) <= 40_000 + 4096 for f in shards)
+  with open(os.path.join(out, "model.safetensors.index.json")) as f:
+    weight_map = json.load(f)["weight_map"]
+  assert sorted(weight_map) == sorted(tensors)
+  assert not [f for f in os.listdir(tmp_path) if f.startswith(".out")]  # no temporary left
+  if store is not None:
+    store.close()
+
+
+def test_save_after_training_loads_in_tunix_as_trained(tmp_path):
+  config = config_of("qwen3")
+  source = write_checkpoint(tmp_path / "ckpt", "qwen3", config, hf_tensors("qwen3", config))
+  model = offlax.load_safetensors(abstract_model("qwen3", config), source, progress=False)
+  optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+
+  @nnx.jit
+  def step(model, optimizer):
+    loss = lambda m: jnp.mean(logits_of(m, TOKENS) ** 2)
+    optimizer.update(model, nnx.grad(loss)(model))
+
+  step(model, optimizer)
+  out = offlax.save_safetensors(model, str(tmp_path / "out"), progress=False)
+  np.testing.assert_array_equal(
+    logits_of(tunix_loaded("qwen3", config, out), TOKENS), logits_of(model, TOKENS)
+  )
+
+
+def test_save_refuses_a_folder_with_files_unless_overwrite(tmp_path):
+  config = config_of("llama3")
+  source = write_checkpoint(tmp_path / "ckpt", "llama3", config, hf_tensors("llama3", config))
+  model = offlax.load_safetensors(abstract_model("llama3", config), source, progress=False)
+  out = tmp_path / "out"
+  out.mkdir()
+  (out / "notes.txt").write_text("mine")
+  with pytest.raises(offlax.CheckpointExistsError, match="overwrite=True"):
+    offlax.save_safetensors(model, str(out), progress=False)
+  assert os.listdir(out) == ["notes.txt"]
+  offlax.save_safetensors(model, str(out), overwrite=True, progress=False)
+  assert "notes.txt" not in os.listdir(out)
+  assert_same_tensors(str(out), source)
+
+
+def test_save_of_a_model_never_loaded_needs_a_source(tmp_path):
+  model = abstract_model("llama3", config_of("llama3"))
+  with pytest.raises(offlax.InvalidOptionError, match="source="):
+    offlax.save_safetensors(model, str(tmp_path / "out"), progress=False)
+  assert not os.path.exists(tmp_path / "out")
+
+
+# -- bad input ---------------------------------------------------------------------------------
+
+
+def _bad(tmp_path, change, *, shards=2):
+  """A Llama3 checkpoint with `change(tensors, folder)` applied."""
+  config = config_of("llama3")
+  tensors = hf_tensors("llama3", config)
+  folder = str(tmp_path / "ckpt")
+  change(tensors, None)
+  write_checkpoint(folder, "llama3", config, tensors, shards)
+  change(None, folder)
+  return folder
+
+
+def _drop(tensors, folder):
+  if tensors is not None:
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+
+
+def _extra(tensors, folder):
+  if tensors is not None:
+    tensors["vision_tower.patch_embedding.weight"] = np.zeros((4, 4), np.float32)
+
+
+def _shape(tensors, folder):
+  if tensors is not None:
+    tensors["model.layers.0.self_attn.k_proj.weight"] = np.zeros((24, 32), np.float32)
+
+
+def _dtype(tensors, folder):
+  if tensors is not None:
+    tensors["model.norm.weight"] = np.ones(32, np.int32)
+
+
+def _truncate(tensors, folder):
+  if folder is not None:
+    name = os.path.join(folder, "model-00002-of-00002.safetensors")
+    os.truncate(name, os.path.getsize(name) - 100)
+
+
+def _lose_shard(tensors, folder):
+  if folder is not None:
+    os.remove(os.path.join(folder, "model-00001-of-00002.safetensors"))
+
+
+def _config(tensors, folder):
+  if folder is not None:
+    name = os.path.join(folder, "config.json")
+    with open(name) as f:
+      hf = json.load(f)
+    with open(name, "w") as f:
+      json.dump(hf | {"num_hidden_layers": 3, "hidden_size": 48}, f)
+
+
+BAD = {
+  "missing tensor": (_drop, offlax.CheckpointMismatchError,
+                     r"no tensor for the model's params layers\.1\.mlp\.up_proj\.kernel"),
+  "unexpected tensor": (_extra, offlax.CheckpointMismatchError,
+                        r"does not: vision_tower\.patch_embedding\.weight.*skip="),
+  "wrong shape": (_shape, offlax.CheckpointMismatchError,
+                  r"model\.layers\.0\.self_attn\.k_proj\.weight is \[24, 32\]"),
+  "wrong dtype": (_dtype, offlax.CheckpointMismatchError, r"model\.norm\.weight is I32"),
+  "truncated file": (_truncate, offlax.CheckpointCorruptedError,
+                     r"model-00002-of-00002\.safetensors is cut short"),
+  "missing shard": (_lose_shard, offlax.CheckpointNotFoundError,
+                    r"model-00001-of-00002\.safetensors is missing"),
+  "config.json": (_config, offlax.CheckpointMismatchError,
+                  r"num_hidden_layers=3 \(the model's num_layers=2\), hidden_size=48"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("bad", list(BAD))
+def test_a_bad_checkpoint_is_refused_by_name_before_any_write(tmp_path, bad):
+  change, error, message = BAD[bad]
+  folder = _bad(tmp_path, change)
+  config = config_of("llama3")
+  model = offlax.offload_params(abstract_model("llama3", config))  # its layers in host memory
+  before = jax.tree.map(lambda x: x, nnx.state(model, nnx.Param))
+  with pytest.raises(error, match=message):
+    offlax.load_safetensors(model, folder, progress=False)
+  after = nnx.state(model, nnx.Param)  # still abstract: nothing was put
+  assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(after))
+  assert jax.tree.structure(after) == jax.tree.structure(before)
+
+
+def test_a_bad_checkpoint_leaves_a_store_untouched(tmp_path):
+  config = config_of("llama3")
+  good = write_checkpoint(tmp_path / "good", "llama3", config, hf_tensors("llama3", config))
+  bad = _bad(tmp_path, _shape)
+  model, store = stored_model(tmp_path, "llama3", config, optax.adam(1e-3))
+  with store:
+    offlax.load_safetensors(model, good, store=store, progress=False)
+    files = {}
+    for root, _, names in os.walk(store.path):
+      for name in names:
+        with open(os.path.join(root, name), "rb") as f:
+          files[os.path.join(root, name)] = f.read()
+    with pytest.raises(offlax.CheckpointMismatchError, match="k_proj"):
+      offlax.load_safetensors(model, bad, store=store, progress=False)
+    for name, data in files.items():
+      with open(name, "rb") as f:
+        assert f.read() == data, name
+
+
+def test_skip_loads_a_checkpoint_with_a_vision_tower(tmp_path):
+  folder = _bad(tmp_path, _extra)
+  model = abstract_model("llama3", config_of("llama3"))
+  offlax.load_safetensors(model, folder, skip=[r"vision_tower\..*"], progress=False)
+  assert not any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(nnx.state(model)))
+
+
+def test_a_stored_model_needs_its_store(tmp_path):
+  config = config_of("llama3")
+  folder = write_checkpoint(tmp_path / "ckpt", "llama3", config, hf_tensors("llama3", config))
+  model, store = stored_model(tmp_path, "llama3", config)
+  with store, pytest.raises(offlax.InvalidOptionError, match="store="):
+    offlax.load_safetensors(model, folder, progress=False)
+
+
+def test_a_model_of_another_library_needs_a_mapping(tmp_path):
+  class Net(nnx.Module):
+    def __init__(self):
+      self.dense = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+
+  folder = str(tmp_path / "ckpt")
+  os.makedirs(folder)
+  weights = {"dense.weight": np.arange(12, dtype=np.float32).reshape(3, 4),
+             "dense.bias": np.ones(3, np.float32)}  # fmt: skip
+  safetensors_numpy.save_file(weights, os.path.join(folder, "model.safetensors"))
+  with pytest.raises(offlax.InvalidOptionError, match="mapping="):
+    offlax.load_safetensors(Net(), folder, progress=False)
+  mapping = {
+    r"dense\.weight": ("dense.kernel", ((1, 0), None)),
+    r"dense\.bias": ("dense.bias", None),
+  }
+  net = offlax.load_safetensors(Net(), folder, mapping=mapping, progress=False)
+  np.testing.assert_array_equal(net.dense.kernel[...], weights["dense.weight"].T)
+  out = offlax.save_safetensors(net, str(tmp_path / "out"), progress=False)
+  assert_same_tensors(out, folder)
