@@ -53,6 +53,7 @@ class StoreReport:
     problems: what is wrong; empty for a healthy store.
     verified: whether every chunk was reread and checked.
     notes: facts worth knowing that are not problems.
+    mismatches: the problems that are checksum mismatches (with `verified`).
   """
 
   path: str
@@ -65,6 +66,7 @@ class StoreReport:
   problems: list[str] = dataclasses.field(default_factory=list)
   verified: bool = False
   notes: list[str] = dataclasses.field(default_factory=list)
+  mismatches: int = 0
 
   @property
   def ok(self) -> bool:
@@ -81,7 +83,12 @@ class StoreReport:
     if self.structure:
       lines.append(f"  inner state: {self.structure}")
     total = sum(leaf.nbytes for leaf in self.leaves)
-    check = "checksums verified" if self.verified else "files checked, not reread (--verify)"
+    check = "files checked, not reread (--verify)"
+    if self.verified:  # what the reread found: never "verified" above a PROBLEM line
+      other = len(self.problems) - self.mismatches
+      found = [f"{self.mismatches} mismatch{'es' * (self.mismatches != 1)}"] * (self.mismatches > 0)
+      found += [f"{other} other problem{'s' * (other != 1)}"] * (other > 0)
+      check = f"checksums: {', '.join(found)} (below)" if found else "checksums verified"
     lines.append(f"  {len(self.leaves)} arrays, {format_bytes(total)} per kept step; {check}")
     rows = [
       (leaf.path, f"{leaf.dtype}{list(leaf.shape)}", format_bytes(leaf.nbytes),
@@ -214,6 +221,7 @@ def _inspect_nvme(path: str, verify: bool, progress: bool) -> StoreReport:
     problem = _check_item(store, r, gen, verify)
     if problem is not None:
       report.problems.append(f"step {step}: {problem}")
+      report.mismatches += "checksum mismatch" in problem
       if step == store.step:
         leaf.status = "BAD"
       elif leaf.status == "ok":
@@ -260,6 +268,7 @@ def _inspect_layers(path: str, verify: bool, progress: bool) -> StoreReport:
     elif verify and gen is not None:
       crcs = manifest["crc"][str(gen)][kind]
       problem = _check_slots(name, r, n, [crcs[i * len(dict(kinds)[kind]) + k] for i in range(n)])
+      report.mismatches += problem is not None and problem.endswith(_MISMATCH)
     if problem is not None:
       report.problems.append(problem if step is None else f"step {step}: {problem}")
       leaf = leaves.get((kind, k)) or leaves["params", k]
@@ -269,10 +278,14 @@ def _inspect_layers(path: str, verify: bool, progress: bool) -> StoreReport:
     records = rest.get(str(gen))
     if verify and records and (problem := layer_rest.check(path, gen, records)):
       report.problems.append(f"step {step}: {problem}")
+      report.mismatches += problem.endswith(_MISMATCH)
   if verify:
     for leaf in report.leaves:
       leaf.status = "verified" if leaf.status == "ok" else leaf.status
   return report
+
+
+_MISMATCH = "does not match its checksum"
 
 
 def _check_slots(name: str, r: dict, n: int, crcs: list) -> str | None:
@@ -283,7 +296,7 @@ def _check_slots(name: str, r: dict, n: int, crcs: list) -> str | None:
     for i, crc in enumerate(crcs):
       direct_io.pread_into(fd, buffer, i * r["slot"])
       if crc is not None and crc32c.crc32c(buffer.data) != crc:
-        return f"{name}: layer {i} of {r['path']} does not match its checksum"
+        return f"{name}: layer {i} of {r['path']} {_MISMATCH}"
   except OSError as e:
     return f"{name}: {e}"
   finally:
@@ -354,6 +367,7 @@ def _inspect_host_state(path: str, verify: bool, progress: bool) -> StoreReport:
       except (errors.StoreError, errors.StoreCorruptedError) as e:  # that is the finding
         leaf.status = "BAD"
         report.problems.append(f"{leaf.path}: {e}")
+        report.mismatches += "do not match their checksum" in str(e)
       if bar is not None:
         bar.update(math.prod(item[1]) * item[2].itemsize)
     if bar is not None:

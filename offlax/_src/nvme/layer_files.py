@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
+import logging
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -139,6 +140,65 @@ def lock_store(path: str) -> int:
   return fd
 
 
+def check_sizes(
+  where: str, kind: str, names: list[str], sizes: list[int], records: list[dict], n_layers: int
+) -> None:
+  """Raises `StoreCorruptedError` naming the first file of `kind` not at its size."""
+  for name, size, r in zip(names, sizes, records, strict=True):
+    if size != n_layers * r["slot"]:
+      raise errors.StoreCorruptedError(
+        f"{where}: {name} ({kind} leaf {r['path']}) holds {size} bytes, expected "
+        f"{n_layers * r['slot']} ({n_layers} layers of {r['slot']})."
+      )
+
+
+def to_kept_step(
+  path: str, committed: int, kept: list[tuple[int, int]], step: int
+) -> list[tuple[int, int]]:
+  """The kept steps once kept `step` is current again (`LayerStore.open(step=)`), newest first."""
+  if step not in dict(kept):
+    raise errors.StoreMismatchError(
+      f"LayerStore.open: {path} has committed step {committed} and keeps steps "
+      f"{sorted(dict(kept))}, but step={step} was asked for: training on would mix layers and "
+      "the rest of the model at different steps. Resume the rest from one of the kept steps."
+    )
+  logging.getLogger("offlax").warning(
+    "%s: rolled back to step %d (the store had committed step %d).", path, step, committed
+  )
+  return [(s, g) for s, g in kept if s <= step]
+
+
+def rollback(path: str, step: int) -> int:
+  """`offlax.rollback` of a LayerStore: kept `step` made current, by the manifest's rename.
+
+  Takes the store's lock (a store open for training is refused) and checks that
+  the files of `step` are there at their sizes; `inspect_store(verify=True)`
+  checks their checksums, every read of them after does too.
+  """
+  manifest = read_manifest(path)
+  fd = lock_store(path)
+  try:
+    manifest = read_manifest(path)  # as of holding the lock
+    kept = [(s, g) for s, g in manifest["kept"]]
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step not in dict(kept):
+      raise errors.StepNotKeptError(
+        f"rollback: {path} does not keep step {step!r}; it keeps steps {sorted(dict(kept))} "
+        "(LayerStore.create(keep=...) sets how many)."
+      )
+    gen, n = dict(kept)[step], manifest["n_layers"]
+    for kind, records in (("params", manifest["leaves"]), ("state", manifest["state"] or [])):
+      names = [os.path.join(path, f"gen{gen}", kind, f"{k}.bin") for k in range(len(records))]
+      sizes = [os.path.getsize(name) if os.path.isfile(name) else -1 for name in names]
+      check_sizes(f"rollback: step {step} is damaged (the store is unchanged)", kind, names,
+                  sizes, records, n)  # fmt: skip
+    kept = to_kept_step(path, manifest["step"], kept, int(step))
+    manifest.update(step=int(step), generation=gen, kept=kept)
+    write_manifest(path, manifest)
+  finally:
+    os.close(fd)
+  return int(step)
+
+
 def pool_size(layer_bytes: int, pool_layers: int | None, pool_bytes: int | None) -> int:
   if pool_bytes is not None:
     if pool_bytes < layer_bytes:
@@ -181,7 +241,7 @@ def make_files(path: str, manifest: dict, *, reserve: bool) -> None:
   """Creates the store's files at their sizes; with `reserve`, allocates their space."""
   files = store_files(path, manifest)
   if reserve:
-    os.makedirs(path, exist_ok=True)
+    os.makedirs(path, mode=0o700, exist_ok=True)
     need, free = sum(size for _, size in files), free_bytes(path)
     if free is not None and need > free:
       raise errors.StoreError(
@@ -190,8 +250,11 @@ def make_files(path: str, manifest: dict, *, reserve: bool) -> None:
         f"generations of params and state, and the gradients) and its disk has "
         f"{free / 2**30:.2f} GiB free. Free space, lower keep=, or choose another disk.",
       )
+  os.makedirs(path, mode=0o700, exist_ok=True)  # owner-only, as the NVMe tier's
   for name, size in files:
-    os.makedirs(os.path.dirname(name), exist_ok=True)
+    folder = os.path.dirname(name)
+    for d in (os.path.dirname(folder), folder):  # gen<g> and gen<g>/<kind>, each its mode
+      os.makedirs(d, mode=0o700, exist_ok=True)
     fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
       os.ftruncate(fd, size)  # sparse: zero until written
@@ -235,6 +298,13 @@ def free_bytes(path: str) -> int | None:
   return s.f_bavail * s.f_frsize
 
 
+def open_private(name: str, mode: str = "w") -> Any:
+  """`open(name, mode)` for writing, owner-only (0600) and never through a link."""
+  fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+  os.fchmod(fd, 0o600)  # a file left by an older offlax (0644) too
+  return os.fdopen(fd, mode)
+
+
 def read_manifest(path: str) -> dict:
   """A layer store's manifest, checked for its format; raises `StoreError` and kin."""
   manifest_path = os.path.join(path, MANIFEST)
@@ -268,8 +338,9 @@ def read_manifest(path: str) -> dict:
 
 
 def write_manifest(path: str, manifest: dict, *, fsync: bool = True) -> None:
+  """Writes `manifest` (0600) and renames it over the store's: the commit."""
   tmp = os.path.join(path, MANIFEST + ".tmp")
-  with open(tmp, "w") as f:
+  with open_private(tmp) as f:
     json.dump(manifest, f, indent=1)
     f.flush()
     if fsync:

@@ -18,6 +18,7 @@ import jax
 import numpy as np
 
 from offlax._src import errors
+from offlax._src.nvme import layer_files
 
 FILE = "rest.bin"
 
@@ -27,7 +28,7 @@ def write(path: str, gen: int, tree: Any, *, fsync: bool) -> list[dict[str, Any]
   flat = jax.tree_util.tree_flatten_with_path(tree)[0]
   records, offset = [], 0
   name = os.path.join(path, f"gen{gen}", FILE)
-  with open(name, "wb") as f:  # a free generation's: the committed one's is another file
+  with layer_files.open_private(name, "wb") as f:  # a free generation's, not the committed one
     for key, leaf in flat:
       if not hasattr(leaf, "dtype"):
         raise errors.LeafTypeError(

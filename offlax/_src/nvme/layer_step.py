@@ -33,6 +33,23 @@ from offlax._src import layout as layout_lib
 
 AHEAD = 2  # units read ahead: with the writes queued, RAM holds about 4 leaves' streams
 IO_THREADS = 4  # per direction: what a disk needs to reach its bandwidth with 8-64 MiB transfers
+# A progress bar is for work long enough to watch: it shows once the work has run
+# `array_files.BAR_DELAY_S`, and only where the work moves this many bytes or more: an update
+# of a small store (a step of a training loop, its first one compiling) shows none.
+BAR_MIN_BYTES = 1 << 30
+
+
+def moved_bytes(store: Any) -> int:
+  """The bytes an `update` moves: params, gradients and state read, params and state written."""
+  state = sum(r["slot"] for r in store.state_records)
+  return store.n_layers * (3 * store.layer_bytes + 2 * state)
+
+
+def progress(items: Any, store: Any, nbytes: int, desc: str) -> Any:
+  """`items`, with a progress bar where `store` shows them and the work is long (above)."""
+  from offlax._src.nvme.store import progress_bar
+
+  return progress_bar(items, store.progress and nbytes >= BAR_MIN_BYTES, desc)
 
 
 class Stats(NamedTuple):
@@ -165,8 +182,6 @@ def run(store: Any, updates: list[LeafUpdate], target: int) -> Stats:
   most two units queued while the next computes. A layer's shared state (the
   step count) is read with its first leaf and written with it.
   """
-  from offlax._src.nvme.store import progress_bar
-
   cpu = jax.devices("cpu")[0]  # the host's compute, whatever the default device
   gen, n, nk = store.generation, store.n_layers, len(store.records)
   units = [(i, k) for i in range(n) for k in range(nk)]
@@ -207,7 +222,7 @@ def run(store: Any, updates: list[LeafUpdate], target: int) -> Stats:
     writes: collections.deque[list[concurrent.futures.Future]] = collections.deque()
     shared: list[Any] = []
     try:
-      for i in progress_bar(range(n), store.progress, f"offlax: updating {store.path}"):
+      for i in progress(range(n), store, moved_bytes(store), f"offlax: updating {store.path}"):
         for k in range(nk):
           u = i * nk + k
           [p], [g], owned, got = [[f.result() for f in futures] for futures in reads.pop(u)]

@@ -7,7 +7,8 @@ import os
 import numpy as np
 
 from offlax._src import errors
-from offlax._src.nvme.format import is_sharded
+from offlax._src.nvme import layer_files
+from offlax._src.nvme.format import LAYERS, is_sharded
 from offlax._src.nvme.store import Store
 
 
@@ -23,6 +24,9 @@ def rollback(path: str | os.PathLike, step: int) -> int:
 
   For a sharded store (params on a mesh) `path` may be its root: every shard's
   store under it is rolled back, after checking that all of them keep `step`.
+  For an `offlax.LayerStore` (``LayerStore.create(keep=...)``), as
+  ``LayerStore.open(path, like, step=step)`` does: the store's files of `step`
+  are checked for their sizes, and `LayerStore.open` then resumes from it.
 
   Args:
     path: the store directory.
@@ -38,6 +42,8 @@ def rollback(path: str | os.PathLike, step: int) -> int:
   """
   if is_sharded(os.fspath(path)):
     return _rollback_shards(os.fspath(path), step)
+  if os.path.exists(os.path.join(os.fspath(path), LAYERS)):
+    return layer_files.rollback(os.fspath(path), step)
   store = Store(os.fspath(path), fsync=True)
   if not store.exists():
     raise errors.StoreError(f"rollback: no offlax store in {store.path}.")
