@@ -150,7 +150,7 @@ def test_bad_input(tmp_path):
   with pytest.raises(errors.StoreError, match="no layer store"):
     LayerStore.open(path, layers)
   LayerStore.create(path, layers).close()
-  with pytest.raises(errors.NotAStoreError, match="not empty"):
+  with pytest.raises(errors.StoreExistsError, match="already holds a layer store.*LayerStore.open"):
     LayerStore.create(path, layers)
 
   wrong = {**layers, "w": jnp.zeros((L, D, D + 1))}

@@ -83,6 +83,17 @@ class PerformanceWarning(UserWarning):
   """The configuration works but costs speed or memory; the message says what to change."""
 
 
+class GradientsOverwrittenWarning(UserWarning):
+  """A backward pass overwrote a `LayerStore`'s gradients before `update()` used them.
+
+  Most often a forgotten ``store.update()``: the store stays at its step. A
+  warning, not an error: the hand-off runs in a host callback inside the
+  compiled step, where an exception would surface late, wrapped by XLA,
+  with the step half written; and dropping a step's gradients on purpose
+  (a step skipped after a non-finite loss) is legitimate.
+  """
+
+
 class CheckpointNotFoundError(OffloadError, FileNotFoundError):
   """A Hugging Face checkpoint folder, or a shard its index names, is missing."""
 

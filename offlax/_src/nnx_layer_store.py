@@ -20,8 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from offlax._src import errors
+from offlax._src import errors, memory
 from offlax._src import nnx_paths as paths
+from offlax._src.nvme import layer_guards
 from offlax._src.nvme.layer_source import LayerSource
 
 # The attributes a stored layer gains: its index in the store and its token.
@@ -37,16 +38,27 @@ class StoredParam(nnx.Variable):
   """A param whose value is in a `LayerStore`: an empty placeholder between the layer's runs."""
 
 
-def stack_layers(layers: Any, *, wrt: Any = nnx.Param) -> Any:
+def stack_layers(layers: Any, path: str | None = None, *, wrt: Any = nnx.Param) -> Any:
   """The params of a list of NNX layers, stacked on a new first axis for `LayerStore.create`.
 
   Layers of arrays give stacked arrays (the layers' size in RAM: for small
   models); layers made by `nnx.eval_shape` give `jax.ShapeDtypeStruct`s, for
-  ``LayerStore.create(path, stack_layers(model.layers), init_layer=...)`` to
+  ``LayerStore.create(path, stack_layers(model, "layers"), init_layer=...)`` to
   write a layer at a time.
 
+  ``stack_layers(model, "encoder")`` stacks ``model.encoder`` and records
+  which list it is: `LayerStore.create` writes that in the store, and
+  ``offload_params(model, store=)`` attaches the store to that list. A bare
+  list (``stack_layers(model.encoder)``) records nothing: the store then goes
+  to the one list of the model that matches it, and where several do (an
+  encoder and a decoder of the same shapes), ``offload_params`` needs
+  ``layers="encoder"``.
+
   Args:
-    layers: a list of NNX modules with the same params (e.g. ``model.layers``).
+    layers: a list of NNX modules with the same params (e.g. ``model.layers``),
+      or, with `path`, the model that holds the list.
+    path: the list's attribute path in the model: ``"layers"`` for
+      ``model.layers``, ``"decoder.layers"``, ``"blocks[0]"``.
     wrt: the NNX filter of the params (default: every `nnx.Param`).
 
   Returns:
@@ -55,6 +67,9 @@ def stack_layers(layers: Any, *, wrt: Any = nnx.Param) -> Any:
   Raises:
     StoreMismatchError: a layer's params differ from the first's in their
       paths, shapes or dtypes.
+    InvalidOptionError: `path` names no list of layers of the model; or the
+      layers were given to `offload_params` (their params are in host memory
+      or a `LayerStore`): stack them before, or `onload_params` first.
 
   Example:
     >>> import offlax
@@ -63,7 +78,51 @@ def stack_layers(layers: Any, *, wrt: Any = nnx.Param) -> Any:
     >>> offlax.stack_layers(layers)["kernel"].shape
     (4, 2, 3)
   """
-  states = [nnx.state(layer, wrt) for layer in layers]
+  if path is not None:
+    layers = _list_at(layers, layer_guards.check_path(path, "stack_layers: path"))
+  elif isinstance(layers, nnx.Module) and not _is_layer_list(layers):
+    raise errors.InvalidOptionError(
+      f"stack_layers: got a {type(layers).__name__}, not a list of layers: pass the list, "
+      "stack_layers(model.layers), or the model and the list's path, "
+      "stack_layers(model, 'layers'), which the store then records."
+    )
+  _check_not_offloaded(layers, wrt)
+  stacked = _stack([nnx.state(layer, wrt) for layer in layers])
+  return stacked if path is None else layer_guards.tag(stacked, path)
+
+
+def _list_at(model: Any, path: str) -> Any:
+  """The list of layers at `path` in `model`, or `InvalidOptionError` naming the model's lists."""
+  found = dict(_layer_lists(model)).get(paths.parse(path))
+  if found is None:
+    names = ", ".join(repr(paths.dotted(p)) for p, _ in _layer_lists(model)) or "none"
+    raise errors.InvalidOptionError(
+      f"stack_layers: model.{path} is not a list of layers of the {type(model).__name__}; "
+      f"its lists of layers: {names}."
+    )
+  return found
+
+
+def _check_not_offloaded(layers: Any, wrt: Any) -> None:
+  """Refuses layers given to `offload_params`: their params are not in them to stack."""
+  for i, layer in enumerate(layers):
+    if jax.tree.leaves(nnx.state(layer, StoredParam)):
+      raise errors.InvalidOptionError(
+        f"stack_layers: layer {i} was given to offload_params(model, store=): its params are "
+        "in the LayerStore, the layer holds empty placeholders. store.read_params() gives "
+        "them stacked; or call offlax.onload_params(model) first, which reads them back."
+      )
+    if memory.any_on_host(nnx.state(layer, wrt)):
+      raise errors.InvalidOptionError(
+        f"stack_layers: layer {i}'s params are in host memory (offload_params moved them): "
+        "stack the layers before offload_params, e.g. LayerStore.create(path, "
+        "offlax.stack_layers(model, 'layers'), ...), then offload_params(model, store=store); "
+        "or call offlax.onload_params(model) first."
+      )
+
+
+def _stack(states: list[Any]) -> Any:
+  """The layers' states stacked, refused where a layer's leaves differ from the first's."""
   first = _leaf_specs(states[0])
   for i, state in enumerate(states[1:], 1):
     if (specs := _leaf_specs(state)) != first:
@@ -97,25 +156,61 @@ def source_of(store: Any) -> LayerSource:
   )
 
 
-def find_layers(model: Any, source: LayerSource, is_stored: Any) -> tuple[Any, ...]:
-  """The path of the one list in `model` whose layers match the store, leaf for leaf."""
-  lists = [
-    (path, node)
-    for path, node in nnx.graph.iter_graph(model)
-    if isinstance(node, (list, tuple, nnx.List))
-    and len(node) and all(isinstance(m, nnx.Module) for m in node)
-  ]  # fmt: skip
-  problems = []
-  for path, node in lists:
-    problem = _mismatch(path, node, source, is_stored)
-    if problem is None:
-      return path
-    problems.append(problem)
-  found = "; ".join(problems) if problems else "the model has no list of layers"
+def _is_layer_list(node: Any) -> bool:
+  return (
+    isinstance(node, (list, tuple, nnx.List))
+    and len(node) > 0 and all(isinstance(m, nnx.Module) for m in node)
+  )  # fmt: skip
+
+
+def _layer_lists(model: Any) -> list[tuple[tuple[Any, ...], Any]]:
+  """The lists of layers in `model` and their paths, in graph order."""
+  return [(path, node) for path, node in nnx.graph.iter_graph(model) if _is_layer_list(node)]
+
+
+def find_layers(model: Any, source: LayerSource, is_stored: Any, layers: str | None = None):
+  """The path of the store's list in `model`: `layers`, the store's own, or the one that matches.
+
+  A store records the list it was made from (`stack_layers(model, path)`);
+  one that does not (a bare list, an older offlax) goes to the one list whose
+  layers match it, leaf for leaf, and is refused where several do.
+  """
+  lists, store = _layer_lists(model), source.store
+  named, origin = layers, "layers="
+  if layers is None:
+    named, origin = store.layers_path, f"the store ({store.path}/layers.json)"
+  if named is not None:
+    path = paths.parse(layer_guards.check_path(named, "offload_params: layers"))
+    found = dict(lists).get(path)
+    if found is None:
+      names = ", ".join(repr(paths.dotted(p)) for p, _ in lists) or "none"
+      raise errors.StoreMismatchError(
+        f"offload_params: {origin} names model.{named}, which is not a list of layers of the "
+        f"model; its lists of layers: {names}. Pass layers='...' to name the list the store "
+        "holds."
+      )
+    if (problem := _mismatch(path, found, source, is_stored)) is not None:
+      raise errors.StoreMismatchError(
+        f"offload_params: {origin} names model.{named}, whose layers do not match the store "
+        f"at {store.path}: {problem}."
+      )
+    return path
+  results = [(path, _mismatch(path, node, source, is_stored)) for path, node in lists]
+  matches = [path for path, problem in results if problem is None]
+  if len(matches) > 1:
+    raise errors.InvalidOptionError(
+      f"offload_params: the store at {store.path} matches {len(matches)} lists of layers of "
+      f"the model, {', '.join(paths.name(p) for p in matches)}, and does not record which it "
+      f"was made from. Pick one with layers= ({' or '.join(repr(paths.dotted(p)) for p in matches)}"
+      f"), e.g. offload_params(model, store=store, layers={paths.dotted(matches[0])!r}); or make "
+      f"the store from offlax.stack_layers(model, {paths.dotted(matches[0])!r}), which records it."
+    )
+  if matches:
+    return matches[0]
+  found = "; ".join(p for _, p in results if p) or "the model has no list of layers"
   raise errors.StoreMismatchError(
     f"offload_params: no list of layers in the model matches the store at "
-    f"{source.store.path} ({source.n_layers} layers of {len(source.store.records)} params "
-    f"each): {found}."
+    f"{store.path} ({source.n_layers} layers of {len(store.records)} params each): {found}."
   )
 
 

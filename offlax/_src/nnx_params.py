@@ -43,6 +43,7 @@ def offload_params(
   memory_kind: str = "pinned_host",
   offload_activations: bool = False,
   store: Any = None,
+  layers: str | None = None,
 ) -> Any:
   """`model` with its params in host memory, each fetched to the device where it is used.
 
@@ -75,15 +76,20 @@ def offload_params(
     offload_activations: keep each unit's saved inputs (for the backward
       pass) in host memory too, so device memory stays nearly flat in depth.
     store: an `offlax.LayerStore` holding the layers of one list of the
-      model (found by matching its layers' params, leaf for leaf), or its
+      model: the list it records (made with ``stack_layers(model, path)``),
+      else the one whose layers match it, leaf for leaf; or its
       ``source(accumulate=True)`` to add the gradients into the store's.
+    layers: with ``store``, the path of its list (``"decoder"`` for
+      ``model.decoder``), where the store does not record it.
 
   Returns:
     `model` itself.
 
   Raises:
-    InvalidOptionError: `model` is already offloaded, or is not an NNX module.
-    StoreMismatchError: no list of layers in `model` matches ``store``.
+    InvalidOptionError: `model` is already offloaded, or is not an NNX module;
+      or ``store`` matches several lists and records none (pass ``layers=``).
+    StoreMismatchError: no list of layers in `model` matches ``store``, or
+      not the one it records or ``layers`` names.
 
   Example:
     >>> import jax, jax.numpy as jnp, offlax
@@ -116,9 +122,13 @@ def offload_params(
       f"offload_params: the model is already offloaded (its module at "
       f"{paths.name(offloaded[0])} fetches its params); call offlax.onload_params(model) first."
     )
+  if layers is not None and store is None:
+    raise errors.InvalidOptionError(
+      "offload_params: layers= names the list of layers that store= holds; pass store= too."
+    )
   stored: list[tuple[Any, ...]] = []
   if store is not None:
-    stored = [_store_layers(model, store, wrt, offload_activations)]
+    stored = [_store_layers(model, store, wrt, offload_activations, layers)]
     wrt = nnx.All(wrt, nnx.Not(stored_lib.LayerToken))
     nodes = list(nnx.graph.iter_graph(model))
   units = _units(nodes, nnx.filterlib.to_predicate(wrt))
@@ -176,15 +186,15 @@ def onload_params(model: Any) -> Any:
   return model
 
 
-def _store_layers(model: Any, store: Any, wrt: Any, offload_activations: bool) -> tuple:
-  """Puts the store's list of layers in `model` on the store; returns the list's path."""
+def _store_layers(model: Any, store: Any, wrt: Any, offload_activations: bool, layers: Any):
+  """Puts the store's list of layers in `model` (at `layers`) on the store; returns its path."""
   from flax import nnx
 
   from offlax._src import nnx_layer_store as stored_lib
 
   source = stored_lib.source_of(store)
   is_stored = nnx.filterlib.to_predicate(wrt)
-  path = stored_lib.find_layers(model, source, is_stored)
+  path = stored_lib.find_layers(model, source, is_stored, layers)
   layers = paths.at(model, path)
   stored_lib.attach(layers, is_stored)
   cls = type(layers[0])

@@ -29,3 +29,24 @@ def set_at(root: Any, path: tuple[Any, ...], value: Any) -> None:
 def name(path: tuple[Any, ...]) -> str:
   """`path` as an error names it: ``model.layers[3].mlp``."""
   return "model" + "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in path)
+
+
+def dotted(path: tuple[Any, ...]) -> str:
+  """`path` as a user writes it, without the root: ``layers[3].mlp`` (what `parse` reads)."""
+  return name(path).removeprefix("model").removeprefix(".")
+
+
+def parse(text: str) -> tuple[Any, ...]:
+  """The path ``dotted`` wrote: ``"decoder.layers"`` is ``("decoder", "layers")``, ``[3]`` an int.
+
+  Raises `ValueError` on text that is no such path (``"a..b"``, ``"a[x]"``, ``""``).
+  """
+  keys: list[Any] = []
+  for part in text.split("."):
+    attribute, *indices = part.split("[")
+    if not attribute.isidentifier() or not all(
+      i.endswith("]") and i[:-1].isdigit() for i in indices
+    ):
+      raise ValueError(f"{text!r} is not a path such as 'layers' or 'decoder.blocks[0].layers'")
+    keys += [attribute, *(int(i[:-1]) for i in indices)]
+  return tuple(keys)

@@ -51,7 +51,7 @@ import numpy as np
 
 from offlax._src import errors
 from offlax._src.nvme import layer_files as files
-from offlax._src.nvme import layer_rest, layer_step
+from offlax._src.nvme import layer_guards, layer_rest, layer_step
 from offlax._src.nvme.direct_io import aligned_empty, open_direct, pread_into, pwrite_all
 from offlax._src.nvme.layer_source import LayerSource
 from offlax._src.nvme.pipeline import wait_for_dispatched_steps
@@ -96,6 +96,8 @@ class LayerStore:
     self.path, self.treedef, self.optimizer = path, treedef, optimizer
     self.state_treedef, self.records, self.state_records = state_treedef, records, state_records
     self.manifest = manifest
+    self.layers_path: str | None = manifest.get("layers_path")  # for `offload_params`
+    self._ledger = layer_guards.GradientsLedger(path, watch=optimizer is not None)
     self.n_layers: int = manifest["n_layers"]
     self.generations: int = manifest["generations"]
     self.step: int = manifest["step"]
@@ -144,8 +146,8 @@ class LayerStore:
   @classmethod
   def create(cls, path: str, layers: Any, *, optimizer: Any = None, keep: int = 1,
              init_layer: Callable[[int], Any] | None = None, pool_layers: int | None = 2,
-             pool_bytes: int | None = None, fsync: bool = True,
-             progress: bool = True) -> LayerStore:  # fmt: skip
+             pool_bytes: int | None = None, fsync: bool = True, progress: bool = True,
+             layers_path: str | None = None) -> LayerStore:  # fmt: skip
     """Writes the stacked `layers` (and `optimizer.init` of each layer) into a new store.
 
     Args:
@@ -167,12 +169,17 @@ class LayerStore:
         least one layer).
       fsync: flush the step's files before each commit (survives power loss).
       progress: show a progress bar while writing.
+      layers_path: the model's list the layers are, as ``"encoder"`` names
+        ``model.encoder``, recorded for `offload_params(model, store=)`;
+        default: the list ``offlax.stack_layers(model, path)`` stacked.
 
     Returns:
       The open store, at step 0.
 
     Raises:
-      NotAStoreError: `path` holds files.
+      StoreExistsError: `path` holds a layer store (`LayerStore.open` it).
+      NotAStoreError: `path` holds other files.
+      TransformationTypeError: the optimizer is wrapped by `offlax.offload`.
       InvalidOptionError: the pool cannot hold one layer, or the optimizer
         couples elements of a leaf (its update cannot run a layer at a time).
       StoreError: the disk has no room for the store.
@@ -186,17 +193,13 @@ class LayerStore:
       raise errors.InvalidOptionError(
         "LayerStore.create: init_layer= makes the layers; pass them as jax.ShapeDtypeStructs."
       )
-    state_records, state_treedef = [], None
-    if optimizer is not None:
-      one = layer_step.one_layer_state(optimizer, layers)
-      state_records, state_treedef = files.state_records(one), jax.tree.structure(one)
-      layer_step.check_elementwise(optimizer, layers)
-    if os.path.isdir(path) and os.listdir(path):
-      raise errors.NotAStoreError(f"LayerStore.create: {path} exists and is not empty.")
+    state_records, state_treedef = layer_guards.optimizer_state(optimizer, layers, path)
+    layer_guards.check_folder(path)
     manifest = {
       "format": files.FORMAT, "version": files.VERSION, "n_layers": n, "leaves": records,
       "state": state_records if optimizer is not None else None, "generations": keep + 1,
       "step": 0, "generation": 0, "kept": [[0, 0]],
+      "layers_path": layer_guards.layers_path(layers, layers_path),
     }  # fmt: skip
     manifest["crc"] = {str(g): files.no_crcs(manifest) for g in range(keep + 1)}
     made = not os.path.exists(path)
@@ -242,7 +245,8 @@ class LayerStore:
       StoreError: no store at `path`.
       StoreCorruptedError: its manifest or files are damaged.
       StoreMismatchError: it holds another layer tree, another optimizer's
-        state or no optimizer state, or not `step`.
+        state or no optimizer state, or not `step`; or the layers of another
+        model list than `like` was stacked from (`stack_layers(model, path)`).
     """
     manifest = files.read_manifest(path)
     records, n, treedef = files.layer_records(like)
@@ -251,20 +255,8 @@ class LayerStore:
         f"LayerStore.open: {path} holds {manifest.get('n_layers')} layers, expected {n}."
       )
     records = files.check_records(path, "param", manifest["leaves"], records)
-    state_records, state_treedef = [], None
-    if optimizer is not None:
-      if manifest.get("state") is None:
-        raise errors.StoreMismatchError(
-          f"LayerStore.open: {path} was made without optimizer state (params and gradients "
-          "only), so update() has nothing to apply: open it without optimizer=, or create a "
-          "new store with LayerStore.create(path, layers, optimizer=...)."
-        )
-      one = layer_step.one_layer_state(optimizer, like)
-      state_records = files.check_records(
-        path, "state", manifest["state"], files.state_records(one)
-      )
-      layer_step.check_elementwise(optimizer, like)
-      state_treedef = jax.tree.structure(one)
+    state_records, state_treedef = layer_guards.optimizer_state(optimizer, like, path, manifest)
+    manifest["layers_path"] = layer_guards.opened_path(path, manifest, like)
     store = cls(path, manifest, treedef, optimizer, state_treedef, records, state_records,
                 pool_layers, pool_bytes, fsync, progress)  # fmt: skip
     try:
@@ -353,6 +345,7 @@ class LayerStore:
   def zero_grads(self) -> None:
     """Sets every gradient to zero (before accumulating anew)."""
     self.flush_grads()
+    self._ledger.used()
     for fd in self._fds["grads", 0]:
       size = os.fstat(fd).st_size
       os.ftruncate(fd, 0)
@@ -397,6 +390,7 @@ class LayerStore:
   def put_grads(self, accumulate: bool, i: Any, *grads: np.ndarray) -> np.ndarray:
     """Layer `i`'s gradients (a callback): copied out, written behind compute."""
     i = int(i)
+    self._ledger.written(i, accumulate, self.step)  # warns where unused ones are overwritten
     slots = [
       files.to_slot(np.asarray(g), r["slot"]) for g, r in zip(grads, self.records, strict=True)
     ]
@@ -481,6 +475,7 @@ class LayerStore:
     self.step, self.generation = self.step + 1, target
     self._commit()
     self.last_update = stats
+    self._ledger.used()
     return self.step
 
   def read_slots(self, kind: str, gen: int, i: int) -> list[np.ndarray]:
