@@ -1,6 +1,6 @@
 """What Flax and optax need for params in host memory: patches acting only on offlax's case.
 
-`offlax.offload_params` installs three (``docs/patches.md`` lists them): the two
+`offlax.offload_params` installs four (``docs/patches.md`` lists them): the three
 below and `optax.MultiSteps.init`'s (`offlax._src.multi_steps`); each
 hands every call through to the original except where that would fail or
 compute on host memory.
@@ -16,6 +16,12 @@ host memory runs `offlax.nnx_update`.
 `optax.global_norm` of gradients in host memory (Tunix logs it every step)
 sums each host leaf's squares in a host computation: JAX refuses the sum of a
 host array with a device one.
+
+`nnx.Optimizer(model, optax.adamw(...))` on params in host memory fails in
+optax's init (or, built inside ``jit``, in its update) with JAX's memory-kind
+error, which names neither the param nor the fix: the constructor and the
+update turn that error, and only it, into `offlax.MemoryKindError` saying
+that such params need ``offlax.offload(tx, compute="host")``.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from typing import Any
 
 import jax
 
-from offlax._src import apply, host_params, memory, multi_steps, patches
+from offlax._src import apply, errors, host_params, memory, multi_steps, nnx_paths, patches
 
 OPTIMIZER_UPDATE = patches.register(
   patches.Patch(
@@ -61,14 +67,43 @@ GLOBAL_NORM = patches.register(
     ),
   )
 )
+OPTIMIZER_INIT = patches.register(
+  patches.Patch(
+    name="nnx-optimizer-init-host-params",
+    target="flax.nnx.Optimizer.__init__",
+    scope="process",
+    upstream=(
+      "Optimizer.__init__ runs tx.init on the params where they are "
+      "(flax/nnx/training/optimizer.py); optax's jnp.zeros_like of a pinned_host array, "
+      "outside jit, builds a device buffer under a host sharding"
+    ),
+    versions="flax 0.12.8, optax 0.2.8, jax 0.10.2",
+    failure=(
+      "nnx.Optimizer(model, optax.adamw(...)) after offload_params raises JAX's 'Memory kind "
+      "mismatch with xla::PjRtBuffers', which names neither the param nor the fix"
+    ),
+  )
+)
+
+# The fix a memory-kind error of Flax's optimizer on host params names.
+FIX = (
+  'nnx.Optimizer(model, offlax.offload(tx, compute="host"), wrt=...): offload\'s init makes '
+  "the state in host memory and its update runs on the host CPU where the params lie "
+  "(docs/params_off_device.md)"
+)
 
 
 def install() -> None:
-  """Installs both patches (idempotent; nothing under ``OFFLAX_NO_PATCHES``)."""
+  """Installs the patches (idempotent; nothing under ``OFFLAX_NO_PATCHES``)."""
   import optax
   from flax import nnx
 
   patches.replace(OPTIMIZER_UPDATE, nnx.Optimizer, "update", _fused_update)
+  patches.replace(OPTIMIZER_INIT, nnx.Optimizer, "__init__", _explained_init)
+  # optax.global_norm only, the name Tunix calls: not optax.tree.norm, which
+  # clip_by_global_norm calls. Inside offlax.offload it sees device-typed values and
+  # needs nothing; outside, the clip computes on host memory, and its failure here is
+  # what makes offlax refuse it (`update_and_apply`: put it inside the offload).
   patches.replace(GLOBAL_NORM, optax, "global_norm", _host_aware_norm)
   multi_steps.install()
 
@@ -77,13 +112,65 @@ def _fused_update(original: Any) -> Any:
   @functools.wraps(original)
   def update(self, model, grads, /, **kwargs):
     if not fuses(self, model):
-      return original(self, model, grads, **kwargs)
+      try:
+        return original(self, model, grads, **kwargs)
+      except ValueError as e:
+        error = _host_params_error("update", model, self.wrt, e)
+        if error is None:
+          raise
+        raise error from e
     from offlax._src.flax_glue import nnx_update
 
     nnx_update(self, model, grads, **kwargs)
     return None  # the update was applied slice by slice: no updates tree exists
 
   return update
+
+
+def _explained_init(original: Any) -> Any:
+  @functools.wraps(original)
+  def init(self, model, tx, *args, **kwargs):
+    try:
+      original(self, model, tx, *args, **kwargs)
+    except ValueError as e:
+      error = _host_params_error("init", model, kwargs.get("wrt"), e)
+      if error is None:
+        raise
+      raise error from e
+
+  return init
+
+
+def _host_params_error(where: str, model: Any, wrt: Any, e: ValueError) -> Exception | None:
+  """offlax's error for `e` where it is JAX's memory-kind error on params in host memory.
+
+  The memory-kind errors Flax's optimizer meets on such params: optax's init
+  (``Memory kind mismatch``) or its update and `apply_updates` (``memory_space
+  of all inputs``). None for every other error, and for this one on a model
+  without host params: the caller re-raises it as it is.
+  """
+  from flax import nnx
+
+  text = str(e)
+  jax_memory_error = "Memory kind mismatch" in text or "memory_space" in text
+  if isinstance(e, errors.OffloadError) or not jax_memory_error or wrt is None:
+    return None
+  host = [
+    (path, x)
+    for path, variable in nnx.to_flat_state(nnx.state(model, wrt))
+    for x in jax.tree.leaves(nnx.as_pure(variable))
+    if memory.on_host(x)
+  ]
+  if not host:
+    return None
+  path, x = host[0]
+  more = f" (and {len(host) - 1} more)" if len(host) > 1 else ""
+  return errors.MemoryKindError(
+    f"nnx.Optimizer {where}: param {nnx_paths.name(path)} {tuple(x.shape)}{more} is in host "
+    f"memory (offlax.offload_params), and the optimizer's {where} ran on it as on a device "
+    f"array. Params in host memory need the whole optimizer inside offlax.offload with host "
+    f"compute: {FIX}. (JAX: {text.splitlines()[0]})"
+  )
 
 
 def _host_aware_norm(original: Any) -> Any:
