@@ -239,7 +239,7 @@ class LayerStore:
         rest of the model): a kept step is made current again, dropping the
         steps after it; another raises `StoreMismatchError`. None: the
         committed step.
-      pool_layers, pool_bytes, fsync, progress: as for `create`.
+      pool_layers: as for `create`, and so are pool_bytes, fsync and progress.
 
     Raises:
       StoreError: no store at `path`.
