@@ -133,8 +133,10 @@ def bars_at_once(monkeypatch):
 
 
 # Scripts the tests run in subprocesses (8 devices, 2 processes, donation patterns that
-# aborted): not test modules, and importing one here would start its run.
+# aborted): not test modules, and importing one here would start its run. `tunix_inputs.py`,
+# their helper, imports Tunix and qwix, which a fresh venv (the README's commands) lacks.
 collect_ignore = [
+  "tunix_inputs.py",
   "sharded_run.py",
   "multiprocess_worker.py",
   "donation_run.py",
@@ -268,6 +270,10 @@ _SLOW = {
   "test_offload_params.py::test_lora_adapters_stay_on_the_device",
   "test_offload_params.py::test_master_weights_with_bf16_params",
   "test_examples_and_benchmarks.py::test_tunix_full_finetune_example",
+  "test_examples_and_benchmarks.py::test_tunix_full_finetune_example_compiles_as_the_benchmark",
+  # The README's test command with the extras hidden (a collection and two pages in a subprocess,
+  # 20 s): .ci/run runs the command itself in a venv without them first.
+  "test_docs.py::test_readme_test_command_without_the_extras",
   # The CI's fresh venv ran the default cases in 328 s (2026-12-05): the 8-device mesh in a
   # subprocess (30 s; test_multi_device_example trains on a mesh by default), the docs'
   # train steps (test_offloaded_step_bounds_device_memory compiles both modes), the third tier's
