@@ -38,18 +38,17 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import errno
-import logging
 import os
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import crc32c
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from offlax._src import errors
+from offlax._src.nvme import layer_checks as checks
 from offlax._src.nvme import layer_files as files
 from offlax._src.nvme import layer_guards, layer_rest, layer_step
 from offlax._src.nvme.direct_io import aligned_empty, open_direct, pread_into, pwrite_all
@@ -120,6 +119,7 @@ class LayerStore:
     self._pending: collections.deque[concurrent.futures.Future] = collections.deque()
     self._updates = None if optimizer is None else layer_step.layer_update(optimizer, self)
     self._fds: dict[tuple[str, int], list[int]] = {}
+    self._grad_crcs: list[list[int | None]] = [[checks.UNKNOWN] * self.n_layers for _ in records]
     self._lock_fd: int | None = None
     try:
       self._lock_fd = files.lock_store(path)
@@ -346,11 +346,13 @@ class LayerStore:
     """Sets every gradient to zero (before accumulating anew)."""
     self.flush_grads()
     self._ledger.used()
-    for fd in self._fds["grads", 0]:
+    for k, fd in enumerate(self._fds["grads", 0]):
       size = os.fstat(fd).st_size
       os.ftruncate(fd, 0)
       os.ftruncate(fd, size)
       os.posix_fallocate(fd, 0, size)  # reserved again: a gradient write never finds the disk full
+      zero = checks.crc(np.zeros(self.records[k]["slot"], np.uint8))
+      self._grad_crcs[k] = [zero] * self.n_layers
 
   def fetch(self, i: Any) -> list[np.ndarray]:
     """Layer `i` for the scan (a callback): from the pool, reading the next layers ahead."""
@@ -439,6 +441,8 @@ class LayerStore:
       StoreError: a read or write failed (a full disk: ``errno.ENOSPC``);
         nothing was committed, the store still holds the step before, and
         `update` may be called again.
+      StoreCorruptedError: a slot read does not match its checksum; nothing
+        was committed (the message names the slot and the way back).
     """
     if self._updates is None:
       raise errors.InvalidOptionError(
@@ -513,8 +517,13 @@ class LayerStore:
     return jax.tree.unflatten(treedef, [np.stack([x[k] for x in layers]) for k in range(n)])
 
   def read_slot(self, kind: str, gen: int, k: int, i: int) -> np.ndarray:
-    """Layer `i` of leaf `k` of `kind` in generation `gen` (the gradients have one)."""
-    r = (self.state_records if kind == "state" else self.records)[k]
+    """Layer `i` of leaf `k` of `kind` in generation `gen` (the gradients have one), checked.
+
+    Raises:
+      StoreCorruptedError: the slot does not match its crc32c (`layer_checks`).
+    """
+    records = self.state_records if kind == "state" else self.records
+    r = records[k]
     buffer = aligned_empty(r["slot"])
     try:
       pread_into(self._fds[kind, 0 if kind == "grads" else gen][k], buffer, i * r["slot"])
@@ -522,6 +531,14 @@ class LayerStore:
       raise errors.StoreError(
         e.errno, f"LayerStore: cannot read layer {i} of {kind} leaf {r['path']}: {e}"
       ) from e
+    at = checks.slot_at(records, k, i)
+    want = self._grad_crcs[k][i] if kind == "grads" else self.manifest["crc"][str(gen)][kind][at]
+    if want is not checks.UNKNOWN and (got := checks.crc(buffer)) != want:
+      name = self._file_names(kind, gen)[k]
+      if kind == "grads":
+        raise checks.grads_corrupted(name, r["path"], i, self.step, got, want)
+      step = next((s for s, g in self.kept if g == gen), None)
+      raise checks.corrupted(self.path, name, kind, r["path"], i, step, self.kept, got, want)
     dtype = np.dtype(r["dtype"])
     count = int(np.prod(r["shape"], dtype=np.int64))
     return buffer[: count * dtype.itemsize].view(dtype).reshape(r["shape"])
@@ -529,9 +546,10 @@ class LayerStore:
   def _write_raw(self, kind: str, gen: int, k: int, i: int, slot: np.ndarray) -> None:
     records = self.state_records if kind == "state" else self.records
     r = records[k]
-    if kind != "grads":  # checked by `offlax.inspect_store(verify=True)`
-      at = i * len(records) + r.get("index", k)  # the manifest's leaf order
-      self.manifest["crc"][str(gen)][kind][at] = crc32c.crc32c(slot.data)
+    if kind == "grads":  # in memory: see `layer_checks`
+      self._grad_crcs[k][i] = checks.crc(slot)
+    else:  # checked on every read, and by `offlax.inspect_store(verify=True)`
+      self.manifest["crc"][str(gen)][kind][checks.slot_at(records, k, i)] = checks.crc(slot)
     try:
       pwrite_all(self._fds[kind, 0 if kind == "grads" else gen][k], [slot], i * r["slot"])
     except OSError as e:
@@ -541,10 +559,10 @@ class LayerStore:
 
   def _write_initial(self, layer: Callable[[int], Any]) -> None:
     """Writes each layer's params (leaves None: left zero) and its optimizer's initial state."""
-    from offlax._src.nvme.store import progress_bar
-
     init = None if self.optimizer is None else jax.jit(self.optimizer.init)
-    for i in progress_bar(range(self.n_layers), self.progress, f"offlax: writing {self.path}"):
+    nbytes = self.n_layers * (self.layer_bytes + sum(r["slot"] for r in self.state_records))
+    desc = f"offlax: writing {self.path}"
+    for i in layer_step.progress(range(self.n_layers), self, nbytes, desc):
       leaves = layer(i)
       if not isinstance(leaves, list):  # a layer's pytree, from init_layer
         leaves = files.layer_leaves(self.records, self.treedef, leaves, i)
@@ -561,31 +579,16 @@ class LayerStore:
 
   def _check_sizes(self) -> None:
     for kind, gen in self._files():
-      records = self.state_records if kind == "state" else self.records
       if kind != "grads" and gen != self.generation and all(g != gen for _, g in self.kept):
         continue  # a free generation: written whole before it is committed
-      files = zip(self._file_names(kind, gen), self._fds[kind, gen], records, strict=True)
-      for name, fd, r in files:
-        size = os.fstat(fd).st_size
-        if size != self.n_layers * r["slot"]:
-          raise errors.StoreCorruptedError(
-            f"LayerStore.open: {name} ({kind} leaf {r['path']}) holds {size} bytes, expected "
-            f"{self.n_layers * r['slot']} ({self.n_layers} layers of {r['slot']})."
-          )
+      records = self.state_records if kind == "state" else self.records
+      names, fds = self._file_names(kind, gen), self._fds[kind, gen]
+      sizes = [os.fstat(fd).st_size for fd in fds]
+      files.check_sizes("LayerStore.open", kind, names, sizes, records, self.n_layers)
 
   def _go_to_step(self, step: int) -> None:
-    kept = dict(self.kept)
-    if step not in kept:
-      raise errors.StoreMismatchError(
-        f"LayerStore.open: {self.path} has committed step {self.step} and keeps steps "
-        f"{sorted(kept)}, but step={step} was asked for: training on would mix layers and "
-        "the rest of the model at different steps. Resume the rest from one of the kept steps."
-      )
-    logging.getLogger("offlax").warning(
-      "%s: rolled back to step %d (the store had committed step %d).", self.path, step, self.step
-    )
-    self.step, self.generation = step, kept[step]
-    self.kept = [(s, g) for s, g in self.kept if s <= step]
+    self.kept = files.to_kept_step(self.path, self.step, self.kept, step)
+    self.step, self.generation = self.kept[0]
     self._commit()
 
   def _commit(self) -> None:
