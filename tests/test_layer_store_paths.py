@@ -110,10 +110,13 @@ def test_store_attaches_to_the_list_it_was_made_from(tmp_path, name):
       return loss
 
     losses = []
-    for i in range(2):
-      losses.append(float(step(model, optimizer, batch(i))))
-      s.update()
+    with warnings.catch_warnings(record=True) as seen:
+      warnings.simplefilter("always")
+      for i in range(2):
+        losses.append(float(step(model, optimizer, batch(i))))
+        s.update()
     assert losses == want_losses
+    assert not [w for w in seen if w.category is offlax.GradientsOverwrittenWarning]
     for a, b in zip(jax.tree.leaves(s.read_params()), jax.tree.leaves(want), strict=True):
       np.testing.assert_array_equal(a, np.asarray(b))
 
@@ -271,12 +274,15 @@ def test_create_on_an_existing_store_points_to_open(tmp_path):
     offlax.LayerStore.create(str(tmp_path / "other"), layers)
 
 
-def _scan_grads(store, x, accumulate=False):
-  def loss(source):
-    body = lambda h, p: (jnp.tanh(h @ p["w"]), None)
-    return jnp.sum(offlax.scan_layers(body, x, source)[0])
+@jax.jit
+@jax.grad
+def _scan_loss_grad(source, x):
+  body = lambda h, p: (jnp.tanh(h @ p["w"]), None)
+  return jnp.sum(offlax.scan_layers(body, x, source)[0])
 
-  jax.grad(loss)(store.source(accumulate=accumulate))
+
+def _scan_grads(store, x, accumulate=False):
+  _scan_loss_grad(store.source(accumulate=accumulate), x)
   store.flush_grads()
 
 
