@@ -77,7 +77,7 @@ def test_accounting_matches_memory_analysis():
 
 
 def test_bad_sizes():
-  with pytest.raises(offlax.InvalidTierError, match="device_bytes"):
+  with pytest.raises(offlax.InvalidOptionError, match="device_bytes"):
     _plan(0, MiB)
   assert parse_bytes("24GB") == 24 * 10**9 and parse_bytes("64MiB") == 64 * MiB
   assert parse_bytes("1.5e9") == 1_500_000_000
@@ -89,7 +89,8 @@ def test_cli(capsys):
   assert cli(["plan", "--params", "13e9", "--device-mem", "24GB", "--host-mem", "128GB",
               "--master"]) == 1  # fmt: skip
   out = capsys.readouterr().out
-  assert "13,000,000,000 params" in out and "DOES NOT FIT" in out and "shard them" in out
+  assert "13,015,864,320 params" in out and "DOES NOT FIT" in out and "shard them" in out
+  assert out.startswith("assuming the shape of Llama 2 13B")  # params and grads leave the device
   assert cli(["plan", "--params", "2e8", "--device-mem", "1.2GB", "--host-mem", "16GB",
               "--optimizer", "adam"]) == 0  # fmt: skip
   assert "mode: host (fits)" in capsys.readouterr().out
@@ -140,7 +141,7 @@ def test_cli_sizes_need_units_params_take_suffixes_and_no_fit_prints_no_costs(ca
   assert parse_bytes("24") == 24 and parse_bytes("0", unit_required=True) == 0
   assert cli(["plan", "--params", "7B", "--device-mem", "24GB", "--host-mem", "16GB"]) == 1
   out = capsys.readouterr().out
-  assert "7,000,000,000 params" in out and "DOES NOT FIT" in out
+  assert "Mistral 7B" in out and "7,241,732,096 params" in out and "DOES NOT FIT" in out
   assert "per step" not in out and "inf" not in out and "uses" not in out
   assert parse_count("350M") == 350 * 10**6 and parse_count("13e9") == 13 * 10**9
   with pytest.raises(ValueError, match="not a number of parameters"):
@@ -207,13 +208,17 @@ def test_every_no_fit_lists_offlaxs_own_ways_out_first(capsys):
     assert "chunk_bytes" in advice[2] or "fraction" in advice[2], advice
     beyond = [i for i, a in enumerate(advice) if "shard them" in a or "LoRA" in a]
     assert all(i >= 3 for i in beyond), advice
-  # The 13B case: its needs, from its sizes (26 GB of bf16 params, 156 GB of state).
+  # The 13B case (Llama 2 13B's shape, 40 layers): its needs, from its sizes (bf16 params,
+  # 12 B/param of state).
   cli(["plan", *cases[0]])
   out = capsys.readouterr().out
-  assert f"{(2 * 26 + 156) * gb / 1e9:.1f} GB (RAM short by 80.0 GB)" in out
-  assert f"disk {3 * 156:.1f} GB (disk short by {3 * 156:.1f} GB)" in out  # keep + 1 copies
+  n = int(out.split(" params (")[0].split()[-1].replace(",", ""))
+  assert n == 13_015_864_320
+  need = (2 * 2 + 12) * n  # params and gradients, state (and the step count, 4 B)
+  assert f"{need / 1e9:.1f} GB (RAM short by {(need - 128 * gb) / 1e9:.1f} GB)" in out
+  assert f"disk {3 * 12 * n / 1e9:.1f} GB (disk short by {3 * 12 * n / 1e9:.1f} GB)" in out
   # With that disk, the plan takes the way it named.
-  assert cli(["plan", *cases[0], "--nvme", "468GB"]) == 0
+  assert cli(["plan", *cases[0], "--nvme", f"{3 * 12 * n}B"]) == 0
   assert "mode: params_host_nvme (fits)" in capsys.readouterr().out
 
 
@@ -276,7 +281,7 @@ def test_params_in_host_memory_proposed_for_a_usual_decoder_or_a_named_model(cap
   args = ["--device-mem", "24GB", "--host-mem", "128GB", "--nvme", "2TB", "--master"]
   assert cli(["plan", "--params", "13e9", *args]) == 0
   out = capsys.readouterr().out
-  assert "assuming a usual decoder of this size (Llama(layers=39" in out
+  assert "assuming the shape of Llama 2 13B, the nearest known model to 13B params: 40 layers" in out
   assert "mode: params_host_nvme (fits)" in out and "offlax.offload_params(model)" in out
   shapes = tmp_path / "qwen3_14b.json"
   shapes.write_text('{"layers": 40, "d": 5120, "ffn": 17408, "vocab": 151936, "heads": 40, '
@@ -323,12 +328,18 @@ def test_params_on_disk_when_they_do_not_fit_in_ram(capsys, tmp_path, master, pe
   out = capsys.readouterr().out
   assert "mode: params_nvme (fits)" in out and "offlax.LayerStore.create(" in out
   assert f"moves {per_param} B/param on disk" in out
-  assert "the params outside the layers (0.58B: embedding, head, final norm)" in out
-  if master:  # 16 B/param of them: the embedding's RAM beside the store's
+  # Llama 3.1 70B's shape: the MLP kernel (8192 x 28672) in flight, embedding and head in RAM.
+  assert "Llama 3.1 70B, the nearest known model to 70B params" in out
+  assert "a layer's largest leaf, 235M params" in out
+  if master:  # 16 B/param of embedding and head (2.1B params): 33.6 GB beside the update's
+    assert "(33.6 GB)" in out
     assert cli([*args[:6], "50GB", *args[7:]]) == 1
-    assert "RAM short by 3.9 GB once those are counted" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "mode: none (DOES NOT FIT)" in out and "mode: params_nvme" not in out
+    assert "all on disk in an offlax.LayerStore" in out and "RAM short by 11.8 GB" in out
   n = 70e9
-  shapes = {"w": jax.ShapeDtypeStruct((70, int(n) // 70), jnp.bfloat16)}
+  # Three leaves a layer, stacked: a third of a layer in flight.
+  shapes = {k: jax.ShapeDtypeStruct((70, int(n) // 210), jnp.bfloat16) for k in ("a", "b", "c")}
   inner = optax.adamw(1e-3)
   tx = offlax.master_weights(inner) if master else inner
   p = offlax.plan(shapes, tx, device_bytes=80 * 10**9, host_bytes=64 * 10**9,
@@ -356,3 +367,221 @@ def test_measure_disk(capsys, tmp_path):
   assert measured > 0 and "is assumed" not in out
   with pytest.raises(SystemExit):
     cli([*args, "--measure-disk", str(tmp_path / "missing")])
+
+
+# Nonsense in, one line out: (the arguments after the machine's, the flag the line names).
+_MACHINE = ["--device-mem", "24GB", "--host-mem", "64GB"]
+_NONSENSE = [
+  (["--params", "1e30"], "--params"),  # was killed for memory after 86 s
+  (["--params", "1e400"], "--params"),
+  (["--params", "0"], "--params"),
+  (["--params", "-7B"], "--params"),
+  (["--params", "nan"], "--params"),
+  (["--params", "lots"], "--params"),
+  (["--params", "7B", "--device-mem", "0GB"], "--device-mem"),  # was a traceback
+  (["--params", "7B", "--device-mem", "2PB"], "--device-mem"),
+  (["--params", "7B", "--host-mem", "0.5KB"], "--host-mem"),
+  (["--params", "7B", "--host-mem", "1e400GB"], "--host-mem"),
+  (["--params", "7B", "--nvme", "-1TB"], "--nvme"),
+  (["--params", "7B", "--nvme", "2ZB"], "--nvme"),
+  (["--params", "7B", "--activations", "-1GB"], "--activations"),
+  (["--params", "7B", "--chunk", "0B"], "--chunk"),
+  (["--params", "7B", "--chunk", "1TB"], "--chunk"),
+  (["--params", "7B", "--layers", "-3"], "--layers"),  # was a traceback
+  (["--params", "7B", "--layers", "0"], "--layers"),  # was accepted
+  (["--params", "7B", "--layers", "1e9"], "--layers"),
+  (["--params", "7B", "--layers", "many"], "--layers"),
+  (["--params", "7B", "--layers", "100000"], "--layers"),
+  (["--params", "30M", "--layers", "900"], "--layers"),  # more params than asked for
+  (["--params", "7B", "--tokens", "0"], "--tokens"),  # was accepted
+  (["--params", "7B", "--tokens", "-5"], "--tokens"),
+  (["--params", "7B", "--tokens", "1e12"], "--tokens"),
+  (["--params", "7B", "--bus-gbps", "0"], "--bus-gbps"),
+  (["--params", "7B", "--disk-gbps", "-2"], "--disk-gbps"),
+  (["--params", "7B", "--disk-gbps", "nan"], "--disk-gbps"),
+  (["--params", "7B", "--host-adam-gps", "inf"], "--host-adam-gps"),
+  (["--params", "7B", "--param-dtype", "int8"], "--param-dtype"),
+  (["--params", "7B", "--optimizer", "lion"], "--optimizer"),
+  (["--params", "7B", "--compile", "tpu9"], "--compile"),
+  (["--params", "7B", "--measure-disk", "/no/such/dir"], "--measure-disk"),
+  (["--params", "7B", "--model", "llama3_70b"], "--model"),
+  (["--model", "/no/such/model.json"], "--model"),
+  ([], "--params"),
+]
+
+
+@pytest.mark.parametrize(("args", "flag"), _NONSENSE, ids=[" ".join(a) for a, _ in _NONSENSE])
+def test_nonsense_is_one_line_naming_the_flag_and_its_range(capsys, args, flag):
+  """Every bad option: exit 2, one line on stderr with the flag (and its range), within 1 s.
+
+  The time is the command's own, its modules imported (as `python -m offlax` imports them).
+  """
+  import time
+
+  from offlax._src import plan_cli, plan_models  # noqa: F401
+
+  start = time.perf_counter()
+  with pytest.raises(SystemExit) as exit_:
+    cli(["plan", *_MACHINE[: 0 if "--device-mem" in args else 2], *_MACHINE[2:], *args])
+  elapsed = time.perf_counter() - start
+  err = capsys.readouterr()
+  assert exit_.value.code == 2 and err.out == ""
+  assert len(err.err.splitlines()) == 1, err.err
+  assert err.err.startswith("python -m offlax plan: error: ") and flag in err.err, err.err
+  from offlax._src import plan_options
+
+  ranges = {lim.flag: lim.text for lim in plan_options.LIMITS.values()}
+  if flag in ranges:
+    assert f"must be {ranges[flag]}" in err.err, err.err
+  assert elapsed < 1.0, elapsed
+
+
+def test_nonsense_from_the_api_is_the_same_error_as_from_the_cli(capsys):
+  """`offlax.plan` raises InvalidOptionError (a ValueError) with the command line's message."""
+  cases = [
+    ({"device_bytes": 0}, ["--device-mem", "0GB"]),
+    ({"host_bytes": 2**70}, ["--host-mem", f"{2**70}B"]),
+    ({"nvme_bytes": -1}, None),
+    ({"activation_bytes": float("nan")}, None),
+    ({"chunk_bytes": 1}, ["--chunk", "1B"]),
+    ({"layers": 0}, ["--layers", "0"]),
+    ({"layers": True}, None),
+    ({"layers": 2.5}, None),
+    ({"bus_bytes_per_s": -1e9}, ["--bus-gbps", "-1"]),
+    ({"disk_bytes_per_s": float("inf")}, ["--disk-gbps", "inf"]),
+    ({"host_adam_params_per_s": 0}, ["--host-adam-gps", "0"]),
+  ]
+  for kw, flags in cases:
+    sizes = {"device_bytes": 24 * 10**9, "host_bytes": 64 * 10**9, **kw}
+    with pytest.raises(offlax.InvalidOptionError) as api:
+      offlax.plan(_shapes(), optax.adam(1e-3), **sizes)
+    assert isinstance(api.value, ValueError)
+    message = str(api.value)
+    assert message.startswith("plan: --") and f"({next(iter(kw))}=)" in message, message
+    if flags is None:
+      continue
+    given = dict(zip(_MACHINE[::2], _MACHINE[1::2], strict=True)) | dict([flags])
+    with pytest.raises(SystemExit):
+      cli(["plan", "--params", "7B", *(x for kv in given.items() for x in kv)])
+    err = capsys.readouterr().err
+    assert message.removeprefix("plan: ") in err, (message, err)
+  # A tree of 1e15 params: refused at once, not counted leaf by leaf.
+  with pytest.raises(offlax.InvalidOptionError, match="--params: got 1e\\+15"):
+    huge = {"w": jax.ShapeDtypeStruct((10**15,), jnp.bfloat16)}
+    offlax.plan(huge, optax.adam(1e-3), device_bytes=10**9, host_bytes=10**9)
+
+
+def test_the_cli_is_one_line_in_a_fresh_process():
+  """`python -m offlax plan --params 1e30` (was killed for memory after 86 s): exit 2, one line."""
+  import os
+  import subprocess
+  import sys
+
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "TF_CPP_MIN_LOG_LEVEL": "3"}
+  args = [sys.executable, "-m", "offlax", "plan", "--params", "1e30", *_MACHINE]
+  out = subprocess.run(args, capture_output=True, text=True, timeout=120, env=env)
+  assert out.returncode == 2 and out.stdout == "", out
+  lines = [x for x in out.stderr.splitlines() if "offlax" in x]  # JAX's start-up notices aside
+  assert lines == [
+    "python -m offlax plan: error: --params: got 1e+30; parameters must be 1 to 1e14 (100T) "
+    "(--help lists the options)"
+  ], out.stderr
+
+
+def test_the_largest_count_plans_at_once(capsys):
+  """1e14 params (the limit) plan in O(1): at most 64 leaves, whatever the count."""
+  import time
+
+  from offlax._src import plan_models
+
+  assert len(plan_models.flat(10**14, jnp.bfloat16)) == 64
+  assert len(plan_models.flat(3 * 10**9, jnp.bfloat16)) == 45  # 64M-param leaves below 4.3B
+  start = time.perf_counter()
+  assert cli(["plan", "--params", "1e14", *_MACHINE, "--nvme", "1PB"]) == 1
+  assert time.perf_counter() - start < 10
+  assert "DOES NOT FIT" in capsys.readouterr().out
+
+
+def _llama31_70b(tmp_path):
+  shapes = tmp_path / "llama3_70b.json"  # Tunix's llama3_70b, without Tunix
+  shapes.write_text('{"layers": 80, "d": 8192, "ffn": 28672, "vocab": 128256, "heads": 64, '
+                    '"kv_heads": 8}')  # fmt: skip
+  return str(shapes)
+
+
+@pytest.mark.parametrize("master", [False, True])
+def test_one_verdict_from_the_cli_and_the_api_with_the_real_largest_leaf(capsys, tmp_path, master):
+  """Llama 3.1 70B on disk: RAM is the update's leaves in flight (its MLP kernel, 4 x in and
+  out) and the embedding and head with their gradients and state; the verdict counts it."""
+  from offlax._src import plan_models
+
+  model = plan_models.load(_llama31_70b(tmp_path), 2048).model
+  params = plan_models.params(model, jnp.bfloat16)
+  inner = optax.adamw(1e-3)
+  tx = offlax.master_weights(inner) if master else inner
+  n = model.n_params
+  state = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(tx.init, params)))
+  p, s = 2, state / n
+  leaf, rest = 8192 * 28672, 2 * 128256 * 8192 + 8192  # the MLP kernel; embedding, head, norm
+  ram = 4 * leaf * (3 * p + 2 * s) + rest * (2 * p + s)
+  assert ram == pytest.approx((61.8 if master else 30.0) * 1e9, abs=0.05e9)
+  for host in (ram + 1e9, ram - 1e9):  # just enough, and 1 GB short
+    kw = {"device_bytes": 80 * 10**9, "host_bytes": int(host), "nvme_bytes": 4 * 10**12}
+    kw["activation_bytes"] = model.device_bytes()
+    api = offlax.plan(params, tx, layers=80, fused=True, **kw)
+    assert api.fits == (host > ram)
+    if api.fits:
+      assert api.mode == "params_nvme" and api.bytes["host"] == pytest.approx(ram, rel=1e-6)
+    else:  # what the LayerStore needs, and what is short
+      assert api.mode == "none"
+      assert any("all on disk in an offlax.LayerStore" in a and "RAM short by 1.0 GB" in a
+                 for a in api.advice), api.advice  # fmt: skip
+    args = ["plan", "--model", _llama31_70b(tmp_path), "--device-mem", "80GB",
+            "--host-mem", f"{int(host)}B", "--nvme", "4TB", "--fused"]  # fmt: skip
+    assert cli(args + (["--master"] if master else [])) == (0 if api.fits else 1)
+    out = capsys.readouterr().out
+    modes = [line for line in out.splitlines() if line.startswith("mode: ")]
+    assert len(modes) == 1 and modes[0].startswith(f"mode: {api.mode} "), out
+    assert ("DOES NOT FIT" in out) == (not api.fits) and "short" not in out.split("mode: ")[0]
+    assert api.table(inner=("offlax.master_weights(optax.adamw(1e-3))" if master
+                            else "optax.adamw(1e-3)")) in out  # fmt: skip
+
+
+def test_the_shape_guessed_from_params_is_a_real_models(capsys):
+  """--params 70e9: Llama 3.1 70B's shape (was heads=71, kv_heads=0 and a 32000 vocabulary)."""
+  from offlax._src import plan_models
+
+  args = ["--device-mem", "80GB", "--host-mem", "64GB", "--nvme", "4TB", "--master"]
+  assert cli(["plan", "--params", "70e9", *args]) == 0
+  out = capsys.readouterr().out
+  assert out.startswith(
+    "assuming the shape of Llama 3.1 70B, the nearest known model to 70B params: 80 layers, "
+    "d 8192, ffn 28672, 64 heads (8 kv), vocab 128256: 70.55B params"
+  )
+  assert "70,553,706,496 params" in out and "kv_heads=0" not in out
+  for n, name in [(1.1e9, "TinyLlama 1.1B"), (8e9, "Llama 3.1 8B"), (13e9, "Llama 2 13B"),
+                  (15e9, "Qwen3 14B"), (400e9, "Llama 3.1 405B")]:  # fmt: skip
+    guess = plan_models.guess(int(n), 2048)
+    assert guess.source.startswith(f"{name}, the nearest"), (n, guess.source)
+    assert guess.model == plan_models.KNOWN[name]
+  # Every known shape is the published model's count (Llama 3.1 8B: 8.03B, 405B: 405.9B).
+  counts = {k: round(m.n_params / 1e9, 2) for k, m in plan_models.KNOWN.items()}
+  assert counts["Llama 3.1 8B"] == 8.03 and counts["Llama 3.1 405B"] == 405.85
+  assert counts["Llama 2 7B"] == 6.74 and counts["Qwen3 14B"] == 14.77
+  # Far from any known model: a Llama-shaped one, said so.
+  assert "no known model within 1.5x" in plan_models.guess(3 * 10**9, 2048).source
+  # --layers with the known model's depth is that model.
+  assert plan_models.with_layers(70 * 10**9, 80, 2048).model.vocab == 128256
+
+
+def test_the_device_breakdown_adds_up(capsys):
+  """8B with fp32 master updates: params and gradients 32 GB, the updates another 32 GB."""
+  assert cli(["plan", "--params", "8e9", *_MACHINE, "--master", "--activations", "0"]) == 1
+  out = capsys.readouterr().out  # (no shape guessed: activations given)
+  line = next(x for x in out.splitlines() if x.startswith("- the NVMe tier"))
+  held = line.split("the device holds ")[1].split("; RAM")[0]
+  assert held.startswith("params and gradients (32.0 GB), 2 slices (134.2 MB) and the updates "
+                         "written whole in their own dtype (32.0 GB")  # fmt: skip
+  parts = [parse_bytes(x.split(")")[0].split(";")[0].replace(" ", "")) for x in held.split("(")[1:]]
+  total = parse_bytes(held.rsplit(": ", 1)[1].replace(" ", ""))
+  assert abs(sum(parts) - total) <= 0.1e9, (parts, total)

@@ -78,6 +78,7 @@ class Figures:
   layers: int | None
   fused: bool
   fixed_host: int  # device bytes of host compute
+  on_disk: dict | None = None  # an offlax.LayerStore's bytes (`plan_disk.params_on_disk_bytes`)
 
 
 def _short(needs: dict[str, int], has: dict[str, int]) -> str:
@@ -94,6 +95,7 @@ def ways_out(f: Figures) -> list[str]:
   """
   p2 = 2 * f.param_bytes  # params and their gradients
   fixed = p2 + f.activation_bytes
+  alone = "params, gradients and activations" if f.activation_bytes else "params and gradients"
   has = {"device": f.usable, "RAM": f.host_bytes, "disk": f.nvme_bytes}
   advice = []
   # 1. Params, gradients and state in host memory; the device holds the step's working set.
@@ -106,19 +108,27 @@ def ways_out(f: Figures) -> list[str]:
     work, counted = 0, "the step's working set (plan it with layers=, plan --layers L)"
   in_ram = _short({"device": work, "RAM": p2 + f.state}, has)
   on_disk = _short({"device": work, "RAM": f.host_nvme_ram, "disk": f.store_bytes}, has)
+  store = ""
+  if f.on_disk is not None:  # 1c. All on disk: an offlax.LayerStore.
+    b = f.on_disk
+    needs = {"device": work, "RAM": b["ram"], "disk": b["disk"]}
+    store = (
+      f"; or all on disk in an offlax.LayerStore (docs/nvme_tier.md): {layer_store_ram(b)}, "
+      f"disk {format_bytes(b['disk'])} ({_short(needs, has)})"
+    )
   advice.append(
     f"params in host memory (offlax.to_host, offlax.scan_layers, the step on the host; "
     f"docs/params_off_device.md): the device holds {counted}; RAM holds params and gradients "
     f"({format_bytes(p2)}) and the state ({format_bytes(f.state)}): "
     f"{format_bytes(p2 + f.state)} ({in_ram}); or the state on the NVMe tier: RAM "
     f"{format_bytes(f.host_nvme_ram)} or more (a cache), disk {format_bytes(f.store_bytes)} "
-    f"({on_disk})"
+    f"({on_disk}){store}"
   )
   # 2. The state on the NVMe tier, params and gradients on the device.
   device = fixed + f.slices + f.small
   advice.append(
     f"the NVMe tier (offlax.NVMeTier(path, cache_bytes=...), params on the device): the device "
-    f"holds params, gradients and slices ({format_bytes(device)}); RAM {format_bytes(f.nvme_ram)}"
+    f"holds {_device_parts(f)}; RAM {format_bytes(f.nvme_ram)}"
     f" or more (up to {format_bytes(f.state)} caches all of the state), disk "
     f"{format_bytes(f.store_bytes)}, the state {f.store_bytes // max(f.state - f.small, 1)} times "
     f"({_short({'device': device, 'RAM': f.nvme_ram, 'disk': f.store_bytes}, has)})"
@@ -127,8 +137,7 @@ def ways_out(f: Figures) -> list[str]:
   room = f.usable - fixed - f.small
   if room <= 0:
     advice.append(
-      f"a smaller chunk_bytes or fraction cannot help: params and gradients"
-      f"{' and activations' if f.activation_bytes else ''} alone need {format_bytes(fixed)} of "
+      f"a smaller chunk_bytes or fraction cannot help: {alone} alone need {format_bytes(fixed)} of "
       f"the device's {format_bytes(f.usable)} usable"
     )
   elif device > f.usable:
@@ -161,12 +170,47 @@ def ways_out(f: Figures) -> list[str]:
   # Beyond offlax.
   if fixed > f.usable:
     advice.append(
-      f"beyond offlax: params and gradients alone need {format_bytes(fixed)} of device memory "
+      f"beyond offlax: {alone} alone need {format_bytes(fixed)} of device memory "
       f"({format_bytes(f.usable)} usable of {format_bytes(f.device_bytes)}): shard them over "
       f"{math.ceil(fixed / f.usable)}+ devices (a jax Mesh), use lower-precision params, "
       "or train fewer of them (LoRA-style adapters)"
     )
   return advice
+
+
+def _device_parts(f: Figures) -> str:
+  """What the device holds beside the state on the NVMe tier, part by part, and their sum."""
+  slices = f.slices - f.updates
+  parts = [f"params and gradients ({format_bytes(2 * f.param_bytes)})"]
+  if f.activation_bytes:
+    parts.append(f"activations ({format_bytes(f.activation_bytes)})")
+  parts.append(f"{f.n_slices} slice{'s' if f.n_slices != 1 else ''} ({format_bytes(slices)})")
+  if f.updates:
+    parts.append(
+      f"the updates written whole in their own dtype ({format_bytes(f.updates)}; plan --fused "
+      "writes none)"
+    )
+  if f.small >= 10**6:  # scalars (a step count) would only add "4 B"
+    parts.append(f"the state's scalars ({format_bytes(f.small)})")
+  total = 2 * f.param_bytes + f.activation_bytes + f.slices + f.small
+  return f"{', '.join(parts[:-1])} and {parts[-1]}: {format_bytes(total)}"
+
+
+def layer_store_ram(b: dict) -> str:
+  """An `offlax.LayerStore`'s RAM in words, part by part (`plan_disk.params_on_disk_bytes`'s)."""
+  if b["update"] >= b["reads"]:
+    inflight = (
+      f"the update's leaves in flight ({format_bytes(b['update'])}: 4 x in and out of a "
+      f"layer's largest leaf, {b['leaf'] / 1e6:.0f}M params)"
+    )
+  else:
+    inflight = f"2 layers read and written ({format_bytes(b['reads'])})"
+  rest = (
+    f" and the params outside the layers with their gradients and state ({format_bytes(b['rest'])})"
+    if b["rest"]
+    else ""
+  )
+  return f"RAM {format_bytes(b['ram'])}: {inflight}{rest}"
 
 
 def activations_note(used: int, usable: int, streamed: int, host_compute: int) -> str:

@@ -11,8 +11,11 @@ import jax
 import numpy as np
 import optax
 
-from offlax._src import errors, flax_glue, plan_advice
+from offlax._src import errors, flax_glue, plan_advice, plan_options
 from offlax._src.nvme.format import DEFAULT_KEEP
+from offlax._src.plan_disk import layer_leaves, params_on_disk_bytes
+from offlax._src.plan_options import parse_bytes as parse_bytes  # the CLI's, and tests'
+from offlax._src.plan_options import parse_count as parse_count
 from offlax._src.telemetry import format_bytes
 
 GB = 10**9
@@ -182,15 +185,24 @@ def plan(
     >>> p.mode, p.fits, p.bytes["host"]
     ('host', True, 8388608)
   """
-  for name, value in (("device_bytes", device_bytes), ("host_bytes", host_bytes)):
-    if not isinstance(value, (int, np.integer)) or value <= 0:
-      raise errors.InvalidTierError(f"plan: {name} must be a positive int, got {value!r}.")
+  options = {
+    "device_bytes": device_bytes, "host_bytes": host_bytes, "nvme_bytes": nvme_bytes,
+    "activation_bytes": activation_bytes, "chunk_bytes": chunk_bytes,
+    "bus_bytes_per_s": bus_bytes_per_s, "disk_bytes_per_s": disk_bytes_per_s,
+    "host_adam_params_per_s": host_adam_params_per_s,
+  }  # fmt: skip
+  for name, value in options.items():
+    plan_options.check(name, value)
+  if layers is not None:
+    plan_options.check("layers", layers)
   errors.check_transformation(tx, "plan: tx")
   params = flax_glue.unbox(params)
+  n_params = sum(int(np.prod(np.shape(x))) for x in jax.tree.leaves(params))
+  plan_options.check("params", n_params)
   flat_state = jax.tree_util.tree_flatten_with_path(jax.eval_shape(tx.init, params))[0]
   leaves = [(jax.tree_util.keystr(p), _nbytes(x)) for p, x in flat_state if _nbytes(x)]
   param_bytes = sum(_nbytes(x) for x in jax.tree.leaves(params))
-  n_params = sum(int(np.prod(np.shape(x))) for x in jax.tree.leaves(params))
+  update_leaves = _update_leaves(tx, params)
   state = sum(b for _, b in leaves)
   big = [(k, b) for k, b in leaves if b > 64]  # scalars stay on the device
   small = state - sum(b for _, b in big)
@@ -198,7 +210,7 @@ def plan(
   usable = int(device_bytes * (1 - DEVICE_RESERVE))
   stream_slices = slices = _slices(params, state, n_params, chunk_bytes)
   if not fused:
-    slices += _whole_updates(tx, params, state, chunk_bytes)
+    slices += _whole_updates(update_leaves, state, chunk_bytes)
   assumptions = {
     "params": n_params,
     "param_bytes": param_bytes,
@@ -216,7 +228,7 @@ def plan(
 
   # Host compute: no state slices on the device, gradients out, updates back (into
   # the gradients' buffer, or a new one where their dtype differs: master_weights').
-  fixed_host = fixed + (0 if fused else _whole_updates(tx, params, state, 0))
+  fixed_host = fixed + (0 if fused else _whole_updates(update_leaves, state, 0))
 
   def make(mode, fits, placement, dev, host, nvme, bus, disk, overhead, advice, fraction=1.0,
            cache=0):  # fmt: skip
@@ -294,11 +306,17 @@ def plan(
       "nvme", True, placement, fixed + slices + small, cached + _NVME_BUFFERS * chunk_bytes,
       store_bytes, bus, disk, overhead, [], cache=cache,
     )  # fmt: skip
-  if layers and fixed > usable:
+  store_figures = None  # what params_nvme needs, with layers
+  if layers:
+    leaf_params, rest_params = layer_leaves(params, layers)
+    store_figures = params_on_disk_bytes(
+      param_bytes, state, n_params, layers, leaf_params=leaf_params, rest_params=rest_params
+    )
+  if store_figures is not None and fixed > usable:
     host_plan = _params_on_host(
       make, everywhere, layers, param_bytes, n_params, state, small, activation_bytes, usable,
       host_bytes, nvme_bytes, chunk_bytes, bus_bytes_per_s, disk_bytes_per_s,
-      host_adam_params_per_s,
+      host_adam_params_per_s, store_figures,
     )  # fmt: skip
     if host_plan is not None:
       return host_plan
@@ -308,11 +326,11 @@ def plan(
     chunk_bytes=chunk_bytes, slices=slices, updates=slices - stream_slices,
     n_slices=stream_slices // chunk_bytes,
     smaller_chunk=_smaller_chunk(
-      tx, params, state, n_params, chunk_bytes, fused, usable - fixed - small
+      update_leaves, params, state, n_params, chunk_bytes, fused, usable - fixed - small
     ),
     store_bytes=store_bytes, nvme_ram=_NVME_BUFFERS * chunk_bytes,
     host_nvme_ram=2 * param_bytes + int(_NVME_BUFFERS * chunk_bytes / _NVME_CACHE_SHARE) + 1,
-    layers=layers, fused=fused, fixed_host=fixed_host,
+    layers=layers, fused=fused, fixed_host=fixed_host, on_disk=store_figures,
   )  # fmt: skip
   advice = plan_advice.ways_out(figures)
   if state > host_bytes and store_bytes > nvme_bytes:
@@ -342,6 +360,7 @@ def _params_on_host(
   bus_bytes_per_s,
   disk_bytes_per_s,
   host_adam_params_per_s,
+  on_disk,
 ) -> Plan | None:
   """Params, gradients and state in host memory (state on disk if RAM is short), or None."""
   layer = param_bytes / layers
@@ -372,8 +391,8 @@ def _params_on_host(
   store_bytes = (DEFAULT_KEEP + 1) * (state - small)
   if cache <= 0 or store_bytes > nvme_bytes:
     return _params_on_disk(
-      make, everywhere, layers, param_bytes, n_params, state, device, host_bytes, nvme_bytes,
-      bus_bytes_per_s, disk_bytes_per_s, host_adam_params_per_s,
+      make, everywhere, param_bytes, n_params, device, host_bytes, nvme_bytes,
+      bus_bytes_per_s, disk_bytes_per_s, host_adam_params_per_s, on_disk,
     )  # fmt: skip
   disk = 2 * max(0, state - small - cache) + min(cache, state - small) + small
   bus += 2 * (state - small)
@@ -384,32 +403,11 @@ def _params_on_host(
   )  # fmt: skip
 
 
-def params_on_disk_bytes(param_bytes: int, state: int, n_params: int, layers: int) -> dict:
-  """RAM, disk and bytes per step of an `offlax.LayerStore` (mode ``params_nvme``).
-
-  RAM: the model's read pool (2 layers of params) and the update's leaves in
-  flight (2 read ahead, 1 computing with its copies, 2 being written: about 4 x
-  a leaf's params, gradients and state in and out), a leaf taken as a third of
-  a layer (Llama's MLP matrices). Disk: 2 generations (``keep=1``) of params
-  and state, and the gradients. Per step: the params read twice (forward, and
-  the rematerialised backward), the gradients written, then the update reads
-  params, gradients and state and writes params and state.
-  """
-  layer = param_bytes / layers
-  leaf_in, leaf_out = (2 * param_bytes + state) / layers / 3, (param_bytes + state) / layers / 3
-  return {
-    "ram": int(2 * layer + 4 * (leaf_in + leaf_out)),
-    "disk": 2 * (param_bytes + state) + param_bytes,
-    "disk_per_step": 3 * param_bytes + (2 * param_bytes + state) + (param_bytes + state),
-  }
-
-
 def _params_on_disk(
-  make, everywhere, layers, param_bytes, n_params, state, device, host_bytes, nvme_bytes,
-  bus_bytes_per_s, disk_bytes_per_s, host_adam_params_per_s,
+  make, everywhere, param_bytes, n_params, device, host_bytes, nvme_bytes, bus_bytes_per_s,
+  disk_bytes_per_s, host_adam_params_per_s, b,
 ) -> Plan | None:  # fmt: skip
-  """Params, gradients and state on disk (`offlax.LayerStore`), or None."""
-  b = params_on_disk_bytes(param_bytes, state, n_params, layers)
+  """Params, gradients and state on disk (`offlax.LayerStore`), or None; `b`: its bytes."""
   if b["ram"] > host_bytes or b["disk"] > nvme_bytes:
     return None
   bus = 3 * param_bytes
@@ -424,7 +422,7 @@ def _params_on_disk(
   overhead = max(bus / bus_bytes_per_s, disk_s, n_params / host_adam_params_per_s)
   return make(
     "params_nvme", True, everywhere("nvme"), device, b["ram"], b["disk"], bus,
-    b["disk_per_step"], overhead, [note],
+    b["disk_per_step"], overhead, [note, plan_advice.layer_store_ram(b)],
   )  # fmt: skip
 
 
@@ -481,10 +479,11 @@ def mode_bytes(
   if mode == "device":
     return fixed + state
   if mode == "host_compute":
-    return fixed + (0 if fused else _whole_updates(tx, params, state, 0))
+    return fixed + (0 if fused else _whole_updates(_update_leaves(tx, params), state, 0))
   n_params = sum(int(np.prod(np.shape(x))) for x in jax.tree.leaves(params))
   slices = _slices(params, state, n_params, chunk_bytes)
-  return fixed + slices + small + (0 if fused else _whole_updates(tx, params, state, chunk_bytes))
+  updates = 0 if fused else _whole_updates(_update_leaves(tx, params), state, chunk_bytes)
+  return fixed + slices + small + updates
 
 
 def _slices(params: Any, state_bytes: int, n_params: int, chunk_bytes: int) -> int:
@@ -495,74 +494,52 @@ def _slices(params: Any, state_bytes: int, n_params: int, chunk_bytes: int) -> i
 
 
 def _smaller_chunk(
-  tx: Any, params: Any, state: int, n_params: int, chunk_bytes: int, fused: bool, room: int
-) -> int:
+  update_leaves: list, params: Any, state: int, n_params: int, chunk_bytes: int, fused: bool,
+  room: int,
+) -> int:  # fmt: skip
   """The largest chunk_bytes down to 1 MiB (halving) whose streaming fits `room`; 0 if none."""
   chunk = chunk_bytes // 2
   while chunk >= min(2**20, chunk_bytes // 2) and room > 0:
     need = _slices(params, state, n_params, chunk)
     if need <= room and not fused:
-      need += _whole_updates(tx, params, state, chunk)
+      need += _whole_updates(update_leaves, state, chunk)
     if need <= room:
       return chunk
     chunk //= 2
   return 0
 
 
-def _whole_updates(tx: Any, params: Any, state_bytes: int, chunk_bytes: int) -> int:
+def _update_leaves(tx: Any, params: Any) -> list[tuple[int, Any, int, Any]]:
+  """Each param leaf's bytes and dtype with its update's (once: `eval_shape` of the update).
+
+  Empty where the update needs extra arguments: no updates of another dtype assumed.
+  """
+  flat = jax.tree.leaves(params)
+  try:
+    state = jax.eval_shape(tx.init, params)
+    updates = jax.eval_shape(lambda g, s, p: tx.update(g, s, p)[0], params, state, params)
+  except Exception:  # an update that needs extra arguments
+    return []
+  return [
+    (_nbytes(p), np.dtype(p.dtype), _nbytes(u), np.dtype(u.dtype))
+    for p, u in zip(flat, jax.tree.leaves(updates), strict=False)
+  ]
+
+
+def _whole_updates(update_leaves: list, state_bytes: int, chunk_bytes: int) -> int:
   """Device bytes of the updates that streaming writes whole when they are not the gradients'.
 
   A leaf cut into pieces gets its updates written into its gradient's buffer,
   unless they have another dtype (`master_weights`: fp32 updates of bf16
   params); then into a new array, the leaf's size in the updates' dtype.
+  `update_leaves`: `_update_leaves`'s.
   """
-  flat = jax.tree.leaves(params)
-  param_bytes = sum(_nbytes(x) for x in flat) or 1
-  try:
-    state = jax.eval_shape(tx.init, params)
-    updates = jax.eval_shape(lambda g, s, p: tx.update(g, s, p)[0], params, state, params)
-  except Exception:  # an update that needs extra arguments: assume no new arrays
-    return 0
+  param_bytes = sum(p for p, _, _, _ in update_leaves) or 1
   total = 0
-  for p, u in zip(flat, jax.tree.leaves(updates), strict=False):
-    cut = _nbytes(p) * state_bytes / param_bytes > chunk_bytes
-    if cut and np.dtype(u.dtype) != np.dtype(p.dtype):
-      total += _nbytes(u)
+  for p, p_dtype, u, u_dtype in update_leaves:
+    if p * state_bytes / param_bytes > chunk_bytes and u_dtype != p_dtype:
+      total += u
   return total
-
-
-def parse_bytes(text: str, unit_required: bool = False) -> int:
-  """'24GB', '128GiB', '2TB', '512MiB', '100B' or (unless `unit_required`) a plain number of bytes.
-
-  With `unit_required`, a bare number other than 0 is refused: ``--device-mem 24``
-  is far more likely to mean 24GB than 24 bytes.
-  """
-  units = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
-  m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]?)(I?)(B?)\s*", text.upper())
-  if not m:
-    raise ValueError(f"not a size: {text!r} (e.g. 24GB, 128GiB, 2TB)")
-  if unit_required and not (m.group(2) or m.group(4)) and float(m.group(1)) != 0:
-    raise ValueError(
-      f"{text!r} has no unit: write e.g. {text.strip()}GB or {text.strip()}GiB "
-      f"({text.strip()}B for bytes)"
-    )
-  scale = units[m.group(2)]
-  if m.group(3):  # binary: KiB, MiB, ...
-    scale = 1024 ** "KMGT".index(m.group(2)) * 1024 if m.group(2) else 1
-  return int(float(m.group(1)) * scale)
-
-
-def parse_count(text: str) -> int:
-  """A number of parameters: '7B', '350M', '1.5T', '13e9' or '1000000'."""
-  scale = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
-  m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMBGT]?)\s*", text.upper())
-  try:
-    value = float(m.group(1)) * scale[m.group(2)] if m else -1.0
-  except ValueError:
-    value = -1.0
-  if not value >= 1:
-    raise ValueError(f"not a number of parameters: {text!r} (e.g. 7B, 350M, 13e9)")
-  return int(value)
 
 
 def _nbytes(x: Any) -> int:

@@ -1,0 +1,111 @@
+"""The RAM and disk of params, gradients and state on disk: the planner's ``params_nvme`` mode.
+
+An `offlax.LayerStore` holds the stacked layers' params, gradients and
+optimizer state on disk; `params_on_disk_bytes` counts what that leaves in
+RAM (a leaf of a layer at a time in the update, the params outside the
+layers whole) and on disk, from the model's own leaves (`layer_leaves`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+
+def layer_leaves(params: Any, layers: int) -> tuple[int, int]:
+  """The largest leaf of one layer and the params outside the layers, in params.
+
+  The leaves whose first axis is `layers` are the stacked layers (what an
+  `offlax.LayerStore` holds); the others (embedding, head, final norm) are
+  outside them. ``(0, 0)`` where no leaf is stacked: `params_on_disk_bytes`
+  then takes a leaf as a third of a layer and every param as a layer's.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from offlax._src import plan_disk
+    >>> s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+    >>> params = {"layers": {"w1": s(4, 64, 256), "wq": s(4, 64, 64)}, "embed": s(1000, 64)}
+    >>> plan_disk.layer_leaves(params, 4)  # w1 of one layer; the embedding
+    (16384, 64000)
+  """
+  stacked, rest = [], 0
+  for x in jax.tree.leaves(params):
+    shape, size = np.shape(x), int(np.prod(np.shape(x)))
+    if len(shape) >= 2 and shape[0] == layers:
+      stacked.append(size // layers)
+    else:
+      rest += size
+  return (max(stacked), rest) if stacked else (0, 0)
+
+
+def params_on_disk_bytes(
+  param_bytes: int,
+  state: int,
+  n_params: int,
+  layers: int,
+  *,
+  leaf_params: int = 0,
+  rest_params: int = 0,
+) -> dict:
+  """RAM, disk and bytes per step of an `offlax.LayerStore` (mode ``params_nvme``).
+
+  With ``p`` bytes a param (``param_bytes / n_params``; gradients alike) and
+  ``s`` bytes of state a param (``state / n_params``), RAM is::
+
+    max(reads, update) + rest
+    reads  = 2 x a layer's params (the forward's read, the backward's
+             gradients written behind)
+    update = 4 x leaf x (3p + 2s): `LayerStore.update` steps one leaf of one
+             layer at a time (`nvme/layer_step.py`): 2 read ahead and 1
+             computing, each its param, gradient and state in (p + p + s);
+             1 computed and 2 queued for the writers, each its param and
+             state out (p + s); 4 x (in + out) bounds those and the step's
+             temporaries. ``leaf`` is the largest leaf of one layer
+             (`leaf_params`, e.g. Llama 3.1 70B's MLP kernel, 8192 x 28672 =
+             235M params); 0: a third of a layer.
+    rest   = rest_params x (2p + s): the params outside the layers (the
+             embedding and head: 2 x 128256 x 8192 = 2.1B params in Llama
+             3.1 70B) stay in RAM with their gradients and state.
+
+  Disk: 2 generations (``keep=1``) of params and state, and the gradients.
+  Per step: the params read twice (forward, and the rematerialised backward),
+  the gradients written, then the update reads params, gradients and state
+  and writes params and state.
+
+  Args:
+    param_bytes: all of the params' bytes.
+    state: all of the optimizer state's bytes.
+    n_params: all of the params.
+    layers: the stacked layers.
+    leaf_params: the largest leaf of one layer, in params (`layer_leaves`).
+    rest_params: the params outside the layers (`layer_leaves`).
+
+  Returns:
+    ``ram`` (with its parts ``reads``, ``update``, ``rest``, and ``leaf``,
+    the leaf counted), ``disk`` and ``disk_per_step``, in bytes.
+
+  Example:
+    >>> from offlax._src import plan_disk
+    >>> n = 10**9  # bf16 params (2 B), Adam's bf16 moments (4 B): a leaf of 0.1B, 0.2B outside
+    >>> b = plan_disk.params_on_disk_bytes(2 * n, 4 * n, n, 8, leaf_params=n // 10,
+    ...                                    rest_params=n // 5)
+    >>> b["update"], b["rest"], b["ram"]  # 4 x 0.1B x 14 B; 0.2B x 8 B
+    (5600000000, 1600000000, 7200000000)
+  """
+  p, s = param_bytes / n_params, state / n_params
+  layer = (n_params - rest_params) / layers
+  leaf = leaf_params or layer / 3
+  reads = 2 * layer * p
+  update = 4 * leaf * (3 * p + 2 * s)
+  rest = rest_params * (2 * p + s)
+  return {
+    "reads": int(reads),
+    "update": int(update),
+    "rest": int(rest),
+    "leaf": int(leaf),
+    "ram": int(max(reads, update) + rest),
+    "disk": 2 * (param_bytes + state) + param_bytes,
+    "disk_per_step": 3 * param_bytes + (2 * param_bytes + state) + (param_bytes + state),
+  }
