@@ -445,3 +445,24 @@ def test_a_model_of_another_library_needs_a_mapping(tmp_path):
   np.testing.assert_array_equal(net.dense.kernel[...], weights["dense.weight"].T)
   out = offlax.save_safetensors(net, str(tmp_path / "out"), progress=False)
   assert_same_tensors(out, folder)
+
+
+@pytest.mark.slow  # writes, loads and saves two checkpoints of 0.4 and 1.0 GB: about a minute
+def test_ram_stays_flat_as_the_checkpoint_grows(tmp_path):
+  """The benchmark's two depths of a Qwen3 (126 MB a layer) into a store and back out."""
+  import importlib.util
+
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  spec = importlib.util.spec_from_file_location(
+    "safetensors_io", os.path.join(root, "benchmarks", "safetensors_io.py")
+  )
+  bench = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(bench)
+  out = bench.main(["--layers", "1", "5", "--dir", str(tmp_path), "--raw-gib", "0.25"])
+  small, large = out["sizes"]
+  assert large["checkpoint_bytes"] > 2 * small["checkpoint_bytes"]
+  # The peak over the process's RSS before the load: the host params (embedding, head: 262 MB)
+  # and a layer or two, whatever the depth.
+  assert out["load_rss_ratio"] < 1.15 and out["save_rss_ratio"] < 1.15, out
+  assert large["load_peak_rss_bytes"] < 0.6 * large["checkpoint_bytes"], large
+  assert not os.listdir(tmp_path)  # the benchmark's folders removed

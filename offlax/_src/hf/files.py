@@ -220,7 +220,7 @@ class Writer:
     """Puts tensor `name`'s values (already of its dtype and shape) in its place."""
     fd, offset, dtype, shape = self.places[name]
     assert x.dtype == dtype and x.shape == shape, (name, x.dtype, x.shape, dtype, shape)
-    raw = np.ascontiguousarray(x).reshape(-1).view(np.uint8)
+    raw = (x if x.flags.c_contiguous else x.copy(order="C")).reshape(-1).view(np.uint8)
     done = 0
     while done < raw.size:
       done += os.pwrite(fd, raw[done:].data, offset + done)

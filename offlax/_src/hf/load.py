@@ -11,9 +11,10 @@ written into the store's committed step with its optimizer's fresh state.
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -101,8 +102,10 @@ def load_safetensors(model: Any, path: str, *, mapping: dict[str, Any] | None = 
   matched = plan.match(folder, mapping, targets, skip, cast, where)
   order = sorted(targets.values(), key=order_key)
   layer: dict[int, np.ndarray] = {}
-  for target in progress_bar(order, progress, f"offlax: loading {path}"):
-    x = assemble(matched.by_path[target.path], target)
+  read = lambda target: assemble(matched.by_path[target.path], target)
+  for target, x in progress_bar(
+    ahead(read, order), progress, f"offlax: loading {path}", len(order)
+  ):
     if isinstance(target, params_lib.Param):
       params_lib.put(target, x)
       continue
@@ -135,7 +138,7 @@ def assemble(pairs: list[tuple[mapping_lib.Entry, files.Tensor]], target: Any) -
 
 
 def _cast(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
-  return np.ascontiguousarray(x if x.dtype == dtype else x.astype(dtype))
+  return x if x.dtype == dtype else x.astype(dtype)
 
 
 def order_key(target: Any) -> tuple[int, int, str]:
@@ -145,9 +148,24 @@ def order_key(target: Any) -> tuple[int, int, str]:
   return (0, 0, target.path)
 
 
-def progress_bar(items: list, enabled: bool, desc: str) -> Any:
+def ahead(work: Callable[[Any], Any], items: list) -> Iterator[tuple[Any, Any]]:
+  """`(item, work(item))` for each item, the next item's work run on a thread meanwhile.
+
+  Reading and converting the next param's tensors (disk reads and numpy copies, which
+  release the GIL) overlaps placing this one: two params' values are held at most.
+  """
+  with concurrent.futures.ThreadPoolExecutor(1, "offlax-safetensors") as pool:
+    future = pool.submit(work, items[0]) if items else None
+    for j, item in enumerate(items):
+      assert future is not None
+      value = future.result()
+      future = pool.submit(work, items[j + 1]) if j + 1 < len(items) else None
+      yield item, value
+
+
+def progress_bar(items: Iterable, enabled: bool, desc: str, total: int) -> Any:
   if not enabled:
     return items
   from tqdm.auto import tqdm
 
-  return tqdm(items, desc=desc, unit="param", leave=False, delay=2.0)
+  return tqdm(items, desc=desc, total=total, unit="param", leave=False, delay=2.0)

@@ -15,7 +15,9 @@ The steps are exact (no arithmetic), so `inverse` undoes them bit for bit.
 
 from __future__ import annotations
 
+import concurrent.futures
 import importlib
+import os
 import re
 from typing import Any, NamedTuple
 
@@ -25,6 +27,7 @@ from offlax._src import errors
 
 UNUSED = "unused."
 _INDEXED = re.compile(r"^(.*)\[(\d+)\]$")
+_TILE = 512  # a tile of a matrix transpose: 512 KiB of bf16, within a core's L2
 
 
 class Entry(NamedTuple):
@@ -100,19 +103,58 @@ def shapes(shape: tuple[int, ...], steps: Any, name: str) -> list[tuple[int, ...
 
 
 def forward(x: np.ndarray, steps: Any) -> np.ndarray:
-  """`x` (a checkpoint tensor) in the param's layout."""
+  """`x` (a checkpoint tensor) in the param's layout, a new contiguous array or `x` itself."""
+  bits = _bits(x)
   for kind, arg in steps:
-    x = x.transpose(arg) if kind == "transpose" else x.reshape(arg)
-  return x
+    bits = transpose(bits, arg) if kind == "transpose" else bits.reshape(arg)
+  return contiguous(bits).view(x.dtype)
 
 
 def inverse(x: np.ndarray, steps: Any, shape: tuple[int, ...]) -> np.ndarray:
   """The inverse of `forward`: `x` (in the param's layout) as the checkpoint's `shape`."""
   before = shapes(shape, steps, "")
+  bits = _bits(x)
   for j in reversed(range(len(steps))):
     kind, arg = steps[j]
-    x = x.transpose(np.argsort(arg)) if kind == "transpose" else x.reshape(before[j])
-  return x
+    if kind == "transpose":
+      bits = transpose(bits, tuple(int(a) for a in np.argsort(arg)))
+    else:
+      bits = bits.reshape(before[j])
+  return contiguous(bits).view(x.dtype)
+
+
+def transpose(x: np.ndarray, perm: tuple[int, ...]) -> np.ndarray:
+  """`x.transpose(perm)`; a matrix's by tiles, several times faster than numpy's strided copy."""
+  if tuple(perm) != (1, 0):
+    return x.transpose(perm)
+  n, m = x.shape
+  out = np.empty((m, n), x.dtype)
+
+  def rows(i: int) -> None:  # one row of tiles (numpy's copies release the GIL)
+    for j in range(0, m, _TILE):
+      out[j : j + _TILE, i : i + _TILE] = x[i : i + _TILE, j : j + _TILE].T
+
+  starts = range(0, n, _TILE)
+  if len(starts) * m < 4 * _TILE * _TILE:
+    for i in starts:
+      rows(i)
+  else:
+    workers = min(8, os.cpu_count() or 1, len(starts))
+    with concurrent.futures.ThreadPoolExecutor(workers, "offlax-transpose") as pool:
+      list(pool.map(rows, starts))
+  return out
+
+
+def _bits(x: np.ndarray) -> np.ndarray:
+  """`x` viewed as unsigned ints of its item size: numpy moves those far faster than bf16."""
+  if x.dtype.itemsize not in (1, 2, 4, 8):
+    return x
+  return contiguous(x).view(f"u{x.dtype.itemsize}")
+
+
+def contiguous(x: np.ndarray) -> np.ndarray:
+  """`x`, or a C-contiguous copy (`np.ascontiguousarray` makes a 0-d array 1-d)."""
+  return x if x.flags.c_contiguous else x.copy(order="C")
 
 
 def tunix_family(model: Any) -> str | None:

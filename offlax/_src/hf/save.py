@@ -17,8 +17,6 @@ import shutil
 import tempfile
 from typing import Any
 
-import numpy as np
-
 from offlax._src import errors
 from offlax._src.hf import files, plan
 from offlax._src.hf import load as load_lib
@@ -117,18 +115,22 @@ def _write(tmp: str, folder: files.Folder, matched: plan.Match, targets: dict[st
   writer = files.Writer(tmp, layout, max_shard_bytes, metadata)
   try:
     order = sorted(targets.values(), key=load_lib.order_key)
-    layer, values = -1, []
-    for target in load_lib.progress_bar(order, progress, f"offlax: saving {os.path.basename(tmp)}"):
+    layer: list[Any] = [-1, []]
+
+    def value(target: Any) -> Any:
       if isinstance(target, params_lib.Param):
-        x = params_lib.get(target)
-      else:
-        if target.layer != layer:  # a layer at a time: its leaves read together
-          layer, values = target.layer, store.read_layer(target.layer)
-        x = values[target.leaf]
+        return params_lib.get(target)
+      if target.layer != layer[0]:  # a layer at a time: its leaves read together
+        layer[:] = [target.layer, store.read_layer(target.layer)]
+      return layer[1][target.leaf]
+
+    desc = f"offlax: saving {os.path.basename(tmp)}"
+    pairs = load_lib.ahead(value, order)  # the next param read while this one is written
+    for target, x in load_lib.progress_bar(pairs, progress, desc, len(order)):
       for entry, t in matched.by_path[target.path]:
         part = x if entry.at is None else x[entry.at]
         part = mapping_lib.inverse(part, entry.steps, t.shape)
-        writer.write(t.name, np.ascontiguousarray(part.astype(t.dtype, copy=False)))
+        writer.write(t.name, mapping_lib.contiguous(part.astype(t.dtype, copy=False)))
     for name in matched.others:
       writer.write(name, files.read(folder.tensors[name]))
     writer.finish()
