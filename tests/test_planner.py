@@ -281,7 +281,9 @@ def test_params_in_host_memory_proposed_for_a_usual_decoder_or_a_named_model(cap
   args = ["--device-mem", "24GB", "--host-mem", "128GB", "--nvme", "2TB", "--master"]
   assert cli(["plan", "--params", "13e9", *args]) == 0
   out = capsys.readouterr().out
-  assert "assuming the shape of Llama 2 13B, the nearest known model to 13B params: 40 layers" in out
+  assert (
+    "assuming the shape of Llama 2 13B, the nearest known model to 13B params: 40 layers" in out
+  )
   assert "mode: params_host_nvme (fits)" in out and "offlax.offload_params(model)" in out
   shapes = tmp_path / "qwen3_14b.json"
   shapes.write_text('{"layers": 40, "d": 5120, "ffn": 17408, "vocab": 151936, "heads": 40, '

@@ -179,7 +179,7 @@ def _with_layers(n: int, tx: Any, sizes: dict, rates: dict, args: Any, tokens: i
   fraction = f", fraction {other.fraction:.2f}" if other.mode == "host" else ""
   verdict = "fits" if other.fits else "DOES NOT FIT"
   print(
-    f"- with --layers {m.layers} (the shape of {guess.source}, --tokens {tokens}): a working "
+    f"- with --layers {m.layers} ({guess.source}, --tokens {tokens}): a working "
     f"set of {planner.format_bytes(counted['activation_bytes'])}; mode {other.mode} ({verdict})"
     f"{fraction}, device {planner.format_bytes(other.bytes['device'])}"
   )
