@@ -83,8 +83,27 @@ def _page_params():
     yield pytest.param(page, id=str(page.relative_to(ROOT)), marks=marks)
 
 
-def run_console(code: str, where: str) -> int:
-  """Runs each `$ python -m offlax plan` of a session; returns how many ran."""
+def needs(argv: list[str]) -> str | None:
+  """What a `python -m offlax plan` command needs that is not installed, or None.
+
+  `--model NAME` reads a Tunix model config unless NAME is a file of shapes: the
+  README's commands install no Tunix (CI's second venv does).
+  """
+  model = argv[argv.index("--model") + 1] if "--model" in argv[:-1] else None
+  if model is None or model.endswith(".json") or os.path.isfile(model):
+    return None
+  try:
+    import tunix  # noqa: F401
+  except ImportError:
+    return f"--model {model} needs Tunix (pip install -c constraints.txt google-tunix)"
+  return None
+
+
+def run_console(code: str, where: str, skipped: list[str] | None = None) -> int:
+  """Runs each `$ python -m offlax plan` of a session; returns how many ran.
+
+  A command that needs what is not installed is left out, and named in `skipped`.
+  """
   from offlax.__main__ import main
 
   ran = 0
@@ -92,6 +111,11 @@ def run_console(code: str, where: str) -> int:
     argv = shlex.split(command)
     if argv[:4] != ["python", "-m", "offlax", "plan"] or {"--measure", "--compile"} & set(argv):
       continue  # other commands need a store or a GPU compiler: shown, not run
+    if (missing := needs(argv)) is not None:
+      if skipped is None:
+        pytest.skip(f"{where}: {missing}")
+      skipped.append(f"{where}: {missing}")
+      continue
     out = io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
       main(argv[3:])
@@ -116,8 +140,13 @@ def test_code_blocks_run(page, tmp_path, monkeypatch):
 
 
 def run_page(page: pathlib.Path) -> None:
-  """Runs a page's blocks in order in one namespace, in the current directory."""
+  """Runs a page's blocks in order in one namespace, in the current directory.
+
+  A console command that needs what is not installed (Tunix) is left out and the rest of the
+  page runs; the test then skips, naming what it left out.
+  """
   namespace: dict = {"__name__": "__docs__"}  # empty: each page imports what it uses
+  skipped: list[str] = []
   for block in parse(page.read_text()).blocks:
     where = f"{page.relative_to(ROOT) if page.is_relative_to(ROOT) else page}:{block.line}"
     if block.skip:
@@ -128,7 +157,9 @@ def run_page(page: pathlib.Path) -> None:
       # a hidden block's names stay out of the page's namespace: a reader never sees them
       exec(compile(tree, str(page), "exec"), dict(namespace) if block.hidden else namespace)
     elif block.lang == "console":
-      run_console(block.code + "\n", where)
+      run_console(block.code + "\n", where, skipped)
+  if skipped:
+    pytest.skip(f"the rest of the page ran; left out: {'; '.join(skipped)}")
 
 
 def test_parse_finds_setup_skip_slow_and_console():
@@ -184,15 +215,80 @@ def test_a_console_session_must_match():
 
 
 def test_readme_opens_with_the_two_commands():
-  """The front page's first block: install and run the quickstart, then CI's test command."""
+  """The front page's first block: install and run the quickstart, then the test command; CI
+  runs these two lines as they are (`.ci/run` reads them from the README, it does not copy)."""
   readme = (ROOT / "README.md").read_text()
   first = parse(readme).blocks[0]
   install, test = first.code.split("\n")
   assert first.lang == "bash" and readme.index("```") < readme.index("\n## ")
+  assert install.startswith("python3 -m venv .venv && . .venv/bin/activate && ")
   assert install.endswith("pip install -e . && python examples/quickstart.py")
   assert (ROOT / "examples" / "quickstart.py").exists()
   assert test == "pip install -e '.[test]' && python -m pytest -m \"not slow\" -q"
-  assert 'run -m "not slow" -q' in (ROOT / ".ci" / "run").read_text()  # the same command
+  ci = ROOT / ".ci" / "run"
+  assert "OFFLAX_CI_PRINT_README" in ci.read_text()  # (else running it would run all of CI)
+  env = {**os.environ, "OFFLAX_CI_PRINT_README": "1"}
+  out = subprocess.run([str(ci)], env=env, capture_output=True, text=True, check=True).stdout
+  assert out.split("\n") == [install, test, ""]
+
+
+# Imported first by the subprocess of the next test (`-p without_extras`, before the conftest
+# imports jax): Tunix, qwix, transformers and XLA's GPU compiler (its jax plugin) are not there.
+_WITHOUT_EXTRAS = """
+import importlib.abc, sys
+
+HIDDEN = ("tunix", "qwix", "transformers", "safetensors",
+          "jax_cuda12_plugin", "jax_cuda12_pjrt", "jax_plugins.xla_cuda12")
+
+class Hide(importlib.abc.MetaPathFinder):
+  def find_spec(self, name, path=None, target=None):
+    if any(name == h or name.startswith(h + ".") for h in HIDDEN):
+      raise ModuleNotFoundError(f"No module named {name!r} (hidden by the test)", name=name)
+    return None
+
+sys.meta_path.insert(0, Hide())
+"""
+
+
+def test_readme_test_command_without_the_extras(tmp_path):
+  """The README's test command where only `.[test]` is installed: collection completes, and the
+  default cases that need Tunix or the GPU compiler skip, naming it (collection stopped at
+  tests/tunix_inputs.py's `import qwix`; docs/planner.md failed on `--model qwen3_14b`)."""
+  (tmp_path / "without_extras.py").write_text(_WITHOUT_EXTRAS)
+  path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)
+  env = {**os.environ, "PYTHONPATH": path}
+  pytest_ = [sys.executable, "-m", "pytest", "-p", "without_extras", "-p", "no:cacheprovider"]
+  run = lambda *args: subprocess.run(
+    [*pytest_, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
+  )
+  collected = run("-m", "not slow", "-q", "--collect-only")
+  assert collected.returncode == 0, collected.stdout[-4000:] + collected.stderr[-2000:]
+  assert " error" not in collected.stdout.splitlines()[-1], collected.stdout[-4000:]
+  assert "could not import 'tunix'" in collected.stdout  # the hiding works
+  pages = [
+    f"tests/test_docs.py::test_code_blocks_run[docs/{p}.md]"
+    for p in ("planner", "tunix_full_finetune")
+  ]
+  ran = run("-q", "-rs", *pages, "tests/test_gpu_compile.py")
+  assert ran.returncode == 0, ran.stdout[-4000:]
+  assert "docs/planner.md:" in ran.stdout and "--model qwen3_14b needs Tunix" in ran.stdout
+  assert "could not import 'tunix'" in ran.stdout and "needs offlax[gpu-compile]" in ran.stdout
+  assert " passed" not in ran.stdout.splitlines()[-1], ran.stdout[-2000:]  # all skipped
+
+
+def test_a_command_that_needs_tunix_is_left_out_without_it(tmp_path, monkeypatch):
+  """The rest of the page runs; the test skips, naming the command it left out."""
+  monkeypatch.chdir(tmp_path)
+  monkeypatch.setitem(sys.modules, "tunix", None)  # `import tunix` raises ImportError
+  page = tmp_path / "page.md"
+  page.write_text(
+    "```console\n$ python -m offlax plan --model qwen3_14b --device-mem 24GB\nwhatever\n```\n"
+    "```python\nopen('ran', 'w').close()\n```\n"
+  )
+  with pytest.raises(pytest.skip.Exception, match=r"page.md:2: --model qwen3_14b needs Tunix"):
+    run_page(page)
+  assert (tmp_path / "ran").exists()
+  assert needs(["python", "-m", "offlax", "plan", "--params", "7B"]) is None
 
 
 def test_readme_links_resolve():
