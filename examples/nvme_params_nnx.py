@@ -12,14 +12,35 @@ goes back to disk, and `store.update()` applies AdamW a block at a time on
 the CPU and commits. The embedding is in host memory, updated by offlax on the
 host, and committed with the blocks (`update(rest=...)`): one step, whole.
 
-Stop the script at any time (Ctrl-C, or kill -9) and run it again with
-`--resume`: it reopens the store at its committed step, the embedding and its
-AdamW state with it, and continues.
+`--steps` is the run's total: a fresh run trains steps 1 to `--steps`, and
+`--resume` continues from the store's committed step up to `--steps` (nothing
+to do once it is there). Stop the script at any time (Ctrl-C, or kill -9) and
+run the same command again with `--resume`: it reopens the store at its
+committed step, the embedding and its AdamW state with it, and finishes the
+run as if it had never stopped.
+
+A healthy run's loss falls smoothly: from about 4.2 (a uniform guess among 64
+tokens is ln 64 = 4.16) to about 0.17 at step 20 and under 0.001 by step 40,
+then stays near 0: the data, sequences counting up from a random start, is
+fully learnable (next token = this one + 1). With the defaults it prints
+
+    store /tmp/.../layers: 6 blocks on disk; step 0 of --steps 60 (the run's total)
+    step 1: loss 4.1694
+    step 20: loss 0.1706
+    step 40: loss 0.0005
+    step 60: loss 0.0000
+    committed step 60
+
+A loss that climbs back up after falling (0.0007, then 0.94, 1.32) is what
+this run did with a learning rate of 3e-3: once the loss is near 0, Adam still
+moves each weight by about the learning rate a step, overshoots, and learns
+the task again. 1e-3 falls smoothly over 400 steps.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import tempfile
 
@@ -71,17 +92,27 @@ def rest(model, optimizer):
 
 
 def main(argv: list[str] | None = None) -> float:
+  """Trains up to ``--steps``; returns the last step's loss (NaN when nothing was left to run)."""
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--steps", type=int, default=60)
+  parser.add_argument(
+    "--steps",
+    type=int,
+    default=60,
+    help="the run's total steps: a fresh run trains steps 1 to STEPS; with --resume, from "
+    "the store's committed step up to STEPS (default: %(default)s)",
+  )
   parser.add_argument("--layers", type=int, default=6)
   parser.add_argument("--width", type=int, default=64)
   parser.add_argument("--dir", default=None, help="store directory (default: a fresh temp dir)")
-  parser.add_argument("--resume", action="store_true", help="continue the run stored in --dir")
+  parser.add_argument(
+    "--resume", action="store_true", help="continue the run stored in --dir, up to --steps"
+  )
   args = parser.parse_args(argv)
   root = args.dir or tempfile.mkdtemp(prefix="offlax-nnx-layers-")
   path = os.path.join(root, "layers")
 
-  tx = lambda: offlax.master_weights(offlax.adamw(3e-3, weight_decay=0.01))
+  # 1e-3: 3e-3 trains faster at first, then swings once the loss is near 0 (the docstring).
+  tx = lambda: offlax.master_weights(offlax.adamw(1e-3, weight_decay=0.01))
   model = LM(args.layers, args.width, nnx.Rngs(0))
   if args.resume:
     shapes = jax.eval_shape(lambda: offlax.stack_layers(model.layers))
@@ -97,7 +128,17 @@ def main(argv: list[str] | None = None) -> float:
     )
     nnx.update(model, saved["params"])
     nnx.update(optimizer, saved["optimizer"])
-  print(f"store {path}: {args.layers} blocks on disk, starting at step {store.step}")
+  print(
+    f"store {path}: {args.layers} blocks on disk; step {store.step} of --steps {args.steps} "
+    f"(the run's total)"
+  )
+  if store.step >= args.steps:
+    store.close()
+    print(
+      f"committed step {store.step}: the run is at --steps {args.steps} (the total) already; "
+      f"raise --steps to train further"
+    )
+    return math.nan
 
   @nnx.jit
   def train_step(model, optimizer, tokens):
@@ -106,10 +147,10 @@ def main(argv: list[str] | None = None) -> float:
     return loss
 
   with store:
-    for _ in range(args.steps):
+    while store.step < args.steps:
       loss = train_step(model, optimizer, data(store.step))
       step = store.update(rest=rest(model, optimizer))  # blocks and the rest, committed
-      if step % 20 == 0 or step == 1:
+      if step % 20 == 0 or step in (1, args.steps):
         print(f"step {step}: loss {float(loss):.4f}")
     print(f"committed step {store.step}")
   return float(loss)
