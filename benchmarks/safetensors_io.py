@@ -6,8 +6,8 @@ What is measured, on one filesystem (a fresh directory under `--dir`, removed at
 2. For each size (`--layers`, default 2 and 8 layers of a Qwen3 with d = 2048, f = 8192: 126 MB
    of bf16 a layer, 131 MB for each of the embedding and the head), in a fresh subprocess: a
    checkpoint in Hugging Face's layout (`model.safetensors` shards of at most 1 GiB) written
-   first, its page cache dropped; a Tunix Qwen3 (bf16 params) made by `nnx.eval_shape`, its layers in a
-   sparse `LayerStore` (no optimizer state), the rest in `pinned_host`; then
+   first, its page cache dropped; a Tunix Qwen3 (bf16 params) made by `nnx.eval_shape`, its
+   layers in a sparse `LayerStore` (no optimizer state), the rest in `pinned_host`; then
    `offlax.load_safetensors` (timed, with its peak RSS over the process's RSS before it:
    VmHWM), the store's page cache dropped, and `offlax.save_safetensors` from the store into a
    new folder (timed, its peak RSS).

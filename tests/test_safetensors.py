@@ -123,12 +123,14 @@ def write_checkpoint(folder, family, config, tensors, shards=1):
 TOKENS = jax.random.randint(jax.random.key(1), (2, 8), 1, VOCAB)
 
 
-@nnx.jit
-def logits_of(model, tokens):
+def logits(model, tokens):
   b, n = tokens.shape
   positions = jnp.broadcast_to(jnp.arange(n), (b, n))
   mask = jnp.broadcast_to(jnp.tril(jnp.ones((n, n), bool)), (b, n, n))
   return model(tokens, positions, None, mask)[0]
+
+
+logits_of = nnx.jit(logits)
 
 
 def tunix_loaded(family, config, folder, dtype=None):
@@ -266,6 +268,7 @@ def test_load_then_save_gives_every_tensor_back(tmp_path, where):
     store.close()
 
 
+@pytest.mark.slow  # compiles a training step (10 s); the store's twin below is slow too
 def test_save_after_training_loads_in_tunix_as_trained(tmp_path):
   config = config_of("qwen3")
   source = write_checkpoint(tmp_path / "ckpt", "qwen3", config, hf_tensors("qwen3", config))
@@ -274,7 +277,7 @@ def test_save_after_training_loads_in_tunix_as_trained(tmp_path):
 
   @nnx.jit
   def step(model, optimizer):
-    loss = lambda m: jnp.mean(logits_of(m, TOKENS) ** 2)
+    loss = lambda m: jnp.mean(logits(m, TOKENS) ** 2)
     optimizer.update(model, nnx.grad(loss)(model))
 
   step(model, optimizer)
@@ -466,3 +469,47 @@ def test_ram_stays_flat_as_the_checkpoint_grows(tmp_path):
   assert out["load_rss_ratio"] < 1.15 and out["save_rss_ratio"] < 1.15, out
   assert large["load_peak_rss_bytes"] < 0.6 * large["checkpoint_bytes"], large
   assert not os.listdir(tmp_path)  # the benchmark's folders removed
+
+
+@pytest.mark.slow  # compiles a training step with the layers on disk
+def test_save_from_a_trained_store_loads_in_tunix_as_trained(tmp_path):
+  config = config_of("llama3")
+  source = write_checkpoint(tmp_path / "ckpt", "llama3", config, hf_tensors("llama3", config))
+  model, store = stored_model(tmp_path, "llama3", config, optax.sgd(0.1))
+  with store:
+    offlax.load_safetensors(model, source, store=store, progress=False)
+    optimizer = nnx.Optimizer(model, offlax.offload(optax.sgd(0.1), compute="host"), wrt=nnx.Param)
+    loss = lambda m: jnp.mean(logits(m, TOKENS) ** 2)
+    grads = nnx.jit(nnx.grad(loss))(model)
+    nnx.jit(lambda m, o, g: o.update(m, g))(model, optimizer, grads)
+    store.update()
+    out = offlax.save_safetensors(model, str(tmp_path / "out"), store=store, progress=False)
+    trained = logits_of(model, TOKENS)
+  loaded = offlax.offload_params(tunix_loaded("llama3", config, out))
+  np.testing.assert_array_equal(logits_of(loaded, TOKENS), trained)
+  with pytest.raises(AssertionError):  # trained: not the source's
+    np.testing.assert_array_equal(
+      logits_of(offlax.offload_params(tunix_loaded("llama3", config, source)), TOKENS), trained
+    )
+
+
+@pytest.mark.slow  # Tunix's PeftTrainer and a store's loop, each compiled: about a minute each
+@pytest.mark.parametrize("store", [False, True])
+def test_the_example_fine_tunes_a_checkpoint_it_makes(tmp_path, store):
+  import importlib.util
+
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  spec = importlib.util.spec_from_file_location(
+    "finetune_pretrained", os.path.join(root, "examples", "finetune_pretrained.py")
+  )
+  example = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(example)
+  argv = ["--out", str(tmp_path / "out")] + (["--store", str(tmp_path / "store")] if store else [])
+  result = example.main(argv)
+  assert result["losses"][-1] < result["losses"][0] - 1.0  # it learns the counting
+  assert sorted(os.listdir(tmp_path / "out")) == ["config.json", "model.safetensors"]
+  source = safetensors_numpy.load_file(os.path.join(result["checkpoint"], "model.safetensors"))
+  tuned = safetensors_numpy.load_file(str(tmp_path / "out" / "model.safetensors"))
+  assert {k: (v.dtype, v.shape) for k, v in tuned.items()} == {
+    k: (v.dtype, v.shape) for k, v in source.items()
+  }

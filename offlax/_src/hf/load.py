@@ -82,12 +82,14 @@ def load_safetensors(model: Any, path: str, *, mapping: dict[str, Any] | None = 
     InvalidOptionError: no mapping is known for the model, or its layers are
       in a store and ``store`` is not given.
 
-  Example:
-    >>> import offlax  # doctest: +SKIP
-    >>> from tunix.models.qwen3 import model as qwen3
-    >>> model = nnx.eval_shape(lambda: qwen3.Qwen3(config, rngs=nnx.Rngs(0)))
-    >>> model = offlax.offload_params(model)  # params in pinned_host
-    >>> offlax.load_safetensors(model, "Qwen3-14B/")
+  Example (docs/pretrained.md runs it, with a tiny checkpoint)::
+
+    from tunix.models.qwen3 import model as qwen3
+
+    config = qwen3.ModelConfig.qwen3_14b()
+    model = nnx.eval_shape(lambda: qwen3.Qwen3(config, rngs=nnx.Rngs(0)))
+    offlax.offload_params(model)                 # params in pinned_host, still shapes
+    offlax.load_safetensors(model, "Qwen3-14B")  # a Hugging Face folder
   """
   where = "load_safetensors"
   start = time.perf_counter()

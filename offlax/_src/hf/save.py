@@ -45,8 +45,9 @@ def save_safetensors(model: Any, path: str, *, source: str | None = None,
     path: the new checkpoint's folder: absent or empty (or `overwrite`).
     source: the checkpoint folder whose layout to write; None: the folder
       the model was last loaded from by `offlax.load_safetensors`.
-    mapping, skip: as for `load_safetensors`; None: those of the load (else
-      Tunix's mapping for its models, no skips).
+    mapping: as for `load_safetensors`; None: the load's (else Tunix's
+      mapping for its models).
+    skip: as for `load_safetensors`; None: the load's (else none).
     store: the `offlax.LayerStore` the model's layers read, if they do.
     max_shard_bytes: the largest file, in bytes (Hugging Face's 5 GiB).
     overwrite: replace a `path` that holds files.
@@ -61,9 +62,11 @@ def save_safetensors(model: Any, path: str, *, source: str | None = None,
     InvalidOptionError: no source (the model was not loaded, and no
       ``source=``), or the model has no values (`nnx.eval_shape`).
 
-  Example:
-    >>> offlax.save_safetensors(model, "Qwen3-14B-tuned/")  # doctest: +SKIP
-    'Qwen3-14B-tuned/'
+  Example (docs/pretrained.md runs it)::
+
+    offlax.load_safetensors(model, "Qwen3-14B")
+    ...  # train
+    offlax.save_safetensors(model, "Qwen3-14B-tuned")  # config.json, tokenizer files copied
   """
   where = "save_safetensors"
   loaded = load_lib.loaded_from(model)
