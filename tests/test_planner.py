@@ -267,13 +267,18 @@ def test_master_weights_in_the_code_and_what_activations_would_change(capsys):
   leaves = float(out.split("this plan leaves ")[1].split()[0])
   unit = out.split("this plan leaves ")[1].split()[1]
   assert abs(leaves * {"MB": 1e-3, "GB": 1}[unit] - (0.95 * has - used)) < 0.06
-  # The --layers line is the plan that --layers gives.
-  layers = int(out.split("with --layers ")[1].split()[0])
-  line = next(x for x in out.splitlines() if x.startswith("- with --layers"))
-  cli(["plan", "--params", "7B", "--device-mem", "80GB", "--host-mem", "256GB", "--master",
-       "--layers", str(layers)])  # fmt: skip
-  again = capsys.readouterr().out
-  assert line.split("mode ")[1].split(",")[0] in again  # "host (fits)"
+  # The last line is the plan of the nearest known model, its working set counted.
+  from offlax._src import plan_models
+
+  line = next(x for x in out.splitlines() if x.startswith("- with the working set of"))
+  assert line.startswith("- with the working set of Mistral 7B, the nearest known model to 7B")
+  m = plan_models.KNOWN["Mistral 7B"]
+  tx = offlax.master_weights(optax.adamw(1e-3))
+  sizes = {"device_bytes": 80 * 10**9, "host_bytes": 256 * 10**9}
+  sizes["activation_bytes"] = m.device_bytes()
+  p = offlax.plan(plan_models.params(m, jnp.bfloat16), tx, layers=m.layers, **sizes)
+  assert line.endswith(f"mode {p.mode} (fits), fraction {p.fraction:.2f}, device "
+                       f"{p.bytes['device'] / 1e9:.1f} GB")  # fmt: skip
 
 
 def test_params_in_host_memory_proposed_for_a_usual_decoder_or_a_named_model(capsys, tmp_path):
@@ -398,6 +403,7 @@ _NONSENSE = [
   (["--params", "7B", "--tokens", "0"], "--tokens"),  # was accepted
   (["--params", "7B", "--tokens", "-5"], "--tokens"),
   (["--params", "7B", "--tokens", "1e12"], "--tokens"),
+  (["--params", "70e9", "--tokens", "10000000"], "--tokens"),  # a working set of 86 PB
   (["--params", "7B", "--bus-gbps", "0"], "--bus-gbps"),
   (["--params", "7B", "--disk-gbps", "-2"], "--disk-gbps"),
   (["--params", "7B", "--disk-gbps", "nan"], "--disk-gbps"),
@@ -572,8 +578,10 @@ def test_the_shape_guessed_from_params_is_a_real_models(capsys):
   assert counts["Llama 2 7B"] == 6.74 and counts["Qwen3 14B"] == 14.77
   # Far from any known model: a Llama-shaped one, said so.
   assert "no known model within 1.5x" in plan_models.guess(3 * 10**9, 2048).source
-  # --layers with the known model's depth is that model.
-  assert plan_models.with_layers(70 * 10**9, 80, 2048).model.vocab == 128256
+  # --layers L: the user's depth, a Llama-shaped model of it, said so.
+  assert plan_models.with_layers(7 * 10**9, 30, 2048).source == (
+    "a Llama-shaped model of 7B params in 30 layers"
+  )
 
 
 def test_the_device_breakdown_adds_up(capsys):

@@ -13,6 +13,7 @@ import sys
 from typing import Any, NamedTuple
 
 from offlax._src import errors, plan_options
+from offlax._src.telemetry import format_bytes
 
 INNER_CODE = {
   "adam": "optax.adam(1e-3)",
@@ -90,6 +91,11 @@ def run(args: Any, opts: Options) -> int:
   elif opts.layers is not None:
     assert opts.params is not None
     shape = plan_models.with_layers(opts.params, opts.layers, opts.tokens)
+  guess = None if opts.params is None else plan_models.guess(opts.params, opts.tokens)
+  # --tokens checked before planning: its working set grows as its square.
+  planned = shape if shape is not None else guess
+  assert planned is not None  # options() asks for --params or --model
+  working_set(planned.model)
   if shape is not None:
     print(f"shape: {shape.source}: {plan_models.describe(shape.model)}")
   rates.update(_measured(args))
@@ -104,7 +110,7 @@ def run(args: Any, opts: Options) -> int:
     model, n, layers = shape.model, shape.model.n_params, shape.model.layers
     tree = plan_models.params(model, dtype)
     if args.activations is None:
-      sizes["activation_bytes"] = model.device_bytes()
+      sizes["activation_bytes"] = working_set(model)
       print(
         f"working set on the device: {planner.format_bytes(sizes['activation_bytes'])} "
         f"(estimated for this shape and --tokens {opts.tokens}: XLA's attention, remat)"
@@ -123,8 +129,8 @@ def run(args: Any, opts: Options) -> int:
     # Params and gradients too big for the device: a decoder of this size can keep them
     # in host memory or on disk, which the plan can only weigh knowing the model's shape;
     # that plan's verdict, fits or not, is the one to give (its advice counts those ways).
-    guess = plan_models.guess(n, opts.tokens)
-    counted = {**sizes, "activation_bytes": guess.model.device_bytes()}
+    assert guess is not None
+    counted = {**sizes, "activation_bytes": working_set(guess.model)}
     guessed_tree = plan_models.params(guess.model, dtype)
     other = offlax.plan(guessed_tree, tx, **counted, **rates, layers=guess.model.layers, fused=True)
     print(
@@ -143,6 +149,21 @@ def run(args: Any, opts: Options) -> int:
   if result.fits and args.activations is None and shape is None and model is None:
     _with_layers(n, tx, sizes, rates, args, opts.tokens)
   return _compile(args, result, model, n, sizes)
+
+
+def working_set(m: Any) -> int:
+  """`m.device_bytes()`, the step's working set; `InvalidOptionError` naming --tokens past 1PB.
+
+  XLA's attention holds scores that grow as the square of the tokens in one sequence.
+  """
+  need = m.device_bytes()
+  if need > plan_options.LIMITS["activation_bytes"].high:
+    raise plan_options.error(
+      "tokens",
+      f"{m.tokens} tokens in one sequence make a working set of {format_bytes(need)} "
+      f"(XLA's attention, {m.heads} heads), past the planner's 1PB: give fewer",
+    )
+  return need
 
 
 def _measured(args: Any) -> dict[str, Any]:
@@ -173,14 +194,15 @@ def _with_layers(n: int, tx: Any, sizes: dict, rates: dict, args: Any, tokens: i
 
   guess = plan_models.guess(n, tokens)
   m = guess.model
-  counted = {**sizes, "activation_bytes": m.device_bytes()}
+  counted = {**sizes, "activation_bytes": working_set(m)}
   tree = plan_models.params(m, jnp.dtype(args.param_dtype))
   other = offlax.plan(tree, tx, **counted, **rates, layers=m.layers, fused=args.fused)
   fraction = f", fraction {other.fraction:.2f}" if other.mode == "host" else ""
   verdict = "fits" if other.fits else "DOES NOT FIT"
   print(
-    f"- with --layers {m.layers} ({guess.source}, --tokens {tokens}): a working "
-    f"set of {planner.format_bytes(counted['activation_bytes'])}; mode {other.mode} ({verdict})"
+    f"- with the working set of {guess.source}, --tokens {tokens} (--layers L or --model NAME "
+    f"count yours): {planner.format_bytes(counted['activation_bytes'])}; mode {other.mode} "
+    f"({verdict})"
     f"{fraction}, device {planner.format_bytes(other.bytes['device'])}"
   )
 

@@ -80,7 +80,8 @@ def _shown(kind: str, value: Any) -> str:
 def error(name: str, problem: str) -> errors.InvalidOptionError:
   """The error for option `name`: ``plan: --flag (name=): problem; what must be RANGE``."""
   lim = LIMITS[name]
-  keyword = "" if name == "params" else f" ({name}=)"  # plan() counts a tree's params
+  # plan() counts a tree's params; tokens are the command line's (its working set)
+  keyword = "" if name in ("params", "tokens") else f" ({name}=)"
   return errors.InvalidOptionError(
     f"plan: {lim.flag}{keyword}: {problem}; {lim.what} must be {lim.text}"
   )
