@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -16,9 +17,7 @@ class _Parser(argparse.ArgumentParser):
       from offlax._src import plan_options
 
       for limit in plan_options.LIMITS.values():
-        if message.startswith(f"argument {limit.flag}:") or message.startswith(
-          f"argument {limit.flag}/"
-        ):
+        if re.search(f"{limit.flag}\\b(?!-)", message) and limit.text not in message:
           message += f"; {limit.what} must be {limit.text}"
     self.exit(2, f"{self.prog}: error: {message} (--help lists the options)\n")
 

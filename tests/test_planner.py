@@ -414,6 +414,7 @@ _NONSENSE = [
   (["--params", "7B", "--measure-disk", "/no/such/dir"], "--measure-disk"),
   (["--params", "7B", "--model", "llama3_70b"], "--model"),
   (["--model", "/no/such/model.json"], "--model"),
+  (["--params", "7B", "--chunk"], "--chunk"),  # argparse's "expected one argument"
   ([], "--params"),
 ]
 
@@ -442,6 +443,16 @@ def test_nonsense_is_one_line_naming_the_flag_and_its_range(capsys, args, flag):
   if flag in ranges:
     assert f"must be {ranges[flag]}" in err.err, err.err
   assert elapsed < 1.0, elapsed
+
+
+def test_a_missing_option_is_one_line_with_its_range(capsys):
+  with pytest.raises(SystemExit) as exit_:
+    cli(["plan", "--params", "7B", "--device-mem", "24GB"])
+  err = capsys.readouterr().err
+  assert exit_.value.code == 2 and err == (
+    "python -m offlax plan: error: the following arguments are required: --host-mem; host RAM "
+    "must be 1MiB to 1PB (--help lists the options)\n"
+  )
 
 
 def test_nonsense_from_the_api_is_the_same_error_as_from_the_cli(capsys):
