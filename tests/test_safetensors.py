@@ -243,6 +243,7 @@ def test_load_then_save_gives_every_tensor_back(tmp_path, where):
   config = config_of("gemma3")
   tensors = hf_tensors("gemma3", config)
   tensors["vision_tower.vision_model.post_layernorm.weight"] = np.ones(8, np.float32)
+  tensors["lm_head.weight"] = np.ones((VOCAB, 32), np.float32)  # Tunix's Gemma3: unused (tied)
   source = write_checkpoint(tmp_path / "ckpt", "gemma3", config, tensors, shards=3)
   skip = [r"vision_tower\..*"]
   store = None
@@ -392,6 +393,15 @@ def test_a_bad_checkpoint_is_refused_by_name_before_any_write(tmp_path, bad):
   after = nnx.state(model, nnx.Param)  # still abstract: nothing was put
   assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(after))
   assert jax.tree.structure(after) == jax.tree.structure(before)
+
+
+def test_cast_false_refuses_another_dtype(tmp_path):
+  config = config_of("llama3")
+  tensors = hf_tensors("llama3", config, ml_dtypes.bfloat16)
+  folder = write_checkpoint(tmp_path / "ckpt", "llama3", config, tensors)
+  model = abstract_model("llama3", config)
+  with pytest.raises(offlax.CheckpointMismatchError, match=r"is BF16, the param .* float32 \(cast"):
+    offlax.load_safetensors(model, folder, cast=False, progress=False)
 
 
 def test_a_bad_checkpoint_leaves_a_store_untouched(tmp_path):

@@ -144,7 +144,7 @@ def read_header(file: str) -> tuple[list[Tensor], dict[str, str]]:
         f"load_safetensors: tensor {name} of {file} is {meta['dtype']}{list(shape)} "
         f"({want} bytes) but its header gives it {end - begin} bytes."
       )
-    if start + end > size:
+    if begin < 0 or start + end > size:
       raise errors.CheckpointCorruptedError(
         f"load_safetensors: {file} is cut short: tensor {name} ends at byte {start + end}, the "
         f"file has {size} bytes (an interrupted download?): download it again."
