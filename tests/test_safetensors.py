@@ -303,6 +303,26 @@ def test_save_refuses_a_folder_with_files_unless_overwrite(tmp_path):
   assert_same_tensors(str(out), source)
 
 
+def test_a_save_that_fails_midway_leaves_no_checkpoint(tmp_path, monkeypatch):
+  from offlax._src.hf import files
+
+  config = config_of("llama3")
+  source = write_checkpoint(tmp_path / "ckpt", "llama3", config, hf_tensors("llama3", config))
+  model = offlax.load_safetensors(abstract_model("llama3", config), source, progress=False)
+  write, written = files.Writer.write, []
+
+  def failing(self, name, x):
+    if len(written) == 5:
+      raise OSError(28, "No space left on device")
+    written.append(name)
+    write(self, name, x)
+
+  monkeypatch.setattr(files.Writer, "write", failing)
+  with pytest.raises(OSError, match="No space"):
+    offlax.save_safetensors(model, str(tmp_path / "out"), progress=False)
+  assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # neither the folder nor its temporary
+
+
 def test_save_of_a_model_never_loaded_needs_a_source(tmp_path):
   model = abstract_model("llama3", config_of("llama3"))
   with pytest.raises(offlax.InvalidOptionError, match="source="):
