@@ -201,6 +201,14 @@ def main(argv: list[str] | None = None) -> dict:
   parser.add_argument("--compile", metavar="TARGET", help="compile Qwen3-14B's step for TARGET")
   parser.add_argument("--layers", type=int, help="with --compile: this many of its 40 layers")
   args = parser.parse_args(argv)
+  try:
+    import tunix  # noqa: F401
+  except ImportError as e:
+    raise SystemExit(f"{e}: install Tunix as docs/tunix_full_finetune.md#install shows") from e
+  if args.compile and not offlax.gpu_compile_available():
+    raise SystemExit(
+      "--compile needs XLA's GPU compiler: install it as docs/tunix_full_finetune.md#install shows"
+    )
   if args.compile:
     from tunix.models.qwen3 import model as qwen3
 
