@@ -168,13 +168,22 @@ def plan(
     disk_bytes_per_s: disk bandwidth.
     host_adam_params_per_s: host compute speed of the optimizer step.
     layers: the number of layers the params stack (`offlax.scan_layers`);
-      None: params stay on the device.
+      None: params stay on the device. The leaves whose first axis is
+      `layers` are the layers'; with params on disk (``params_nvme``) the
+      others (embedding, head) stay in RAM with their gradients and state,
+      and the update holds a few of the largest layer leaf's slices
+      (`plan_disk.params_on_disk_bytes` has the formula): the verdict counts it.
     fused: the step applies with `offlax.update_and_apply`, which keeps no
       updates (without it, `master_weights`' fp32 updates of a leaf streamed
       in pieces are written whole before `optax.apply_updates`).
 
   Returns:
     A `Plan`.
+
+  Raises:
+    InvalidOptionError: an option out of its range (`plan_options.LIMITS`:
+      e.g. ``device_bytes`` 1 MiB to 1 PB, ``layers`` 1 to 10000, rates above
+      0), or over 1e14 params; the message names the command line's flag too.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, offlax
