@@ -120,7 +120,11 @@ def load(name: str, tokens: int) -> Shape:
       out of range (each of layers, d, ffn, vocab, heads from 1, kv_heads from
       0 to heads, heads at most d).
   """
-  if name.endswith(".json") or os.path.isfile(name):
+  from offlax._src.hf import config as hf_config
+
+  if hf_config.is_hf_config(name):  # a Hugging Face checkpoint folder or its config.json
+    shape = hf_config.planner_shapes(name)
+  elif name.endswith(".json") or os.path.isfile(name):
     try:
       with open(name) as f:
         shape = json.load(f)
