@@ -543,3 +543,16 @@ def test_the_example_fine_tunes_a_checkpoint_it_makes(tmp_path, store):
   assert {k: (v.dtype, v.shape) for k, v in tuned.items()} == {
     k: (v.dtype, v.shape) for k, v in source.items()
   }
+
+
+@pytest.mark.slow  # compiles a third Gemma3
+def test_gemma3_with_as_many_kv_heads_as_heads_stacks_q_k_v_as_tunix(tmp_path):
+  """Tunix's Gemma3 fuses q, k and v into one `qkv_einsum` when the heads are all kv heads."""
+  config = config_of("gemma3", num_kv_heads=4)
+  folder = write_checkpoint(tmp_path / "ckpt", "gemma3", config, hf_tensors("gemma3", config))
+  model = offlax.load_safetensors(abstract_model("gemma3", config), folder, progress=False)
+  assert model.layers[0].attn.qkv_einsum.w.shape == (3, 4, 32, 8)
+  want = tunix_loaded("gemma3", config, folder)
+  np.testing.assert_array_equal(logits_of(model, TOKENS), logits_of(want, TOKENS))
+  out = offlax.save_safetensors(model, str(tmp_path / "out"), progress=False)
+  assert_same_tensors(out, folder)
