@@ -556,3 +556,17 @@ def test_gemma3_with_as_many_kv_heads_as_heads_stacks_q_k_v_as_tunix(tmp_path):
   np.testing.assert_array_equal(logits_of(model, TOKENS), logits_of(want, TOKENS))
   out = offlax.save_safetensors(model, str(tmp_path / "out"), progress=False)
   assert_same_tensors(out, folder)
+
+
+@pytest.mark.slow  # qwix traces the model to place its adapters
+def test_lora_adapters_are_named_as_such(tmp_path):
+  from tunix_inputs import with_lora
+
+  config = config_of("llama3")
+  source = write_checkpoint(tmp_path / "ckpt", "llama3", config, hf_tensors("llama3", config))
+  model = with_lora(offlax.load_safetensors(abstract_model("llama3", config), source,
+                                            progress=False))  # fmt: skip
+  with pytest.raises(offlax.CheckpointMismatchError, match="are LoRA adapters.*merge them"):
+    # (qwix returns a new model: the source named, as for any model load_safetensors did not fill)
+    offlax.save_safetensors(model, str(tmp_path / "out"), source=source, progress=False)
+  assert not os.path.exists(tmp_path / "out")

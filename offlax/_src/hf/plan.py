@@ -72,6 +72,15 @@ def match(folder: files.Folder, mapping: dict[str, Any], params: dict[str, Any],
       "(e.g. a vision tower: skip=[r'vision_tower\\..*']), or pass a mapping= that places them."
     )
   missing = [p for p in params if p not in by_path]
+  lora = [
+    p for p in missing if "lora" in type(getattr(params[p], "variable", None)).__name__.lower()
+  ]
+  if lora:
+    raise errors.CheckpointMismatchError(
+      f"{where}: the model's params {files.short(lora)} are LoRA adapters, which a Hugging Face "
+      f"checkpoint of the base model ({folder.path}) does not hold: load before adding them, and "
+      "merge them into the base weights before saving (or save the adapters on their own)."
+    )
   if missing:
     raise errors.CheckpointMismatchError(
       f"{where}: the checkpoint {folder.path} has no tensor for the model's params "
