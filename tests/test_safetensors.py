@@ -570,3 +570,27 @@ def test_lora_adapters_are_named_as_such(tmp_path):
     # (qwix returns a new model: the source named, as for any model load_safetensors did not fill)
     offlax.save_safetensors(model, str(tmp_path / "out"), source=source, progress=False)
   assert not os.path.exists(tmp_path / "out")
+
+
+@pytest.mark.slow  # compiles a mixture-of-experts Qwen3
+def test_qwen3_moe_experts_stack_into_their_params_as_tunix(tmp_path):
+  config = config_of("qwen3", num_experts=4, num_experts_per_tok=2)
+  tensors = hf_tensors("qwen3", config)
+  rng = np.random.default_rng(1)
+  for i in range(LAYERS):
+    p = f"model.layers.{i}.mlp."
+    for kind in ("gate", "up", "down"):
+      del tensors[p + f"{kind}_proj.weight"]
+    tensors[p + "gate.weight"] = rng.standard_normal((4, 32)).astype(np.float32)
+    for e in range(4):
+      for kind, shape in (("gate", (64, 32)), ("up", (64, 32)), ("down", (32, 64))):
+        tensors[p + f"experts.{e}.{kind}_proj.weight"] = (rng.standard_normal(shape) * 0.3).astype(
+          np.float32
+        )
+  folder = write_checkpoint(tmp_path / "ckpt", "qwen3", config, tensors, shards=2)
+  model = offlax.load_safetensors(abstract_model("qwen3", config), folder, progress=False)
+  assert model.layers[0].mlp.gate_proj.shape == (4, 32, 64)
+  want = tunix_loaded("qwen3", config, folder)
+  np.testing.assert_array_equal(logits_of(model, TOKENS), logits_of(want, TOKENS))
+  out = offlax.save_safetensors(model, str(tmp_path / "out"), progress=False)
+  assert_same_tensors(out, folder)

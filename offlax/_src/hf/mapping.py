@@ -176,7 +176,13 @@ def for_model(model: Any, config: Any) -> dict[str, Any]:
   if family in ("llama3", "qwen3"):
     params = importlib.import_module(f"tunix.models.{family}.params")
     # Tunix's own table (a private name of Tunix, the one its loader reads): the same regexes.
-    return dict(params._get_key_and_transform_mapping(config))
+    mapping = dict(params._get_key_and_transform_mapping(config))
+    for pattern, (target, transform) in list(mapping.items()):
+      if isinstance(target, str) and ".mlp.experts." in target:
+        # Tunix's loader stacks the experts into (experts, ...) params after mapping them
+        # (`_stack_experts`): here, each expert goes to its index of the stacked param.
+        mapping[pattern] = (r"layers.\1.mlp.\3_proj[\2]", transform)
+    return mapping
   if family == "gemma3":
     return gemma3(config)
   raise errors.InvalidOptionError(
