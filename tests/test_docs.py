@@ -86,11 +86,11 @@ def _page_params():
 def needs(argv: list[str]) -> str | None:
   """What a `python -m offlax plan` command needs that is not installed, or None.
 
-  `--model NAME` reads a Tunix model config unless NAME is a file of shapes: the
-  README's commands install no Tunix (CI's second venv does).
+  `--model NAME` reads a Tunix model config unless NAME is a file of shapes or a checkpoint's
+  folder: the README's commands install no Tunix (CI's second venv does).
   """
   model = argv[argv.index("--model") + 1] if "--model" in argv[:-1] else None
-  if model is None or model.endswith(".json") or os.path.isfile(model):
+  if model is None or model.endswith(".json") or os.path.exists(model):
     return None
   try:
     import tunix  # noqa: F401
@@ -289,6 +289,7 @@ def test_a_command_that_needs_tunix_is_left_out_without_it(tmp_path, monkeypatch
     run_page(page)
   assert (tmp_path / "ran").exists()
   assert needs(["python", "-m", "offlax", "plan", "--params", "7B"]) is None
+  assert needs(["python", "-m", "offlax", "plan", "--model", str(tmp_path)]) is None  # a folder
 
 
 def test_readme_links_resolve():
