@@ -194,6 +194,14 @@ def test_inspect_verify_says_what_it_found(tmp_path, capsys):
   os.truncate(os.path.join(path, "grads", "0.bin"), 10)
   assert cli(["inspect", path, "--verify", "--no-progress"]) == 1
   assert "checksums: 1 mismatch, 1 other problem (below)" in capsys.readouterr().out
+  tier = offlax.NVMeTier(str(tmp_path / "tier"), progress=False, fsync=False)  # the tier's too
+  offlax.offload(optax.adam(1e-3), tier).init({"w": jnp.ones((64, 64))})
+  tier.close()
+  [chunk] = sorted((tmp_path / "tier").glob("gen0/leaf_*/c/*"))[-1:]
+  chunk.write_bytes(bytes([chunk.read_bytes()[0] ^ 1]) + chunk.read_bytes()[1:])
+  assert cli(["inspect", str(tmp_path / "tier"), "--verify", "--no-progress"]) == 1
+  out = capsys.readouterr().out
+  assert "checksums: 1 mismatch (below)" in out and "checksums verified" not in out, out
 
 
 def test_rollback_of_a_layer_store(tmp_path, capsys):
