@@ -6,7 +6,10 @@ Then a param at a time (a stored layer's leaves together): each tensor read
 into one host buffer, put in the param's layout and dtype, and placed where the
 param lives: ``jax.device_put`` to its sharding (a ``pinned_host`` param goes
 from host RAM straight to pinned host memory, never through the device), or
-written into the store's committed step with its optimizer's fresh state.
+written into a free generation of the store with its optimizer's fresh state,
+committed as `LayerStore.update` commits (files flushed, the manifest renamed
+over the old one): a kill at any moment leaves the store's step as it was, or
+loaded, whole and with its checksums.
 """
 
 from __future__ import annotations
@@ -44,11 +47,13 @@ def load_safetensors(model: Any, path: str, *, mapping: dict[str, Any] | None = 
   param's dtype, as the mapping says) and put where the param lives: on the
   device, in ``pinned_host`` memory after `offlax.offload_params` (straight
   from RAM, never through the device), or, for a model whose layers are in a
-  `LayerStore` (``offload_params(model, store=store)``), into the store's
-  committed step, a layer at a time, with the store's optimizer state made
-  afresh from the loaded params (``optimizer.init``: the fp32 master of
-  `master_weights`, zero moments). The model may be abstract
-  (`nnx.eval_shape`): loading gives it its values.
+  `LayerStore` (``offload_params(model, store=store)``), into the store, a
+  layer at a time, with the store's optimizer state made afresh from the
+  loaded params (``optimizer.init``: the fp32 master of `master_weights`, zero
+  moments). The store's step keeps its number and gets the loaded layers in
+  one atomic commit, as `LayerStore.update` commits: a crash mid-load leaves
+  the step as it was (`offlax.inspect_store` verifies it). The model may be
+  abstract (`nnx.eval_shape`): loading gives it its values.
 
   Every tensor, param, shape, dtype, file size and the folder's
   ``config.json`` are checked before anything is written.
@@ -79,8 +84,9 @@ def load_safetensors(model: Any, path: str, *, mapping: dict[str, Any] | None = 
     CheckpointMismatchError: a tensor the model lacks (not skipped), a param
       without its tensor, a wrong shape or dtype, or a ``config.json`` that
       disagrees with the model's config.
-    InvalidOptionError: no mapping is known for the model, or its layers are
-      in a store and ``store`` is not given.
+    InvalidOptionError: no mapping is known for the model, its layers are
+      in a store and ``store`` is not given, or the store holds optimizer
+      state and is open without its optimizer.
 
   Example (docs/pretrained.md runs it, with a tiny checkpoint)::
 
@@ -103,6 +109,10 @@ def load_safetensors(model: Any, path: str, *, mapping: dict[str, Any] | None = 
   skip = tuple(skip)
   matched = plan.match(folder, mapping, targets, skip, cast, where)
   order = sorted(targets.values(), key=order_key)
+  stored = any(isinstance(t, params_lib.Stored) for t in order)
+  if stored:
+    params_lib.check_store(store, where)
+  gen = params_lib.free_generation(store) if stored else -1  # the step's own is left whole
   layer: dict[int, np.ndarray] = {}
   read = lambda target: assemble(matched.by_path[target.path], target)
   for target, x in progress_bar(
@@ -114,10 +124,10 @@ def load_safetensors(model: Any, path: str, *, mapping: dict[str, Any] | None = 
     layer[target.leaf] = x
     params_lib.concrete_placeholder(target)
     if len(layer) == len(store.records):  # the layer's last leaf: write it whole
-      params_lib.write_layer(store, target.layer, [layer[k] for k in range(len(layer))])
+      params_lib.write_layer(store, gen, target.layer, [layer[k] for k in range(len(layer))])
       layer = {}
-  if store is not None and any(isinstance(t, params_lib.Stored) for t in order):
-    params_lib.commit(store)
+  if stored:
+    params_lib.commit(store, gen)
   _LOADED[model] = Loaded(path=path, mapping=mapping, skip=skip,
                           seconds=time.perf_counter() - start)  # fmt: skip
   return model

@@ -104,13 +104,35 @@ def get(param: Param) -> np.ndarray:
   return np.asarray(jax.device_get(param.variable.get_value()))
 
 
-def write_layer(store: Any, i: int, leaves: list[np.ndarray]) -> None:
-  """Layer `i`'s params into the store's committed step, with fresh optimizer state.
+def check_store(store: Any, where: str) -> None:
+  """Refuses a store open without the optimizer its state is of: the load makes that state afresh.
+
+  Raises:
+    InvalidOptionError: the store holds optimizer state and is open without an optimizer.
+  """
+  if store is not None and store.manifest.get("state") is not None and store.optimizer is None:
+    raise errors.InvalidOptionError(
+      f"{where}: {store.path} holds optimizer state, but is open without an optimizer: the "
+      "loaded layers' state is made by its init; open it with LayerStore.open(..., "
+      "optimizer=...) as it was created."
+    )
+
+
+def free_generation(store: Any) -> int:
+  """A generation no kept step is in, its checksums reset: where a load writes."""
+  kept = {g for _, g in store.kept}
+  gen = next(g for g in range(store.generations) if g not in kept)
+  store.manifest["crc"][str(gen)] = layer_files.no_crcs(store.manifest)
+  return gen
+
+
+def write_layer(store: Any, gen: int, i: int, leaves: list[np.ndarray]) -> None:
+  """Layer `i`'s params into generation `gen` of the store, with fresh optimizer state.
 
   The optimizer's ``init`` of the layer (the fp32 master of `master_weights`
   from the same values, zero moments), as `LayerStore.create` makes a layer.
+  Each slot's crc32c goes into the manifest (in memory, until `commit`).
   """
-  gen = store.generation
   store.write_slots("params", gen, i, leaves)
   if store.optimizer is not None:
     state = jax.jit(store.optimizer.init)(store.treedef.unflatten(leaves))
@@ -123,14 +145,27 @@ def concrete_placeholder(param: Stored) -> None:
     param.variable.set_value(jnp.zeros((0,), param.dtype))
 
 
-def commit(store: Any) -> None:
-  """Flushes the committed step's files and writes the manifest with their new checksums."""
-  gen = str(store.generation)
-  for name, _ in layer_files.store_files(store.path, store.manifest):
-    if os.path.basename(os.path.dirname(os.path.dirname(name))) == f"gen{gen}":
-      fd = os.open(name, os.O_RDONLY)
-      try:
-        os.fsync(fd)
-      finally:
-        os.close(fd)
-  layer_files.write_manifest(store.path, store.manifest, fsync=store.fsync)
+def commit(store: Any, gen: int) -> None:
+  """Makes generation `gen` (every layer written) the committed step's, atomically.
+
+  As `LayerStore.update` commits: its files flushed, then the manifest naming
+  `gen` (and the checksums of its slots) replaces the old one by a rename. A
+  kill before the rename leaves the step as it was, whole; after it, the loaded
+  one. The step keeps its number; the generation it was in is free again, and
+  the rest committed with it (`LayerStore.read_rest`) is not the loaded model's.
+  """
+  if store.fsync:
+    for name, _ in layer_files.store_files(store.path, store.manifest):
+      if os.path.basename(os.path.dirname(os.path.dirname(name))) == f"gen{gen}":
+        fd = os.open(name, os.O_RDONLY)
+        try:
+          os.fsync(fd)
+        finally:
+          os.close(fd)
+  store.manifest.setdefault("rest", {})[str(gen)] = None
+  kept = [(store.step, gen)] + store.kept[1:]
+  manifest = dict(store.manifest, generation=gen, kept=kept)
+  layer_files.write_manifest(store.path, manifest, fsync=store.fsync)
+  store.manifest.update(generation=gen, kept=kept)
+  store.generation, store.kept = gen, kept
+  store.drop_read_ahead()  # layers read ahead are of the generation replaced

@@ -450,10 +450,7 @@ class LayerStore:
         "LayerStore.create or LayerStore.open."
       )
     self.flush_grads()
-    with self._lock:  # layers read ahead are of the generation this step replaces
-      for j in list(self._ahead):
-        self._drop(self._ahead.pop(j))
-      self._last = None
+    self.drop_read_ahead()  # they are of the generation this step replaces
     target = next(g for g in range(self.generations) if g not in {g for _, g in self.kept})
     self.manifest["crc"][str(target)] = files.no_crcs(self.manifest)
     try:
@@ -481,6 +478,13 @@ class LayerStore:
     self.last_update = stats
     self._ledger.used()
     return self.step
+
+  def drop_read_ahead(self) -> None:
+    """Forgets the layers read ahead (before a commit replaces their generation)."""
+    with self._lock:
+      for j in list(self._ahead):
+        self._drop(self._ahead.pop(j))
+      self._last = None
 
   def read_slots(self, kind: str, gen: int, i: int) -> list[np.ndarray]:
     """Layer `i` of every leaf of `kind` ("params", "state" or "grads") in generation `gen`."""
