@@ -29,9 +29,12 @@ def main(argv: Sequence[str] | None = None) -> int:
   p.add_argument("--params", help="number of parameters, e.g. 7B, 350M, 13e9")
   p.add_argument(
     "--model", default=None,
-    help="a Tunix model config (qwen3_14b, llama3p1_8b, ...), a JSON file of shapes "
-    "(layers, d, ffn, vocab, heads, kv_heads), or a Hugging Face checkpoint folder or its "
-    "config.json: its exact params and layers",
+    help="a Tunix model config (qwen3_14b, llama3p1_8b, ...) or a JSON file of shapes "
+    "(layers, d, ffn, vocab, heads, kv_heads): its exact params and layers",
+  )  # fmt: skip
+  p.add_argument(
+    "--hf-config", metavar="PATH", default=None,
+    help="a Hugging Face checkpoint folder or its config.json: the model's exact params and layers",
   )  # fmt: skip
   p.add_argument("--device-mem", required=True, help="accelerator memory, e.g. 24GB")
   p.add_argument("--host-mem", required=True, help="host RAM for the state, e.g. 128GB")

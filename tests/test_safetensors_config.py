@@ -1,4 +1,4 @@
-"""A Hugging Face config.json as the planner's model: `python -m offlax plan --model FOLDER`.
+"""A Hugging Face config.json as the planner's model: `python -m offlax plan --hf-config FOLDER`.
 
 No Tunix needed: the shapes come from the keys `transformers` writes.
 """
@@ -50,3 +50,44 @@ def test_a_config_without_a_size_is_refused_naming_it(tmp_path):
   (tmp_path / "config.json").write_text(json.dumps(config))
   with pytest.raises(errors.InvalidOptionError, match=r"lack \['ffn'\]"):
     plan_models.load(str(tmp_path), tokens=2048)
+
+
+def test_plan_hf_config_plans_the_checkpoint_as_its_named_tunix_config(tmp_path, capsys):
+  (tmp_path / "config.json").write_text(json.dumps(QWEN3_14B))
+  mem = ["--device-mem", "24GB", "--host-mem", "128GB", "--nvme", "2TB", "--master"]
+  for path in (str(tmp_path), str(tmp_path / "config.json")):
+    assert main(["plan", "--hf-config", path, *mem]) == 0
+    first, *plan = capsys.readouterr().out.splitlines()
+    assert first == (
+      f"shape: --hf-config {path}: 40 layers, d 5120, ffn 17408, 40 heads (8 kv), vocab 151936: "
+      "14.77B params"
+    )
+    # The same plan as the shapes of Tunix's qwen3_14b, given as numbers.
+    shapes = tmp_path / "shapes.json"
+    shapes.write_text(json.dumps({"layers": 40, "d": 5120, "ffn": 17408, "vocab": 151936,
+                                  "heads": 40, "kv_heads": 8}))  # fmt: skip
+    assert main(["plan", "--model", str(shapes), *mem]) == 0
+    assert capsys.readouterr().out.splitlines()[1:] == plan
+
+
+@pytest.mark.parametrize(
+  "extra, message",
+  [(["--params", "7B"], "--hf-config and --params: give one"),
+   (["--layers", "8"], "--hf-config and --layers: give one"),
+   (["--model", "qwen3_14b"], "--hf-config and --model: give one")],
+)  # fmt: skip
+def test_plan_hf_config_refuses_another_shape_flag(tmp_path, capsys, extra, message):
+  (tmp_path / "config.json").write_text(json.dumps(QWEN3_14B))
+  with pytest.raises(SystemExit) as e:
+    main(["plan", "--hf-config", str(tmp_path), *extra, "--device-mem", "24GB",
+          "--host-mem", "128GB"])  # fmt: skip
+  assert e.value.code == 2
+  assert message in capsys.readouterr().err
+
+
+def test_plan_hf_config_refuses_a_folder_without_config_json(tmp_path, capsys):
+  with pytest.raises(SystemExit) as e:
+    main(["plan", "--hf-config", str(tmp_path), "--device-mem", "24GB", "--host-mem", "128GB"])
+  assert e.value.code == 2
+  err = capsys.readouterr().err
+  assert f"--hf-config {tmp_path}: not a Hugging Face checkpoint folder with a config.json" in err

@@ -51,6 +51,8 @@ def options(args: Any) -> Options:
   }
   tokens = int(plan_options.parse("tokens", args.tokens))
   layers = None if args.layers is None else int(plan_options.parse("layers", args.layers))
+  if args.hf_config is not None:
+    _check_hf_config(args)
   if args.model is not None and args.params is not None:
     raise errors.InvalidOptionError(
       "plan: --params and --model: give one (--model counts the named model's params)"
@@ -59,8 +61,10 @@ def options(args: Any) -> Options:
     raise errors.InvalidOptionError(
       "plan: --layers and --model: give one (--model gives the model's layers)"
     )
-  if args.model is None and args.params is None:
-    raise plan_options.error("params", "missing: give --params N (e.g. 7B) or --model NAME")
+  if args.model is None and args.params is None and args.hf_config is None:
+    raise plan_options.error(
+      "params", "missing: give --params N (e.g. 7B), --model NAME or --hf-config PATH"
+    )
   n = None if args.params is None else int(plan_options.parse("params", args.params))
   if args.compile is not None:
     from offlax._src import gpu_compile
@@ -75,6 +79,23 @@ def options(args: Any) -> Options:
   return Options(sizes, rates, n, layers, tokens)
 
 
+def _check_hf_config(args: Any) -> None:
+  """``--hf-config PATH``: a checkpoint folder or its config.json, instead of --model/--params."""
+  from offlax._src.hf import config as hf_config
+
+  for flag, value in (("--model", args.model), ("--params", args.params),
+                      ("--layers", args.layers)):  # fmt: skip
+    if value is not None:
+      raise errors.InvalidOptionError(
+        f"plan: --hf-config and {flag}: give one (--hf-config gives the model's params and layers)"
+      )
+  if not hf_config.is_hf_config(args.hf_config):
+    raise errors.InvalidOptionError(
+      f"plan: --hf-config {args.hf_config}: not a Hugging Face checkpoint folder with a "
+      "config.json, nor such a config.json (num_hidden_layers, hidden_size, ...)"
+    )
+
+
 def run(args: Any, opts: Options) -> int:
   """Plans and prints; the exit status (0: fits, 1: does not fit, 2: --compile failed)."""
   import jax.numpy as jnp
@@ -86,7 +107,9 @@ def run(args: Any, opts: Options) -> int:
   sizes, rates = dict(opts.sizes), dict(opts.rates)
   dtype = jnp.dtype(args.param_dtype)
   shape = None  # the model's shape, where the plan counts one
-  if args.model is not None:
+  if args.hf_config is not None:
+    shape = plan_models.load(args.hf_config, opts.tokens, flag="--hf-config")
+  elif args.model is not None:
     shape = plan_models.load(args.model, opts.tokens)
   elif opts.layers is not None:
     assert opts.params is not None

@@ -112,8 +112,8 @@ def with_layers(n: int, layers: int, tokens: int) -> Shape:
   return Shape(m, f"a Llama-shaped model of {count(n)} params in {layers} layers")
 
 
-def load(name: str, tokens: int) -> Shape:
-  """The shape of ``--model NAME``: a Tunix model config, or a JSON file of shapes, checked.
+def load(name: str, tokens: int, flag: str = "--model") -> Shape:
+  """The shape of ``--model NAME`` (or `flag` NAME): a Tunix config, a shapes JSON, a config.json.
 
   Raises:
     InvalidOptionError: not a file nor a Tunix config, unreadable, or shapes
@@ -129,10 +129,10 @@ def load(name: str, tokens: int) -> Shape:
       with open(name) as f:
         shape = json.load(f)
     except (OSError, ValueError) as e:
-      raise errors.InvalidOptionError(f"plan: --model {name}: {e}") from None
+      raise errors.InvalidOptionError(f"plan: {flag} {name}: {e}") from None
     if not isinstance(shape, dict):
       raise errors.InvalidOptionError(
-        f"plan: --model {name}: expected a JSON object of layers, d, ffn, vocab, heads and "
+        f"plan: {flag} {name}: expected a JSON object of layers, d, ffn, vocab, heads and "
         f"optionally kv_heads, got {type(shape).__name__}"
       )
   else:
@@ -142,10 +142,10 @@ def load(name: str, tokens: int) -> Shape:
   extra.discard("tokens")
   if missing or extra:
     raise errors.InvalidOptionError(
-      f"plan: --model {name}: the shapes lack {sorted(missing)} and have unknown "
+      f"plan: {flag} {name}: the shapes lack {sorted(missing)} and have unknown "
       f"{sorted(extra)} (expected layers, d, ffn, vocab, heads and optionally kv_heads)"
       if extra
-      else f"plan: --model {name}: the shapes lack {sorted(missing)} (expected layers, d, ffn, "
+      else f"plan: {flag} {name}: the shapes lack {sorted(missing)} (expected layers, d, ffn, "
       "vocab, heads and optionally kv_heads)"
     )
   values = {k: shape[k] for k in allowed if k in shape}
@@ -157,9 +157,9 @@ def load(name: str, tokens: int) -> Shape:
       high = values["d"] if isinstance(values["d"], int) else 10**7
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
       raise errors.InvalidOptionError(
-        f"plan: --model {name}: {key} is {value!r}; it must be a whole number from {low} to {high}"
+        f"plan: {flag} {name}: {key} is {value!r}; it must be a whole number from {low} to {high}"
       )
-  return Shape(llama.Llama(tokens=tokens, **values), f"--model {name}")
+  return Shape(llama.Llama(tokens=tokens, **values), f"{flag} {name}")
 
 
 def params(m: llama.Llama, dtype: Any) -> dict:

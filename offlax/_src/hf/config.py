@@ -1,7 +1,7 @@
 """A Hugging Face ``config.json``: read from a file or a checkpoint folder, as the planner's shapes.
 
-`offlax plan --model PATH` takes a checkpoint folder or its ``config.json``
-(`plan_models.load`): the model's layers, width, MLP width, vocabulary and
+`offlax plan --hf-config PATH` takes a checkpoint folder or its ``config.json``
+(`plan_models.load`; ``--model PATH`` too): the model's layers, width, MLP width, vocabulary and
 heads, from the keys ``transformers`` writes (a multimodal model's
 ``text_config``: its language model, the one trained).
 """
