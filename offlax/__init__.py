@@ -1,15 +1,14 @@
 """offlax: optimizer state off the accelerator, as an optax wrapper.
 
 `import offlax` loads neither orbax, tensorstore nor flax: the names of the
-checkpoint, NVMe and NNX code load their modules on first use (`__getattr__`), and
-the one patch of another library made at import is JAX's donation pairing
-(docs/patches.md; ``OFFLAX_NO_PATCHES=1`` turns it off).
+checkpoint, NVMe and NNX code load their modules on first use (`__getattr__`).
+It replaces nothing of JAX, Flax, optax or orbax: each patch (docs/patches.md) is
+installed on first use, by the first `offload(...).init` or `offload_params`.
 """
 
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from offlax._src import donation as _donation
 from offlax._src.apply import apply_updates, update_and_apply
 from offlax._src.errors import (
   CheckpointCorruptedError,
@@ -50,8 +49,6 @@ from offlax._src.planner import Plan, plan
 from offlax._src.telemetry import OffloadStats
 from offlax._src.tier import OffloadState, Tier, TierIO, stats
 from offlax._src.transform import offload
-
-_donation.install()
 
 # The names whose modules import orbax, tensorstore or flax, by module: loaded on first use.
 _LAZY = {

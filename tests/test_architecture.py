@@ -123,6 +123,21 @@ def test_no_module_is_too_long():
   assert not long, f"modules over {MAX_LINES} lines: {long}"
 
 
+# Modules with a cap of their own, below MAX_LINES.
+MODULE_CAPS = {
+  # One dispatch: the shared setup in `offload_step`, the checks in `offload_checks`,
+  # the NNX handling in `flax_glue` (issue 43.4).
+  "offlax._src.transform": 400,
+}
+
+
+def test_capped_modules_stay_under_their_caps():
+  modules = _modules()
+  sizes = {m: len(modules[m].read_text().splitlines()) for m in MODULE_CAPS}
+  over = {m: (n, MODULE_CAPS[m]) for m, n in sizes.items() if n > MODULE_CAPS[m]}
+  assert not over, f"modules over their caps (lines, cap): {over}"
+
+
 # Patches of other libraries (docs/patches.md): made only through `offlax._src.patches`.
 PATCH_MODULE = "offlax._src.patches"
 
@@ -250,6 +265,72 @@ def test_import_offlax_loads_neither_orbax_nor_tensorstore():
   assert lines["AFTER_USE"] == "['orbax', 'tensorstore']"  # (the test sees them load)
 
 
+# Run in a fresh process: every function and class (and each class's methods) of the
+# JAX, Flax, optax and orbax modules loaded, before and after `import offlax`.
+_REPLACES_NOTHING = """
+import importlib, sys
+import jax, jax.lax, jax.numpy, optax, flax.nnx, orbax.checkpoint
+from jax._src.interpreters import mlir
+
+def snapshot():
+  out = {}
+  for name, module in list(sys.modules.items()):
+    if module is None or name.split(".")[0] not in ("jax", "flax", "optax", "orbax"):
+      continue
+    for attr, value in list(vars(module).items()):
+      if callable(value):
+        out[(name, attr)] = value
+      if isinstance(value, type) and value.__module__ == name:
+        for a, v in list(vars(value).items()):
+          out[(name, attr, a)] = v
+
+  return out
+
+def resolve(target):
+  parts = target.split(".")
+  for n in range(len(parts), 0, -1):
+    try:
+      obj = importlib.import_module(".".join(parts[:n]))
+    except ImportError:
+      continue
+    for part in parts[n:]:
+      obj = getattr(obj, part)
+    return obj
+
+before = snapshot()
+import offlax
+after = snapshot()
+print("SEEN", len(before))
+print("CHANGED", sorted(".".join(k) for k, v in before.items() if k in after and after[k] is not v))
+from offlax._src import patches
+process = [p.target for p in patches.declared() if p.scope == "process"]
+marked = lambda: sorted(t for t in process if hasattr(resolve(t), "__offlax_patch__"))
+print("TARGETS", sorted(process))
+print("MARKED", marked())
+from flax import nnx
+nnx.Optimizer(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), offlax.offload(optax.adam(1e-3)), wrt=nnx.Param)
+offlax.offload_params(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+print("MARKED_AFTER_USE", marked())
+"""
+
+
+def test_import_offlax_replaces_no_function_of_jax_flax_optax_or_orbax():
+  """Each patch (docs/patches.md) is installed on first use, none at import (issue 43.1)."""
+  env = {**os.environ, "PYTHONPATH": str(SRC.parent.parent), "JAX_PLATFORMS": "cpu"}
+  env.pop("OFFLAX_NO_PATCHES", None)
+  out = subprocess.run(
+    [sys.executable, "-c", _REPLACES_NOTHING], capture_output=True, text=True, timeout=300,
+    env=env,
+  )  # fmt: skip
+  assert out.returncode == 0, out.stderr[-3000:]
+  lines = dict(line.split(" ", 1) for line in out.stdout.splitlines() if " " in line)
+  assert int(lines["SEEN"]) > 10_000, lines["SEEN"]  # (the snapshot sees the libraries)
+  assert lines["CHANGED"] == "[]", lines["CHANGED"]
+  assert lines["MARKED"] == "[]", lines["MARKED"]
+  # The same check sees them installed: the first `init` (of an `nnx.Optimizer`), `offload_params`.
+  assert lines["MARKED_AFTER_USE"] == lines["TARGETS"] != "[]", lines
+
+
 def _attribute_stores(tree: ast.AST) -> list[str]:
   """`f.name = ...` for a function `f` of the module: a protocol hidden on a closure."""
   functions = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
@@ -293,7 +374,10 @@ def test_tier_io_states_its_capabilities():
 
 
 # Code traced inside the caller's `jit` on every step (issue 35.4).
-TRACE_TIME = ["streaming.py", "transform.py", "tier.py", "memory.py", "apply.py", "nvme/step_io.py"]
+TRACE_TIME = [
+  "streaming.py", "transform.py", "offload_step.py", "tier.py", "memory.py", "apply.py",
+  "nvme/step_io.py",
+]  # fmt: skip
 MAX_TRACE_LINES = 120
 
 

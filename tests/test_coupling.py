@@ -9,8 +9,8 @@ from conftest import scale_by_highest_dtype
 import offlax
 from offlax._src import coupling, ffi, schedule
 from offlax._src.layout import ParamSpec
-from offlax._src.transform import _analyze as analyze_step
-from offlax._src.transform import _Step
+from offlax._src.offload_step import Step
+from offlax._src.offload_step import analyze as analyze_step
 
 SHAPES = {"a": (8, 4), "b": (4,), "c": (3, 5)}
 
@@ -23,10 +23,10 @@ def _analyze(inner, params=None, **extra):
   inner = optax.with_extra_args_support(inner)
   state = inner.init(params)
   spec = ParamSpec.of(params)
-  step = _Step.of(inner, HostTier(), params, state, params, extra)
   layout = StateLayout(state, spec)
-  leaves = list(range(len(spec.shapes)))
-  return analyze_step(step, layout, layout.split(state), leaves, list(spec.shapes))
+  step = Step.of(inner, HostTier(), spec, layout, layout.split(state), params, params, extra)
+  assert step.leaves == list(range(len(spec.shapes)))
+  return analyze_step(step)
 
 
 @pytest.mark.parametrize(

@@ -52,13 +52,32 @@ def _results(where: str) -> dict:
   return _RESULTS[where]
 
 
+def test_installed_on_first_use_not_at_import():
+  """`import offlax` leaves JAX's pairing alone; the first `offload(...).init` wraps it."""
+  out = _run(
+    "import jax.numpy as jnp, optax\n"
+    "from jax._src.interpreters import mlir\n"
+    "original = mlir._set_up_aliases\n"
+    "import offlax\n"
+    "print('IMPORT', mlir._set_up_aliases is original)\n"
+    "offlax.offload(optax.adam(1e-3)).init({'w': jnp.ones(2)})\n"
+    "f = mlir._set_up_aliases\n"
+    "print('INIT', f.__wrapped__ is original, f.__offlax_patch__)\n"
+  )
+  assert out.returncode == 0, out.stderr[-3000:]
+  lines = dict(line.split(" ", 1) for line in out.stdout.splitlines() if " " in line)
+  assert lines["IMPORT"] == "True", "import offlax replaced JAX's _set_up_aliases"
+  assert lines["INIT"] == f"True {donation.PATCH.name}", lines["INIT"]
+
+
 def test_installed_for_this_jax():
   from jax._src.interpreters import mlir
 
   from offlax._src import patches
 
-  assert patches.installed(donation.PATCH), "import offlax did not install the donation fix"
+  assert donation.install()  # this JAX has the function wrapped
   assert donation.install()  # idempotent: wraps once
+  assert patches.installed(donation.PATCH)
   assert mlir._set_up_aliases.__offlax_patch__ == donation.PATCH.name
   assert not hasattr(mlir._set_up_aliases.__wrapped__, "__offlax_patch__")
 

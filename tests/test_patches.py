@@ -178,3 +178,48 @@ def test_the_constraint_patch_hands_calls_inside_jit_to_jax():
     want = constrain(jax.lax.with_sharding_constraint.__wrapped__)
   kinds = lambda tree: [x.sharding.memory_kind for x in jax.tree.leaves(tree)]
   assert kinds(got) == kinds(want)
+
+
+# What offlax changes or reads that is not a replaced function (docs/patches.md, "On the
+# user's objects" and "Registrations and private names"): a canary each, red when upstream
+# changed what offlax relies on.
+
+
+def test_optax_multisteps_still_has_the_fields_offlax_reads():
+  """Canary: `multi_steps.py` reads four private fields of `optax.MultiSteps`."""
+  import optax
+
+  tx = optax.MultiSteps(optax.sgd(0.1), every_k_schedule=2)
+  for field in ("_accumulator_dtype", "_acc_update", "_every_k_schedule", "_should_skip_update_fn"):
+    assert hasattr(tx, field), (
+      f"optax.MultiSteps has no {field} now: see offlax/_src/multi_steps.py"
+    )
+  assert tx._every_k_schedule(0) == 2
+
+
+def test_optax_numerics_still_has_safe_increment():
+  """Canary: `host_adam.py` counts steps as optax's adam does, with `optax._src.numerics`."""
+  import jax.numpy as jnp
+  import optax
+  from optax._src import numerics
+
+  count = jnp.asarray(jnp.iinfo(jnp.int32).max, jnp.int32)
+  assert int(numerics.safe_increment(count)) == int(count)  # saturates, as adam's count does
+  state = optax.scale_by_adam().init({"w": jnp.ones(2)})
+  _, state = optax.scale_by_adam().update({"w": jnp.ones(2)}, state)
+  assert int(state.count) == int(numerics.safe_increment(jnp.zeros((), jnp.int32)))
+
+
+def test_orbax_still_looks_up_the_on_disk_handler_by_type():
+  """Canary: `checkpoint.py` registers a refusal for `OnDisk` in orbax's global type registry.
+
+  Importing offlax's checkpoint module registers it (orbax has no per-save registry for a
+  `StandardSave`); `tests/test_usage.py` checks that a save of NVMe-tier state is refused.
+  """
+  ocp = pytest.importorskip("orbax.checkpoint")
+  from offlax._src import checkpoint, layout
+
+  handler = ocp.type_handlers.get_type_handler(layout.OnDisk)
+  assert handler is checkpoint._refusal
+  with pytest.raises(Exception, match="NVMeStoreSave"):
+    handler.typestr()

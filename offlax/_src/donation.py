@@ -19,9 +19,9 @@ warns that a donated buffer was unusable), as with any unusable donation.
 The wrapper changes JAX's answer only where JAX's own pairing put a buffer and
 an output of different memory kinds together, the pairing that aborts; every
 other program (one memory kind, or kinds JAX saw itself, or a pairing that
-happened to match) gets JAX's answer as it was. `offlax` installs it at import
-(the one patch made then: docs/patches.md); ``OFFLAX_NO_PATCHES=1`` leaves JAX
-as it is. If a JAX version lacks the function (renamed, or fixed), nothing is
+happened to match) gets JAX's answer as it was. `offlax` installs it on first
+use (docs/patches.md): the first `init` or `update` of an `offload`, and
+`offload_params`; ``OFFLAX_NO_PATCHES=1`` leaves JAX as it is. If a JAX version lacks the function (renamed, or fixed), nothing is
 patched; ``tests/test_donation.py`` runs the patterns that aborted, so such a
 version is noticed, and its canary fails once JAX no longer aborts.
 """

@@ -1,5 +1,8 @@
 """Flax glue: what offlax needs to know about Flax's containers, without importing Flax.
 
+`offload`'s handling of NNX Variables lives here: `nnx_init` wraps its `init`
+(unboxes the params, reboxes the state), `unbox_state` starts its `update`.
+
 Also two process-wide patches for NNX frameworks (`install_sharding_fixes`,
 listed in docs/patches.md), installed when `init` first boxes state in NNX
 Variables.
@@ -40,6 +43,45 @@ def unbox(tree: Any) -> Any:
     return tree
   is_variable = lambda x: isinstance(x, sys.modules["flax.nnx"].Variable)
   return jax.tree.map(lambda x: x.get_value() if is_variable(x) else x, tree, is_leaf=is_variable)
+
+
+def nnx_init(init: Callable[[Any], Any], boxes_state: Callable[[], bool]) -> Callable[[Any], Any]:
+  """`offload`'s `init` for params that may sit in NNX Variables (`nnx.Optimizer`'s).
+
+  `init` sees the plain arrays (`unbox`); given concrete Variables, and where
+  the tier asks for it (``boxes_state()``: `Tier.boxes_state`), the state's
+  arrays come back in Variables that say where they live (`rebox`).
+
+  Args:
+    init: ``init(params) -> OffloadState`` on plain arrays.
+    boxes_state: whether the tier's state is boxed, read at each call.
+
+  Returns:
+    ``init`` for params with or without NNX Variables.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from offlax._src import flax_glue
+    >>> init = flax_glue.nnx_init(lambda p: p, lambda: True)
+    >>> init({"w": jnp.ones(2)})["w"].shape  # no Variables: `init`'s answer
+    (2,)
+  """
+
+  def init_fn(params):
+    boxed = has_variables(params)
+    params = unbox(params)
+    state = init(params)
+    concrete = not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(params))
+    if concrete and boxed and boxes_state():
+      state = state._replace(inner_state=rebox(state.inner_state))
+    return state
+
+  return init_fn
+
+
+def unbox_state(state: Any) -> Any:
+  """An `OffloadState` from `nnx_init` with its Variables' values (`nnx.Optimizer` unboxes it)."""
+  return state._replace(inner_state=unbox(state.inner_state))
 
 
 def nnx_update(optimizer: Any, model: Any, grads: Any, /, **kwargs: Any) -> None:

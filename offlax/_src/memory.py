@@ -63,3 +63,39 @@ def sharding_kind(x: Any) -> str:
   concrete = isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) and not isinstance(x, jax.core.Tracer)
   kind = getattr(x.sharding, "memory_kind", None) if concrete else None
   return "host" if kind in HOST_KINDS else "device"
+
+
+def mixed_operands(error: BaseException) -> bool:
+  """Whether `error` was raised where an operation met operands in two memory spaces.
+
+  JAX refuses such an operation while tracing it (a `ValueError` from its
+  type rule). This reads the types of the values in the frame that raised the
+  error (JAX's type rule, or with JAX's traceback filtering the `jnp` function
+  that called it), not the error's text.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from offlax._src import memory
+    >>> host = jax.device_put(jnp.ones(2), jax.memory.Space.Host)
+    >>> try:
+    ...   jax.jit(lambda a, b: a + b)(host, jnp.ones(2))
+    ... except ValueError as e:
+    ...   memory.mixed_operands(e)
+    True
+    >>> memory.mixed_operands(ValueError("memory_space"))
+    False
+  """
+  tb = error.__traceback__
+  if tb is None:
+    return False
+  while tb.tb_next is not None:
+    tb = tb.tb_next
+  spaces = set()
+  for value in tb.tb_frame.f_locals.values():
+    for x in value if isinstance(value, (tuple, list)) else (value,):
+      aval = x if isinstance(x, jax.core.ShapedArray) else None
+      if isinstance(x, (jax.Array, jax.core.Tracer)):
+        aval = jax.typeof(x)
+      if aval is not None and aval.ndim:  # (JAX's rule lets scalars mix)
+        spaces.add(getattr(aval, "memory_space", None))
+  return len(spaces - {None, jax.memory.Space.Any}) > 1

@@ -19,13 +19,14 @@ forward pass, its output's cotangent in the backward pass.
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from offlax._src import errors, host_params, memory, nnx_hooks
+from offlax._src import donation, errors, host_params, memory, nnx_hooks
 from offlax._src import nnx_paths as paths
 
 # The attributes of an offloaded unit's class (and of its instances' graphdefs): which
@@ -126,9 +127,8 @@ def offload_params(
     raise errors.InvalidOptionError(
       "offload_params: layers= names the list of layers that store= holds; pass store= too."
     )
-  stored: list[tuple[Any, ...]] = []
   if store is not None:
-    stored = [_store_layers(model, store, wrt, offload_activations, layers)]
+    _store_layers(model, store, wrt, offload_activations, layers)
     wrt = nnx.All(wrt, nnx.Not(stored_lib.LayerToken))
     nodes = list(nnx.graph.iter_graph(model))
   units = _units(nodes, nnx.filterlib.to_predicate(wrt))
@@ -137,11 +137,11 @@ def offload_params(
     cls: Any = type(module)
     object.__setattr__(module, "__class__", _offloaded_class(cls, wrt, offload_activations))
   if () not in units:  # the root names, in an error, the modules that fetch
-    names = tuple(paths.name(p) for p in units) + tuple(f"{paths.name(p)}[...]" for p in stored)
-    object.__setattr__(model, "__class__", _guarded_class(type(model), names))
+    object.__setattr__(model, "__class__", _guarded_class(type(model)))
   state = nnx.state(model, wrt)
   nnx.update(model, jax.tree.map(functools.partial(_host_copy, kind=memory_kind), state))
   nnx_hooks.install()
+  donation.install()  # a step that donates the params in host memory (Tunix's)
   return model
 
 
@@ -223,11 +223,26 @@ def _units(nodes: list[tuple[tuple[Any, ...], Any]], is_offloaded: Callable[...,
   return sorted(units, key=len)
 
 
-@functools.cache
+# The generated subclasses of each user's class, by what else defines them (the filter and
+# options of a fetching class; none of a guarded root's). Never evicted: NNX registers every
+# Module subclass with JAX's pytree registry for the life of the process, so a class made
+# again for the same key would be a second registered class, not a freed one.
+_CLASSES: weakref.WeakKeyDictionary[type, dict[Any, type]] = weakref.WeakKeyDictionary()
+
+
+def _generated(cls: type, key: Any, make: Callable[[], type]) -> type:
+  """The subclass of `cls` for `key`, made by `make` the first time."""
+  made = _CLASSES.setdefault(cls, {})
+  if key not in made:
+    made[key] = make()
+  return made[key]
+
+
 def _offloaded_class(cls: Any, wrt: Any, offload_activations: bool) -> type:
   """`cls` with each method fetching the module's offloaded params (one class per options)."""
-  return _subclass(
-    cls, _fetching, {_BASE: cls, _WRT: wrt, _OFFLOAD_ACTIVATIONS: offload_activations}
+  attributes = {_BASE: cls, _WRT: wrt, _OFFLOAD_ACTIVATIONS: offload_activations}
+  return _generated(
+    cls, ("fetching", wrt, offload_activations), lambda: _subclass(cls, _fetching, attributes)
   )
 
 
@@ -246,8 +261,7 @@ def _subclass(cls: type, wrap: Callable[..., Any], attributes: dict[str, Any]) -
   return type(cls.__name__, (cls,), namespace)
 
 
-@functools.cache
-def _guarded_class(cls: Any, units: tuple[str, ...]) -> type:
+def _guarded_class(cls: Any) -> type:
   """`cls` whose methods turn JAX's error on a param used outside its unit into offlax's."""
 
   def guarded(method):
@@ -256,19 +270,33 @@ def _guarded_class(cls: Any, units: tuple[str, ...]) -> type:
       try:
         return method(self, *args, **kwargs)
       except ValueError as e:
-        if "memory_space" not in str(e) or isinstance(e, errors.OffloadError):
+        # The condition itself: an operation given operands in two memory spaces.
+        if not memory.mixed_operands(e) or isinstance(e, errors.OffloadError):
           raise
         raise errors.MemoryKindError(
           f"offload_params: a param in host memory was used outside the methods of the module "
-          f"that owns it. The modules that fetch their params are {', '.join(units)}; a param "
-          f"read by another module's code (e.g. `self.child.kernel[...]`) is not fetched. Call "
-          f"the owning module's method instead, or keep that param on the device with `wrt=`. "
-          f"({str(e).splitlines()[0]})"
+          f"that owns it. The modules that fetch their params are {', '.join(_units_of(self))}; "
+          f"a param read by another module's code (e.g. `self.child.kernel[...]`) is not "
+          f"fetched. Call the owning module's method instead, or keep that param on the device "
+          f"with `wrt=`. ({str(e).splitlines()[0]})"
         ) from e
 
     return wrapped
 
-  return _subclass(cls, guarded, {_BASE: cls, _WRT: None})
+  return _generated(cls, "guarded", lambda: _subclass(cls, guarded, {_BASE: cls, _WRT: None}))
+
+
+def _units_of(model: Any) -> list[str]:
+  """The names of the modules of `model` that fetch their params, and of its stored lists."""
+  from flax import nnx
+
+  nodes = sorted(nnx.graph.iter_graph(model), key=lambda pn: len(pn[0]))
+  fetching = [p for p, n in nodes if getattr(type(n), _WRT, None) is not None]
+  stored = [
+    p for p, n in nodes
+    if isinstance(n, (list, tuple, nnx.List)) and n and hasattr(type(n[0]), _SOURCE)
+  ]  # fmt: skip
+  return [paths.name(p) for p in fetching] + [f"{paths.name(p)}[...]" for p in stored]
 
 
 def _class_attribute(cls: type, name: str) -> Any:
