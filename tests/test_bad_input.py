@@ -18,6 +18,7 @@ import pytest
 from conftest import assert_trees_equal
 
 import offlax
+from offlax._src.nvme import chunks as nvme_chunks
 from offlax._src.nvme import store as nvme_store
 from offlax._src.nvme.store import Store
 
@@ -163,7 +164,7 @@ def test_read_only_directory_without_root(tmp_path):
 
 def _enospc_after(monkeypatch, n):
   """Makes every chunk write after the first `n` fail as on a full disk."""
-  write, calls = nvme_store.pwrite_all, []
+  write, calls = nvme_chunks.pwrite_all, []
 
   def full(fd, parts, offset):
     calls.append(fd)
@@ -171,7 +172,7 @@ def _enospc_after(monkeypatch, n):
       raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     return write(fd, parts, offset)
 
-  monkeypatch.setattr(nvme_store, "pwrite_all", full)
+  monkeypatch.setattr(nvme_chunks, "pwrite_all", full)
 
 
 @pytest.mark.parametrize("where", ["chunk", "commit"])

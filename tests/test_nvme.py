@@ -364,11 +364,11 @@ def test_failed_step_then_a_different_step(tmp_path, monkeypatch):
 
 def test_direct_io(tmp_path, monkeypatch):
   """Whole, block-aligned chunks bypass the page cache; the rest do not; both exact."""
-  from offlax._src.nvme import store as nvme_store
+  from offlax._src.nvme import chunks
 
   direct = []
-  clear_direct = nvme_store.clear_direct
-  monkeypatch.setattr(nvme_store, "clear_direct", lambda fd: direct.append(fd) or clear_direct(fd))
+  clear_direct = chunks.clear_direct
+  monkeypatch.setattr(chunks, "clear_direct", lambda fd: direct.append(fd) or clear_direct(fd))
   # Chunks of 8 KiB: "a" two whole ones; "b" a whole one and a short one of one
   # block (read directly, written directly with its block of padding); "c" a
   # short one of 1 KiB (page cache both ways).

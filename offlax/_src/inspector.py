@@ -306,15 +306,7 @@ def _check_slots(name: str, r: dict, n: int, crcs: list) -> str | None:
 
 def _check_item(store: store_lib.Store, r: store_format.LeafRecord, gen: int, verify: bool):
   """The first problem of item `r` in generation `gen`, or None."""
-  if not verify:
-    return store.check_files(r, gen)
-  buffer = direct_io.aligned_empty(r.chunk_nbytes)
-  for c, first, end in store._chunks(r, 0, r.size):
-    try:
-      store._read_chunk(r, gen, c, buffer[: (end - first) * np.dtype(r.dtype).itemsize])
-    except errors.OffloadError as e:
-      return str(e)
-  return None
+  return store.files.verify(r, gen) if verify else store.check_files(r, gen)
 
 
 def _locked(path: str) -> bool:

@@ -44,7 +44,7 @@ def copy_store(src: str, dest: str, *, progress: bool = True) -> int:
     pairs = []
     for r in store.records:
       for g in range(store.generations):
-        source = store._array_path(r.index, g)
+        source = store.files.array_path(r.index, g)
         target = os.path.join(dest, os.path.relpath(source, store.path))
         if g == gen:
           pairs += direct_copy.tree_pairs(source, target)

@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 from offlax._src import errors
 from offlax._src import layout as layout_lib
 from offlax._src import sharding as sharding_lib
+from offlax._src.nvme.copies import copy_store
 from offlax._src.nvme.format import (
   MESH,
   METADATA,
@@ -264,10 +265,7 @@ def init_sharded(
       raise errors.StoreError(f"cannot create the NVMe store {tier.path}: {e}") from e
   here = jax.process_index()
   positions = [i for i, d in enumerate(mesh.devices.flat) if d.process_index == here]
-  shards = {
-    i: type(tier)(os.path.join(tier.path, shard_dir(i)), resume=tier.resume, **tier._options)
-    for i in positions
-  }
+  shards = {i: tier.shard_tier(i) for i in positions}
   if tier.resume:
     _agree(tier.path, shards)
   local = sharding_lib.local_spec(spec)
@@ -283,16 +281,13 @@ def init_sharded(
           [_local_value(x, mesh, s, device) for x, s in zip(values, specs, strict=True)]
         )
       inner_state, _ = shard.init(inner, local_params, local, local_state)
-      tier.shards[i] = shard
       per_shard[i] = layout.split(inner_state)
   except BaseException:
     for shard in shards.values():
       shard.store.close()
-    tier.shards = {}
+    tier.use_shards({})
     raise
-  first = shards[positions[0]]
-  tier.store, tier.telemetry = first.store, first.telemetry
-  tier.host = first.host  # a resumed store's chunk_bytes
+  tier.use_shards(shards)  # its store, telemetry and chunk_bytes are then the first's
   items: list[Any] = []
   for j, (x, s) in enumerate(zip(shapes, specs, strict=True)):
     first_item = per_shard[positions[0]][j]
@@ -310,3 +305,24 @@ def init_sharded(
     items.append(jax.make_array_from_single_device_arrays(x.shape, sharding, mine))
   step = sharding_lib.place(jnp.asarray(tier.store.step, jnp.int32), mesh, P())
   return layout.merge(items), step
+
+
+def snapshot_shards(tier: Any, dest: str) -> int:
+  """`NVMeTier.snapshot` on a mesh: this process's shards' stores copied, then the mesh record.
+
+  Refuses shards at different steps (a step that failed on some of them).
+  """
+  local = [shard.store.step for shard in tier.shards.values()]
+  steps = all_processes(np.array([min(local), max(local)], np.int64))
+  if steps[:, 0].min() != steps[:, 1].max():
+    # A step that failed on some shards (a write error) was committed by others.
+    raise errors.StoreError(
+      f"{tier.path}: the shards' stores are at steps {steps[:, 0].min()} to "
+      f"{steps[:, 1].max()} (a step failed on some of them); close the tier and reopen it "
+      "with NVMeTier(..., resume=True), which brings them to one step, then save."
+    )
+  os.makedirs(dest, mode=0o700, exist_ok=True)
+  for i, shard in tier.shards.items():
+    copy_store(shard.path, os.path.join(dest, shard_dir(i)), progress=tier.progress)
+  write_json(dest, MESH, read_json(os.path.join(tier.path, MESH)), fsync=True)
+  return tier.store.step
