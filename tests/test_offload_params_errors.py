@@ -156,6 +156,20 @@ def test_clip_outside_the_offload_is_refused_with_the_way_out():
     train(model, tx, steps=1)
 
 
+def test_another_error_naming_a_memory_space_is_the_transformations_own():
+  """`update_and_apply` recognises JAX's error by its operands' memory spaces, not its text."""
+
+  def update(updates, state, params=None):
+    raise ValueError("memory_space: the transformation's own check failed")
+
+  own = optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+  model = offlax.offload_params(MLP(nnx.Rngs(0)))
+  tx = optax.chain(own, offlax.offload(optax.adamw(1e-2), compute="host"))
+  with pytest.raises(ValueError, match="the transformation's own check failed") as info:
+    train(model, tx, steps=1)
+  assert not isinstance(info.value, offlax.OffloadError)
+
+
 def test_the_global_norm_hook_covers_what_tunix_calls_and_not_the_clip():
   """Canary of `optax-global-norm-host-leaves`'s scope (docs/patches.md).
 

@@ -151,7 +151,7 @@ def update_and_apply(
         return done
     updates, state = tx.update(grads, state, params, **extra_args)
   except ValueError as e:
-    if "memory_space" not in str(e) or not memory.any_on_host(grads):
+    if not memory.mixed_operands(e) or not memory.any_on_host(grads):
       raise
     raise errors.MemoryKindError(
       "update_and_apply: the gradients live in host memory, and a transformation outside "
