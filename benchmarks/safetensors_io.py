@@ -135,7 +135,9 @@ def main(argv=None) -> dict:
   if args.child:
     print("RESULT", json.dumps(child(args.child, args.dir)))
     return {}
-  results: dict = {"sizes": []}
+  # The machine's load (1-minute average, before and after): other work on the cores slows the
+  # transposes, which bound both passes.
+  results: dict = {"sizes": [], "load_average_1min": [os.getloadavg()[0]]}
   with tempfile.TemporaryDirectory(dir=args.dir, prefix="offlax-safetensors-") as d:
     raw = _disk.measure_raw(pathlib.Path(d), args.raw_gib, args.raw_tool)
     results["raw"] = {k: v for k, v in raw.items() if k.endswith("bytes_per_s")}
@@ -161,6 +163,7 @@ def main(argv=None) -> dict:
         f"(peak RSS +{r['save_peak_rss_bytes'] / 2**20:.0f} MiB, "
         f"{r.get('save_vs_raw', float('nan')):.2f}x); a layer is {r['layer_bytes'] / 2**20:.0f} MiB"
       )
+  results["load_average_1min"].append(os.getloadavg()[0])
   small, large = results["sizes"][0], results["sizes"][-1]
   for what in ("load", "save"):
     ratio = large[f"{what}_peak_rss_bytes"] / max(1, small[f"{what}_peak_rss_bytes"])

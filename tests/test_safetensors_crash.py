@@ -75,7 +75,7 @@ CHILD = textwrap.dedent(
   import os, signal, sys
   import offlax
   from offlax._src.hf import params as params_lib
-  from offlax._src.nvme import layer_files
+  layer_files = params_lib.layer_files  # the store's files module, as the load calls it
   {model}
   model, store = stored(sys.argv[1], create=False)
   module, name, then = {hook!r}

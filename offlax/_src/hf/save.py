@@ -17,6 +17,8 @@ import shutil
 import tempfile
 from typing import Any
 
+import numpy as np
+
 from offlax._src import errors
 from offlax._src.hf import files, plan
 from offlax._src.hf import load as load_lib
@@ -127,13 +129,20 @@ def _write(tmp: str, folder: files.Folder, matched: plan.Match, targets: dict[st
         layer[:] = [target.layer, store.read_layer(target.layer)]
       return layer[1][target.leaf]
 
-    desc = f"offlax: saving {os.path.basename(tmp)}"
-    pairs = load_lib.ahead(value, order)  # the next param read while this one is written
-    for target, x in load_lib.progress_bar(pairs, progress, desc, len(order)):
+    def tensors(target: Any, x: Any) -> list[tuple[str, np.ndarray]]:
+      out = []
       for entry, t in matched.by_path[target.path]:
         part = x if entry.at is None else x[entry.at]
         part = mapping_lib.inverse(part, entry.steps, t.shape)
-        writer.write(t.name, mapping_lib.contiguous(part.astype(t.dtype, copy=False)))
+        out.append((t.name, mapping_lib.contiguous(part.astype(t.dtype, copy=False))))
+      return out
+
+    desc = f"offlax: saving {os.path.basename(tmp)}"
+    # The next params read and put in the checkpoint's layout while this one is written.
+    pairs = load_lib.ahead(value, tensors, order)
+    for _, parts in load_lib.progress_bar(pairs, progress, desc, len(order)):
+      for name, part in parts:
+        writer.write(name, part)
     for name in matched.others:
       writer.write(name, files.read(folder.tensors[name]))
     writer.finish()
