@@ -272,13 +272,13 @@ def run_nvme(axis_type, base):
   # A step that failed on one shard was committed by the others: no snapshot of that.
   tier = nvme_tier(path, resume=True)
   tx(tier).init(params)
-  tier.shards[5].store.step -= 1
+  tier.shards[5].store.manifest.step -= 1  # (as if its last step had failed)
   try:
     tier.snapshot(os.path.join(base, "snapshot"))
     errors["mixed_snapshot"] = "accepted"
   except offlax.StoreError as e:
     errors["mixed_snapshot"] = str(e)
-  tier.shards[5].store.step += 1
+  tier.shards[5].store.manifest.step += 1
   tier.close()
   out["errors"] = errors
   # A plain optax state moved into a sharded store (`retier`) continues exactly.
