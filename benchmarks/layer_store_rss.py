@@ -44,7 +44,7 @@ def step(source, x):
 def make_store(path, n):
   import numpy as np
 
-  from offlax._src.nvme.layer_store import LayerStore
+  from offlax._src.layer_store.store import LayerStore
 
   rng = np.random.default_rng(0)
   layers = {

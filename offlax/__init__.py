@@ -65,7 +65,7 @@ _LAZY = {
   "offlax._src.host_checkpoint": ("HostStateRestore", "HostStateSave"),
   "offlax._src.inspector": ("LeafReport", "StoreReport", "inspect_store"),
   "offlax._src.nnx_layer_store": ("LayerToken", "StoredParam", "stack_layers"),
-  "offlax._src.nvme.layer_store": ("LayerStore",),
+  "offlax._src.layer_store.store": ("LayerStore",),
   "offlax._src.nvme.rollback": ("rollback",),
   "offlax._src.nvme.tier": ("NVMeTier",),
   "offlax._src.orbax_options": ("checkpoint_handler",),
@@ -85,8 +85,8 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and the API docs
   from offlax._src.hf.save import save_safetensors
   from offlax._src.host_checkpoint import HostStateRestore, HostStateSave
   from offlax._src.inspector import LeafReport, StoreReport, inspect_store
+  from offlax._src.layer_store.store import LayerStore
   from offlax._src.nnx_layer_store import LayerToken, StoredParam, stack_layers
-  from offlax._src.nvme.layer_store import LayerStore
   from offlax._src.nvme.rollback import rollback
   from offlax._src.nvme.tier import NVMeTier
   from offlax._src.orbax_options import checkpoint_handler

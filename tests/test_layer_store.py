@@ -14,7 +14,7 @@ import pytest
 
 import offlax
 from offlax._src import errors
-from offlax._src.nvme.layer_store import LayerStore
+from offlax._src.layer_store.store import LayerStore
 
 L, D = 6, 16
 

@@ -21,7 +21,7 @@ import pytest
 
 import offlax
 from offlax.__main__ import main as cli
-from offlax._src.nvme import layer_step
+from offlax._src.layer_store import step as layer_step
 
 L, D = 4, 16
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -20,8 +20,8 @@ import pytest
 
 import offlax
 from offlax._src import errors
-from offlax._src.nvme import layer_files
-from offlax._src.nvme import layer_store as layer_store_lib
+from offlax._src.layer_store import files as layer_files
+from offlax._src.layer_store import slots as slots_lib
 
 L, D = 5, 16
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -145,7 +145,7 @@ def test_a_failed_update_keeps_the_committed_step(tmp_path, monkeypatch, fault):
   store.update(rest=rest_of(1))
   grad(store.source(), batch(1))
   store.flush_grads()  # the gradients on disk before the faults start
-  real, writes = layer_store_lib.pwrite_all, [0]
+  real, writes = slots_lib.pwrite_all, [0]
 
   def full_disk(fd, parts, offset):
     writes[0] += 1
@@ -155,7 +155,7 @@ def test_a_failed_update_keeps_the_committed_step(tmp_path, monkeypatch, fault):
       raise OSError(errno.ENOSPC, "No space left on device")
     real(fd, parts, offset)
 
-  monkeypatch.setattr(layer_store_lib, "pwrite_all", full_disk)
+  monkeypatch.setattr(slots_lib, "pwrite_all", full_disk)
   if fault == "ctrl-c":
     with pytest.raises(KeyboardInterrupt):
       store.update(rest=rest_of(2))
@@ -165,7 +165,7 @@ def test_a_failed_update_keeps_the_committed_step(tmp_path, monkeypatch, fault):
       store.update(rest=rest_of(2))
     assert e.value.errno == errno.ENOSPC
   assert store.step == 1
-  monkeypatch.setattr(layer_store_lib, "pwrite_all", real)
+  monkeypatch.setattr(slots_lib, "pwrite_all", real)
   assert_bits(store.read_params(), reference(tx, layers, 1)[0])
   store.close()
   like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), layers)

@@ -17,7 +17,9 @@ import numpy as np
 
 from offlax._src import errors, host_checkpoint
 from offlax._src import layout as layout_lib
-from offlax._src.nvme import array_files, direct_io, layer_files, layer_rest
+from offlax._src.layer_store import files as layer_files
+from offlax._src.layer_store import rest as layer_rest
+from offlax._src.nvme import array_files, direct_io
 from offlax._src.nvme import format as store_format
 from offlax._src.nvme import store as store_lib
 from offlax._src.telemetry import format_bytes

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from offlax._src import errors, host_params
-from offlax._src.nvme.layer_source import LayerSource
+from offlax._src.layer_store.source import LayerSource
 
 # The name `offload_activations` gives each layer's input carry, so that a
 # checkpoint policy can move it (and nothing else) to host memory.

@@ -183,7 +183,7 @@ def _compile_layers_on_disk(m: Llama, target, path: str, chunk_bytes: int, optio
   program; the embedding, head and final norm stay in host memory with
   AdamW and an fp32 master in host compute, as in the params-in-host-memory step.
   """
-  from offlax._src.nvme.layer_store import LayerStore
+  from offlax._src.layer_store.store import LayerStore
 
   rest = param_specs(m, "pinned_host")
   layers = rest.pop("layers")

@@ -22,8 +22,8 @@ from flax import nnx
 
 from offlax._src import errors, memory
 from offlax._src import nnx_paths as paths
-from offlax._src.nvme import layer_guards
-from offlax._src.nvme.layer_source import LayerSource
+from offlax._src.layer_store import guards as layer_guards
+from offlax._src.layer_store.source import LayerSource
 
 # The attributes a stored layer gains: its index in the store and its token.
 INDEX = "_offlax_layer"
@@ -144,7 +144,7 @@ def _leaf_specs(state: Any) -> list[str]:
 
 def source_of(store: Any) -> LayerSource:
   """The `LayerSource` `offload_params(store=)` reads from: a store's `source()`, or that source."""
-  from offlax._src.nvme.layer_store import LayerStore
+  from offlax._src.layer_store.store import LayerStore
 
   if isinstance(store, LayerStore):
     return store.source()

@@ -58,7 +58,7 @@ def params_on_disk_bytes(
     reads  = 2 x a layer's params (the forward's read, the backward's
              gradients written behind)
     update = 4 x leaf x (3p + 2s): `LayerStore.update` steps one leaf of one
-             layer at a time (`nvme/layer_step.py`): 2 read ahead and 1
+             layer at a time (`layer_store/step.py`): 2 read ahead and 1
              computing, each its param, gradient and state in (p + p + s);
              1 computed and 2 queued for the writers, each its param and
              state out (p + s); 4 x (in + out) bounds those and the step's

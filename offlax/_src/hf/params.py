@@ -19,7 +19,7 @@ from flax import nnx
 
 from offlax._src import errors
 from offlax._src import nnx_layer_store as stored_lib
-from offlax._src.nvme import layer_files
+from offlax._src.layer_store import files as layer_files
 
 
 class Param(NamedTuple):

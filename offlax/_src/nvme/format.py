@@ -69,7 +69,7 @@ METADATA = "offlax.json"
 
 
 MESH = "offlax-mesh.json"
-LAYERS = "layers.json"  # an `offlax.LayerStore`'s manifest (`layer_store`), not this format
+LAYERS = "layers.json"  # an `offlax.LayerStore`'s manifest (`layer_store/`), not this format
 
 
 LOCK = ".lock"

@@ -7,7 +7,7 @@ import os
 import numpy as np
 
 from offlax._src import errors
-from offlax._src.nvme import layer_files
+from offlax._src.layer_store import files as layer_files
 from offlax._src.nvme.format import LAYERS, is_sharded
 from offlax._src.nvme.store import Store
 

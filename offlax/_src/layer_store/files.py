@@ -1,6 +1,6 @@
-"""A layer store's files (`layer_store.LayerStore`): records, manifest, creation, the lock.
+"""A layer store's files (`store.LayerStore`): records, manifest, creation, the lock.
 
-The layout and the commit protocol are described in `layer_store`. Records
+The layout and the commit protocol are described in `store`. Records
 are JSON-able dicts, one per leaf: its key path, one layer's shape and dtype,
 and its slot (one layer's bytes padded to the direct-I/O block).
 """

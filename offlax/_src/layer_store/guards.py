@@ -21,8 +21,8 @@ from typing import Any
 import jax
 
 from offlax._src import errors, nnx_paths
-from offlax._src.nvme import layer_files as files
-from offlax._src.nvme import layer_step
+from offlax._src.layer_store import files
+from offlax._src.layer_store import step as layer_step
 
 # The attribute of `stack_layers(model, path)`'s result naming the list it stacked (set
 # with `object.__setattr__`: an `nnx.State` turns a plain attribute into a key, a leaf).

@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import errno
 import threading
 import time
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import numpy as np
@@ -30,6 +31,11 @@ import optax
 from offlax._src import coupling as coupling_lib
 from offlax._src import errors
 from offlax._src import layout as layout_lib
+from offlax._src.layer_store import rest as layer_rest
+
+if TYPE_CHECKING:
+  from offlax._src.layer_store.commits import Commits
+  from offlax._src.layer_store.slots import Slots
 
 AHEAD = 2  # units read ahead: with the writes queued, RAM holds about 4 leaves' streams
 IO_THREADS = 4  # per direction: what a disk needs to reach its bandwidth with 8-64 MiB transfers
@@ -40,16 +46,17 @@ BAR_MIN_BYTES = 1 << 30
 
 
 def moved_bytes(store: Any) -> int:
-  """The bytes an `update` moves: params, gradients and state read, params and state written."""
+  """The bytes an `update` of `store` (a `LayerStore` or its `Slots`) moves: params, gradients
+  and state read, params and state written."""
   state = sum(r["slot"] for r in store.state_records)
   return store.n_layers * (3 * store.layer_bytes + 2 * state)
 
 
-def progress(items: Any, store: Any, nbytes: int, desc: str) -> Any:
-  """`items`, with a progress bar where `store` shows them and the work is long (above)."""
+def progress(items: Any, show: bool, nbytes: int, desc: str) -> Any:
+  """`items`, with a progress bar where the store `show`s them and the work is long (above)."""
   from offlax._src.nvme.store import progress_bar
 
-  return progress_bar(items, store.progress and nbytes >= BAR_MIN_BYTES, desc)
+  return progress_bar(items, show and nbytes >= BAR_MIN_BYTES, desc)
 
 
 class Stats(NamedTuple):
@@ -134,7 +141,7 @@ class LeafUpdate(NamedTuple):
   shared: list[int]
 
 
-def layer_update(optimizer: Any, store: Any) -> list[LeafUpdate]:
+def layer_update(optimizer: Any, treedef: Any, records: list[dict]) -> list[LeafUpdate]:
   """The optimizer's update of each leaf of a layer, the other leaves masked.
 
   A leaf at a time rather than a layer: RAM then holds a few leaves' params,
@@ -144,8 +151,7 @@ def layer_update(optimizer: Any, store: Any) -> list[LeafUpdate]:
   caller has checked the update with `check_elementwise`.
   """
   one = jax.tree.unflatten(
-    store.treedef,
-    [jax.ShapeDtypeStruct(tuple(r["shape"]), np.dtype(r["dtype"])) for r in store.records],
+    treedef, [jax.ShapeDtypeStruct(tuple(r["shape"]), np.dtype(r["dtype"])) for r in records]
   )
   spec = layout_lib.ParamSpec.of(one)
   layout = layout_lib.StateLayout(jax.eval_shape(optimizer.init, one), spec)
@@ -155,7 +161,7 @@ def layer_update(optimizer: Any, store: Any) -> list[LeafUpdate]:
   def make(k: int) -> LeafUpdate:
     owned = [j for j, o in enumerate(owners) if o == k]
     masked = lambda x: spec.treedef.unflatten(
-      [x if i == k else layout_lib.MASKED() for i in range(len(store.records))]
+      [x if i == k else layout_lib.MASKED() for i in range(len(records))]
     )
 
     def update(p, g, s_owned, s_shared):
@@ -169,11 +175,13 @@ def layer_update(optimizer: Any, store: Any) -> list[LeafUpdate]:
 
     return LeafUpdate(jax.jit(update), owned, shared)
 
-  return [make(k) for k in range(len(store.records))]
+  return [make(k) for k in range(len(records))]
 
 
-def run(store: Any, updates: list[LeafUpdate], target: int) -> Stats:
-  """Updates every layer of `store` from its committed generation into `target`.
+def run(
+  slots: Slots, updates: list[LeafUpdate], gen: int, target: int, *, step: int, show: bool
+) -> Stats:
+  """Updates every layer of a store's `slots` from generation `gen` into `target`, as `step`.
 
   The unit is one leaf of one layer: its param, gradient and state slots are
   read (`AHEAD` units ahead) by `IO_THREADS`
@@ -183,7 +191,7 @@ def run(store: Any, updates: list[LeafUpdate], target: int) -> Stats:
   step count) is read with its first leaf and written with it.
   """
   cpu = jax.devices("cpu")[0]  # the host's compute, whatever the default device
-  gen, n, nk = store.generation, store.n_layers, len(store.records)
+  n, nk = slots.n_layers, len(slots.records)
   units = [(i, k) for i in range(n) for k in range(nk)]
   ahead = AHEAD
   lock = threading.Lock()
@@ -198,7 +206,7 @@ def run(store: Any, updates: list[LeafUpdate], target: int) -> Stats:
 
   def read(pool, u):
     i, k = units[u]
-    slot = lambda kind, g, j: pool.submit(timed, "read", store.read_slot, kind, g, j, i)
+    slot = lambda kind, g, j: pool.submit(timed, "read", slots.read_slot, kind, g, j, i)
     shared = updates[k].shared if k == 0 else []
     return [
       [slot("params", gen, k)], [slot("grads", 0, k)],
@@ -207,11 +215,11 @@ def run(store: Any, updates: list[LeafUpdate], target: int) -> Stats:
 
   def write(pool, i, k, p, owned, shared):
     state = zip(updates[k].owned, owned, strict=True)
-    slots = [("params", k, p), *(("state", j, x) for j, x in state)]
+    out = [("params", k, p), *(("state", j, x) for j, x in state)]
     if k == 0:
-      slots += [("state", j, x) for j, x in zip(updates[k].shared, shared, strict=True)]
-    return [pool.submit(timed, "write", store.write_slot, kind, target, j, i, x)
-            for kind, j, x in slots]  # fmt: skip
+      out += [("state", j, x) for j, x in zip(updates[k].shared, shared, strict=True)]
+    return [pool.submit(timed, "write", slots.write_slot, kind, target, j, i, x)
+            for kind, j, x in out]  # fmt: skip
 
   start = time.perf_counter()
   with (
@@ -222,7 +230,7 @@ def run(store: Any, updates: list[LeafUpdate], target: int) -> Stats:
     writes: collections.deque[list[concurrent.futures.Future]] = collections.deque()
     shared: list[Any] = []
     try:
-      for i in progress(range(n), store, moved_bytes(store), f"offlax: updating {store.path}"):
+      for i in progress(range(n), show, moved_bytes(slots), f"offlax: updating {slots.path}"):
         for k in range(nk):
           u = i * nk + k
           [p], [g], owned, got = [[f.result() for f in futures] for futures in reads.pop(u)]
@@ -249,7 +257,7 @@ def run(store: Any, updates: list[LeafUpdate], target: int) -> Stats:
         f.cancel()
       raise
   return Stats(
-    step=store.step + 1,
+    step=step,
     seconds=time.perf_counter() - start,
     bytes_read=int(tally["read_bytes"]),
     bytes_written=int(tally["write_bytes"]),
@@ -257,3 +265,46 @@ def run(store: Any, updates: list[LeafUpdate], target: int) -> Stats:
     write_seconds=tally["write_seconds"],
     compute_seconds=tally["compute_seconds"],
   )
+
+
+class LayerStep:
+  """`LayerStore.update`'s step: the optimizer over the slots into a free generation, committed.
+
+  Args:
+    optimizer: the elementwise optax transformation (`check_elementwise`).
+    treedef: one layer's tree structure.
+    slots: the store's open files.
+    commits: the store's manifest and committed step.
+    progress: show a progress bar for a long update.
+  """
+
+  def __init__(self, optimizer: Any, treedef: Any, slots: Slots, commits: Commits, progress: bool):
+    self._slots, self._commits, self._progress = slots, commits, progress
+    self._updates = layer_update(optimizer, treedef, slots.records)
+
+  def __call__(self, rest: Any) -> Stats:
+    """Writes the next step (and `rest`) into a free generation, flushes it and commits it.
+
+    Raises:
+      StoreError: a read or write failed; nothing was committed.
+    """
+    commits = self._commits
+    target = commits.free_generation()
+    try:
+      rest_records = (
+        None if rest is None else layer_rest.write(commits.path, target, rest, fsync=commits.fsync)
+      )
+      stats = run(self._slots, self._updates, commits.generation, target,
+                  step=commits.step + 1, show=self._progress)  # fmt: skip
+      if commits.fsync:
+        self._slots.sync(target)
+    except OSError as e:
+      raise errors.StoreError(
+        e.errno,
+        f"LayerStore.update: step {commits.step + 1} was not committed ({e.strerror or e}); "
+        f"{commits.path} still holds step {commits.step}, whole, and its gradients: "
+        + ("free space on the disk, then " if e.errno == errno.ENOSPC else "")
+        + "call update() again.",
+      ) from e
+    commits.commit(target, rest_records)
+    return stats

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 from offlax._src import errors
-from offlax._src.nvme import layer_files
+from offlax._src.layer_store import files as layer_files
 
 FILE = "rest.bin"
 

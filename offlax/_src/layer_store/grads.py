@@ -1,0 +1,77 @@
+"""The gradients' hand-off (`GradientWriter`): copied out of the backward pass, written behind.
+
+The backward pass hands each layer's gradients to the store by a callback
+(`LayerStore.put_grads`); they are copied into aligned slots and written by
+one writer thread while compute goes on, at most ``pool_layers`` layers
+queued. With ``accumulate`` each is added into the store's. `flush` waits for
+the steps dispatched so far and their writes: `update` and the read helpers
+call it first.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from offlax._src.layer_store import files, guards
+from offlax._src.layer_store.slots import Slots
+from offlax._src.nvme.pipeline import wait_for_dispatched_steps
+
+
+class GradientWriter:
+  """The gradients of the layers, written behind compute into a store's slots.
+
+  Attributes:
+    queued: the most layers' gradients queued in RAM.
+  """
+
+  def __init__(self, slots: Slots, queued: int, step: Callable[[], int], watch: bool):
+    self._slots, self.queued, self._step = slots, queued, step
+    self._ledger = guards.GradientsLedger(slots.path, watch=watch)
+    self._writer = concurrent.futures.ThreadPoolExecutor(1, "offlax-grads")
+    self._pending: collections.deque[concurrent.futures.Future] = collections.deque()
+
+  def put(self, accumulate: bool, i: Any, *grads: np.ndarray) -> np.ndarray:
+    """Layer `i`'s gradients (a callback): copied out, written behind compute."""
+    i = int(i)
+    self._ledger.written(i, accumulate, self._step())  # warns where unused ones are overwritten
+    records = self._slots.records
+    slots = [files.to_slot(np.asarray(g), r["slot"]) for g, r in zip(grads, records, strict=True)]
+    while len(self._pending) >= self.queued:
+      self._pending.popleft().result()  # bounds the RAM queued; raises a failed write
+    self._pending.append(self._writer.submit(self._store, accumulate, i, slots))
+    return np.zeros((), np.float32)
+
+  def flush(self) -> None:
+    """Waits for the steps dispatched so far and their gradient writes; raises a failed write."""
+    wait_for_dispatched_steps()  # a jitted backward pass returns before its callbacks run
+    while self._pending:
+      self._pending.popleft().result()
+
+  def used(self) -> None:
+    """The gradients were used by an `update`: a backward pass may overwrite them."""
+    self._ledger.used()
+
+  def zero(self) -> None:
+    """Sets every gradient to zero (before accumulating anew)."""
+    self.flush()
+    self._ledger.used()
+    self._slots.zero_grads()
+
+  def close(self) -> None:
+    """Waits for the writes queued."""
+    self._writer.shutdown(wait=True)
+
+  def _store(self, accumulate: bool, i: int, slots: list[np.ndarray]) -> None:
+    for k, slot in enumerate(slots):
+      if accumulate:
+        r = self._slots.records[k]
+        count = int(np.prod(r["shape"], dtype=np.int64)) * np.dtype(r["dtype"]).itemsize
+        old = self._slots.read_slot("grads", 0, k, i)
+        new = slot[:count].view(old.dtype).reshape(old.shape)
+        new[...] = old + new
+      self._slots.write_raw("grads", 0, k, i, slot)
