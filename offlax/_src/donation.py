@@ -23,7 +23,8 @@ happened to match) gets JAX's answer as it was. `offlax` installs it on first
 use (docs/patches.md): the first `init` or `update` of an `offload`, and
 `offload_params`; ``OFFLAX_NO_PATCHES=1`` leaves JAX as it is. If a JAX version
 lacks the function (renamed, or fixed), nothing is patched;
-``tests/test_donation.py`` runs the patterns that aborted, so such a version is noticed, and its canary fails once JAX no longer aborts.
+``tests/test_donation.py`` runs the patterns that aborted, so such a version is
+noticed, and its canary fails once JAX no longer aborts.
 """
 
 from __future__ import annotations
