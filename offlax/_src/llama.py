@@ -11,6 +11,7 @@ and the tests use it. Nothing is allocated.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -88,7 +89,14 @@ def shaped(n_params: float, layers: int, *, tokens: int = 2048, vocab: int = 320
 
 def param_specs(m: Llama, memory_kind: str | None, dtype=jnp.bfloat16):
   """`ShapeDtypeStruct`s of the params, layers stacked along a first axis."""
-  sharding = gpu_compile.one_device(memory_kind)
+  return param_shapes(m, dtype, sharding=gpu_compile.one_device(memory_kind))
+
+
+def param_shapes(m: Llama, dtype: Any, *, sharding: Any = None) -> dict:
+  """The params of `m` as `jax.ShapeDtypeStruct`s, layers stacked (``layers`` first axis).
+
+  Without a sharding the shapes start no backend: the planner's case.
+  """
   s = lambda *shape: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
   L, d, f = m.layers, m.d, m.ffn
   layers = {

@@ -163,17 +163,8 @@ def load(name: str, tokens: int, flag: str = "--model") -> Shape:
 
 
 def params(m: llama.Llama, dtype: Any) -> dict:
-  """The params of `m` as `jax.ShapeDtypeStruct`s, layers stacked (``layers`` first axis).
-
-  `llama.param_specs`' leaves, without its device placement: planning starts no backend.
-  """
-  s = lambda *shape: jax.ShapeDtypeStruct(shape, dtype)
-  L, d, f = m.layers, m.d, m.ffn
-  layers = {
-    "wq": s(L, d, d), "wk": s(L, d, m.kv), "wv": s(L, d, m.kv), "wo": s(L, d, d),
-    "w1": s(L, d, f), "w3": s(L, d, f), "w2": s(L, f, d), "n1": s(L, d), "n2": s(L, d),
-  }  # fmt: skip
-  return {"layers": layers, "embed": s(m.vocab, d), "head": s(d, m.vocab), "norm": s(d)}
+  """The params of `m` as `jax.ShapeDtypeStruct`s, layers stacked: planning starts no backend."""
+  return llama.param_shapes(m, dtype)
 
 
 def flat(n: int, dtype: Any) -> dict:
