@@ -4,7 +4,8 @@
 
 Creates the store at PATH, or resumes it; prints "ready" once open, then steps
 forever: the gradients of batch `store.step`, then `update`, committing with
-the layers a "rest" of the model that says which step it is (`rest_of`).
+the layers a "rest" of the model that says which step it is (`rest_of`), and
+prints "committed STEP" after each commit.
 """
 
 import os
@@ -37,6 +38,7 @@ def main(path):
   while True:
     grad(store.source(), batch(store.step, jnp.float32))
     store.update(rest=rest_of(store.step + 1))
+    print("committed", store.step, flush=True)
 
 
 if __name__ == "__main__":
