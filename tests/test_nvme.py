@@ -183,6 +183,16 @@ def test_bad_options(tmp_path, bad):
     _tier(tmp_path, **bad)
 
 
+def test_numpy_ints_are_taken_as_ints(tmp_path):
+  """A numpy int option (from a config or an argument parser) reaches offlax.json as an int."""
+  tier = offlax.NVMeTier(str(tmp_path), keep=np.int64(3), chunk_bytes=np.int32(1 << 16))
+  offlax.offload(optax.adam(1e-3), tier).init(_float_params())
+  tier.close()
+  with open(tmp_path / "offlax.json") as f:
+    assert json.load(f)["chunk_bytes"] == 1 << 16
+  assert type(tier.keep) is int and type(tier.options.chunk_bytes) is int
+
+
 def test_second_writer_is_locked_out(tmp_path):
   params = _float_params()
   tier = _tier(tmp_path)

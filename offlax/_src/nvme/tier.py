@@ -103,7 +103,7 @@ class NVMeTier(tier_lib.Tier):
     self.options = TierOptions(
       path, cache_bytes, chunk_bytes, resume, fsync, progress, readahead, keep, log_every, step
     )
-    self.host = HostTier(chunk_bytes=DEFAULT_CHUNK if chunk_bytes is None else chunk_bytes)
+    self.host = HostTier(chunk_bytes=self.options.chunk_bytes or DEFAULT_CHUNK)
     bound_malloc()
     self.telemetry = telemetry_lib.DiskTelemetry(log_every)
     self.store = Store(self.path, fsync=bool(fsync), telemetry=self.telemetry, owner=self)

@@ -56,6 +56,8 @@ class TierOptions:
     ):
       if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
         raise errors.InvalidTierError(f"NVMeTier.{name} must be an int >= {low}, got {value!r}.")
+      if getattr(self, name) is not None:  # a numpy int as a Python int: it goes into JSON
+        object.__setattr__(self, name, int(value))
     for name, flag in (("resume", self.resume), ("fsync", self.fsync), ("progress", self.progress)):
       if not isinstance(flag, (bool, np.bool_)):  # "no" would be true
         raise errors.InvalidTierError(f"NVMeTier.{name} must be a bool, got {flag!r}.")
@@ -72,6 +74,8 @@ class TierOptions:
         f"NVMeTier.chunk_bytes must be an int > 0 bytes (or None for the default "
         f"{DEFAULT_CHUNK}), got {chunk_bytes!r}."
       )
+    if chunk_bytes is not None:
+      object.__setattr__(self, "chunk_bytes", int(chunk_bytes))
 
   def keywords(self) -> dict[str, Any]:
     """Every option but `path`, as given: `NVMeTier(path, **keywords())` has these options."""
