@@ -1,7 +1,7 @@
 """offlax: optimizer state off the accelerator, as an optax wrapper.
 
-`import offlax` loads neither orbax, tensorstore nor flax: the names of the
-checkpoint, NVMe and NNX code load their modules on first use (`__getattr__`).
+`import offlax` loads neither JAX, orbax, tensorstore nor flax: every name but
+the exceptions loads its module on first use (`__getattr__`).
 It replaces nothing of JAX, Flax, optax or orbax: each patch (docs/patches.md) is
 installed on first use, by the first `offload(...).init` or `offload_params`.
 """
@@ -9,7 +9,6 @@ installed on first use, by the first `offload(...).init` or `offload_params`.
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from offlax._src.apply import apply_updates, update_and_apply
 from offlax._src.errors import (
   CheckpointCorruptedError,
   CheckpointExistsError,
@@ -35,23 +34,28 @@ from offlax._src.errors import (
   TreeMismatchError,
   UnsavableStateError,
 )
-from offlax._src.flax_glue import nnx_update
-from offlax._src.gpu_compile import CompiledMemory, GpuTarget, compile_for_gpu
-from offlax._src.gpu_compile import available as gpu_compile_available
-from offlax._src.host_adam import adam, adamw
-from offlax._src.host_params import fetch, to_host
-from offlax._src.host_tier import HostTier
-from offlax._src.layers import scan_layers
-from offlax._src.layout import OnDisk, ParamSpec
-from offlax._src.master import MasterWeightsState, master_weights
-from offlax._src.nnx_params import offload_params, onload_params
-from offlax._src.planner import Plan, plan
-from offlax._src.telemetry import OffloadStats
-from offlax._src.tier import OffloadState, Tier, TierIO, stats
-from offlax._src.transform import offload
 
-# The names whose modules import orbax, tensorstore or flax, by module: loaded on first use.
+# Every other name loads its module on first use (`__getattr__`): `import offlax`
+# imports no JAX, so `python -m offlax plan` refuses bad input at once.
 _LAZY = {
+  "offlax._src.apply": ("apply_updates", "update_and_apply"),
+  "offlax._src.flax_glue": ("nnx_update",),
+  "offlax._src.gpu_compile": ("CompiledMemory", "GpuTarget", "compile_for_gpu"),
+  "offlax._src.host_adam": ("adam", "adamw"),
+  "offlax._src.host_params": ("fetch", "to_host"),
+  "offlax._src.host_tier": ("HostTier",),
+  "offlax._src.layers": ("scan_layers",),
+  "offlax._src.layout": ("OnDisk", "ParamSpec"),
+  "offlax._src.master": ("MasterWeightsState", "master_weights"),
+  "offlax._src.nnx_params": ("offload_params", "onload_params"),
+  "offlax._src.planner": ("Plan", "plan"),
+  "offlax._src.telemetry": ("OffloadStats",),
+  "offlax._src.tier": ("OffloadState", "Tier", "TierIO", "stats"),
+  "offlax._src.transform": ("offload",),
+}
+# The names whose modules import orbax or tensorstore, by module: loaded on first use,
+# after the checkpoint module (see `__getattr__`).
+_CHECKPOINT_LAZY = {
   "offlax._src.checkpoint": (
     "NVMeStoreRestore",
     "NVMeStoreSave",
@@ -70,9 +74,14 @@ _LAZY = {
   "offlax._src.nvme.tier": ("NVMeTier",),
   "offlax._src.orbax_options": ("checkpoint_handler",),
 }
-_LAZY_MODULE = {name: module for module, names in _LAZY.items() for name in names}
+_LAZY_MODULE = {
+  name: module for table in (_LAZY, _CHECKPOINT_LAZY) for module, names in table.items()
+  for name in names
+}  # fmt: skip
+_RENAMED = {"gpu_compile_available": ("offlax._src.gpu_compile", "available")}
 
 if TYPE_CHECKING:  # what the lazy names are, for type checkers and the API docs
+  from offlax._src.apply import apply_updates, update_and_apply
   from offlax._src.checkpoint import (
     NVMeStoreRestore,
     NVMeStoreSave,
@@ -81,25 +90,40 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and the API docs
     reshard,
     retier,
   )
+  from offlax._src.flax_glue import nnx_update
+  from offlax._src.gpu_compile import CompiledMemory, GpuTarget, compile_for_gpu
+  from offlax._src.gpu_compile import available as gpu_compile_available
   from offlax._src.hf.load import load_safetensors
   from offlax._src.hf.save import save_safetensors
+  from offlax._src.host_adam import adam, adamw
   from offlax._src.host_checkpoint import HostStateRestore, HostStateSave
+  from offlax._src.host_params import fetch, to_host
+  from offlax._src.host_tier import HostTier
   from offlax._src.inspector import LeafReport, StoreReport, inspect_store
   from offlax._src.layer_store.store import LayerStore
+  from offlax._src.layers import scan_layers
+  from offlax._src.layout import OnDisk, ParamSpec
+  from offlax._src.master import MasterWeightsState, master_weights
   from offlax._src.nnx_layer_store import LayerToken, StoredParam, stack_layers
+  from offlax._src.nnx_params import offload_params, onload_params
   from offlax._src.nvme.rollback import rollback
   from offlax._src.nvme.tier import NVMeTier
   from offlax._src.orbax_options import checkpoint_handler
+  from offlax._src.planner import Plan, plan
+  from offlax._src.telemetry import OffloadStats
+  from offlax._src.tier import OffloadState, Tier, TierIO, stats
+  from offlax._src.transform import offload
 
 
 def __getattr__(name: str) -> Any:
-  module = _LAZY_MODULE.get(name)
+  module, attr = _RENAMED.get(name, (_LAZY_MODULE.get(name), name))
   if module is None:
     raise AttributeError(f"module 'offlax' has no attribute {name!r}")
-  # The checkpoint module first, whichever name: it registers orbax's refusal of
-  # NVMe-tier state in a StandardSave, which must be in place once such state can exist.
-  importlib.import_module("offlax._src.checkpoint")
-  value = getattr(importlib.import_module(module), name)
+  if module in _CHECKPOINT_LAZY:
+    # The checkpoint module first: it registers orbax's refusal of NVMe-tier state
+    # in a StandardSave, which must be in place once such state can exist.
+    importlib.import_module("offlax._src.checkpoint")
+  value = getattr(importlib.import_module(module), attr)
   globals()[name] = value
   return value
 

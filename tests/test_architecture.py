@@ -244,11 +244,18 @@ def test_every_module_reading_private_jax_is_listed():
 
 
 def test_import_offlax_loads_neither_orbax_nor_tensorstore():
-  """The checkpoint and NVMe names load their modules on first use; all of `__all__` resolves."""
+  """Every name but the exceptions loads its module on first use; all of `__all__` resolves.
+
+  `import offlax` loads no JAX (the command line refuses bad input at once); `offlax.offload`
+  loads JAX but not orbax; the checkpoint and NVMe names load orbax and tensorstore.
+  """
+  libraries = "{'jax', 'optax', 'flax', 'orbax', 'tensorstore'}"
   code = (
     "import sys, offlax\n"
-    "heavy = lambda: sorted({m.split('.')[0] for m in sys.modules} & {'orbax', 'tensorstore'})\n"
+    f"heavy = lambda: sorted({{m.split('.')[0] for m in sys.modules}} & {libraries})\n"
     "print('AFTER_IMPORT', heavy())\n"
+    "offlax.offload, offlax.adamw, offlax.plan\n"
+    "print('AFTER_OFFLOAD', heavy())\n"
     "assert set(offlax.__all__) <= set(dir(offlax)), set(offlax.__all__) - set(dir(offlax))\n"
     "missing = [n for n in offlax.__all__ if getattr(offlax, n, None) is None]\n"
     "print('MISSING', missing)\n"
@@ -262,7 +269,8 @@ def test_import_offlax_loads_neither_orbax_nor_tensorstore():
   lines = dict(line.split(" ", 1) for line in out.stdout.splitlines() if " " in line)
   assert lines["AFTER_IMPORT"] == "[]", lines["AFTER_IMPORT"]
   assert lines["MISSING"] == "[]", lines["MISSING"]
-  assert lines["AFTER_USE"] == "['orbax', 'tensorstore']"  # (the test sees them load)
+  assert lines["AFTER_OFFLOAD"] == "['jax', 'optax']", lines["AFTER_OFFLOAD"]
+  assert lines["AFTER_USE"] == "['flax', 'jax', 'optax', 'orbax', 'tensorstore']"
 
 
 # Run in a fresh process: every function and class (and each class's methods) of the

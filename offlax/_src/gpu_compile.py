@@ -27,7 +27,7 @@ import jax
 import numpy as np
 
 from offlax._src import coupling, errors, host_callbacks
-from offlax._src.telemetry import format_bytes
+from offlax._src.units import format_bytes
 
 
 @dataclasses.dataclass(frozen=True)

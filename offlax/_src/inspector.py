@@ -22,7 +22,7 @@ from offlax._src.layer_store import rest as layer_rest
 from offlax._src.nvme import array_files, direct_io
 from offlax._src.nvme import format as store_format
 from offlax._src.nvme import store as store_lib
-from offlax._src.telemetry import format_bytes
+from offlax._src.units import format_bytes
 
 _TMP_MARK = ".orbax-checkpoint-tmp"
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from offlax._src.telemetry import format_bytes
+from offlax._src.units import format_bytes
 
 # `fused`'s step, and the step of params in host memory (docs/params_off_device.md).
 _FUSED_STEP = "params, state = offlax.update_and_apply(tx, grads, state, params)  # the apply"

@@ -13,7 +13,7 @@ import sys
 from typing import Any, NamedTuple
 
 from offlax._src import errors, plan_options
-from offlax._src.telemetry import format_bytes
+from offlax._src.units import format_bytes
 
 INNER_CODE = {
   "adam": "optax.adam(1e-3)",

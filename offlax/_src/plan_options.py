@@ -17,7 +17,7 @@ import re
 from typing import Any, NamedTuple
 
 from offlax._src import errors
-from offlax._src.telemetry import format_bytes
+from offlax._src.units import format_bytes
 
 MAX_PARAMS = 10**14  # 100T: 250x Llama 3.1 405B
 

@@ -16,7 +16,7 @@ from offlax._src.nvme.format import DEFAULT_KEEP
 from offlax._src.plan_disk import layer_leaves, params_on_disk_bytes
 from offlax._src.plan_options import parse_bytes as parse_bytes  # the CLI's, and tests'
 from offlax._src.plan_options import parse_count as parse_count
-from offlax._src.telemetry import format_bytes
+from offlax._src.units import format_bytes
 
 GB = 10**9
 

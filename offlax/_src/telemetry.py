@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 import jax
 
 from offlax._src import errors
+from offlax._src.units import format_bytes
 
 logger = logging.getLogger("offlax")
 
@@ -306,13 +307,3 @@ def _free_ram() -> int | None:
   except (OSError, ValueError, IndexError):
     pass
   return None
-
-
-def format_bytes(n: float | None) -> str:
-  """`n` bytes in decimal units, as the planner and the inspector print them."""
-  if n is None:
-    return "-"
-  for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-    if abs(n) >= scale:
-      return f"{n / scale:.1f} {unit}"
-  return f"{int(n)} B"
