@@ -450,12 +450,34 @@ def test_skip_loads_a_checkpoint_with_a_vision_tower(tmp_path):
   assert not any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(nnx.state(model)))
 
 
-def test_a_stored_model_needs_its_store(tmp_path):
+def test_a_stored_model_loads_into_its_own_store_and_refuses_another(tmp_path):
   config = config_of("llama3")
-  folder = write_checkpoint(tmp_path / "ckpt", "llama3", config, hf_tensors("llama3", config))
+  tensors = hf_tensors("llama3", config)
+  folder = write_checkpoint(tmp_path / "ckpt", "llama3", config, tensors)
   model, store = stored_model(tmp_path, "llama3", config)
-  with store, pytest.raises(offlax.InvalidOptionError, match="store="):
-    offlax.load_safetensors(model, folder, progress=False)
+  # Another store with the same leaves: accepted before, and written while the model read its own.
+  other = offlax.LayerStore.create(
+    str(tmp_path / "other"),
+    offlax.stack_layers(abstract_model("llama3", config).layers),
+    progress=False,
+  )
+  with store, other:
+    before = [np.array(x) for x in jax.tree.leaves(other.read_params())]
+    snapshot = {os.path.join(r, n): open(os.path.join(r, n), "rb").read()
+                for r, _, names in os.walk(other.path) for n in names}  # fmt: skip
+    with pytest.raises(offlax.InvalidOptionError, match="read the store at"):
+      offlax.load_safetensors(model, folder, store=other, progress=False)
+    for name, data in snapshot.items():
+      assert open(name, "rb").read() == data, name
+    for a, b in zip(before, jax.tree.leaves(other.read_params()), strict=True):
+      np.testing.assert_array_equal(a, b)
+    with pytest.raises(offlax.InvalidOptionError, match="read the store at"):
+      offlax.save_safetensors(model, str(tmp_path / "out"), source=folder, store=other,
+                              progress=False)  # fmt: skip
+    assert not os.path.exists(tmp_path / "out")
+    offlax.load_safetensors(model, folder, progress=False)  # store=None: the model's own
+    out = offlax.save_safetensors(model, str(tmp_path / "out"), progress=False)
+  assert_same_tensors(out, folder)
 
 
 def test_a_model_of_another_library_needs_a_mapping(tmp_path):

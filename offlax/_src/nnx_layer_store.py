@@ -286,3 +286,18 @@ def _placeholder(x: Any) -> Any:
   if isinstance(x, jax.ShapeDtypeStruct):
     return jax.ShapeDtypeStruct((0,), x.dtype)
   return jnp.zeros((0,), x.dtype)
+
+
+# The attribute `offload_params(store=)` gives a stored layer's class (nnx_params sets it).
+_SOURCE_ATTRIBUTE = "_offlax_source"
+
+
+def stores_of(model: Any) -> list[Any]:
+  """The `LayerStore`s that `model`'s stored lists of layers read (`offload_params(store=)`)."""
+  found: list[Any] = []
+  for _, node in nnx.graph.iter_graph(model):
+    if isinstance(node, (list, tuple, nnx.List)) and node:
+      source = getattr(type(node[0]), _SOURCE_ATTRIBUTE, None)
+      if source is not None and not any(s is source.store for s in found):
+        found.append(source.store)
+  return found

@@ -68,7 +68,8 @@ def load_safetensors(model: Any, path: str, *, mapping: dict[str, Any] | None = 
       Gemma3.
     skip: names or regular expressions of tensors not to load (a vision
       tower; `save_safetensors` copies them from the source as they are).
-    store: the `offlax.LayerStore` the model's layers read, if they do.
+    store: the `offlax.LayerStore` the model's layers read; None: the one
+      `offload_params(model, store=)` gave them (a store given must be that one).
     config: the model's config, compared with ``config.json``; None: the
       model's ``config`` attribute (Tunix's models have one).
     check_config: compare ``config.json`` with the config at all.
@@ -86,9 +87,9 @@ def load_safetensors(model: Any, path: str, *, mapping: dict[str, Any] | None = 
     CheckpointMismatchError: a tensor the model lacks (not skipped), a param
       without its tensor, a wrong shape or dtype, or a ``config.json`` that
       disagrees with the model's config.
-    InvalidOptionError: no mapping is known for the model, its layers are
-      in a store and ``store`` is not given, or the store holds optimizer
-      state and is open without its optimizer.
+    InvalidOptionError: no mapping is known for the model, ``store`` is not
+      the store its layers read, or the store holds optimizer state and is
+      open without its optimizer.
 
   Example (docs/pretrained.md runs it, with a tiny checkpoint)::
 
@@ -107,6 +108,7 @@ def load_safetensors(model: Any, path: str, *, mapping: dict[str, Any] | None = 
     plan.check_config(path, config, where)
   if mapping is None:
     mapping = mapping_lib.for_model(model, config)
+  store = params_lib.model_store(model, store, where)
   targets = params_lib.of_model(model, store)
   skip = tuple(skip)
   matched = plan.match(folder, mapping, targets, skip, cast, where)

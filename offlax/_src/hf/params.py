@@ -83,6 +83,34 @@ def _stored(model: Any, path: tuple[Any, ...], name: str, store: Any, variable: 
   )
 
 
+def model_store(model: Any, store: Any, where: str) -> Any:
+  """The `LayerStore` `model`'s layers read (None: none); a `store` given must be that one.
+
+  Raises:
+    InvalidOptionError: `store` is given and is not the store the model's
+      layers read (another store with the same leaves would be written while
+      the model reads its own), or the model reads several stores.
+  """
+  stores = stored_lib.stores_of(model)
+  if len(stores) > 1:
+    raise errors.InvalidOptionError(
+      f"{where}: the model's layers read {len(stores)} LayerStores "
+      f"({', '.join(s.path for s in stores)}); one is supported."
+    )
+  own = stores[0] if stores else None
+  if store is None or store is own:
+    return own
+  if own is None:
+    raise errors.InvalidOptionError(
+      f"{where}: store= was given ({store.path}), but the model's layers read no store; "
+      "pass store=None, or offload_params(model, store=store) first."
+    )
+  raise errors.InvalidOptionError(
+    f"{where}: store= is {store.path}, but the model's layers read the store at {own.path} "
+    "(another LayerStore object); pass that one, or leave store= out."
+  )
+
+
 def put(param: Param, x: np.ndarray) -> None:
   """Sets `param` to `x`: in its own memory and sharding (host `x` straight to ``pinned_host``)."""
   old = param.variable.get_value()

@@ -50,7 +50,8 @@ def save_safetensors(model: Any, path: str, *, source: str | None = None,
     mapping: as for `load_safetensors`; None: the load's (else Tunix's
       mapping for its models).
     skip: as for `load_safetensors`; None: the load's (else none).
-    store: the `offlax.LayerStore` the model's layers read, if they do.
+    store: the `offlax.LayerStore` the model's layers read; None: the one
+      `offload_params(model, store=)` gave them (a store given must be that one).
     max_shard_bytes: the largest file, in bytes (Hugging Face's 5 GiB).
     overwrite: replace a `path` that holds files.
     progress: show a progress bar.
@@ -62,7 +63,8 @@ def save_safetensors(model: Any, path: str, *, source: str | None = None,
     CheckpointExistsError: `path` holds files and not ``overwrite``.
     CheckpointMismatchError: the source does not fit the model (as for a load).
     InvalidOptionError: no source (the model was not loaded, and no
-      ``source=``), or the model has no values (`nnx.eval_shape`).
+      ``source=``), the model has no values (`nnx.eval_shape`), or
+      ``store`` is not the store its layers read.
 
   Example (docs/pretrained.md runs it)::
 
@@ -93,6 +95,7 @@ def save_safetensors(model: Any, path: str, *, source: str | None = None,
       f"{where}: {path} exists and holds files; pass overwrite=True to replace it, or another path."
     )
   folder = files.read_folder(source)
+  store = params_lib.model_store(model, store, where)
   targets = params_lib.of_model(model, store)
   matched = plan.match(folder, mapping, targets, skip, True, where)
   empty = [t.path for t in targets.values() if not params_lib.has_value(t)]
