@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 
 import jax
 import jax.numpy as jnp
@@ -181,6 +182,34 @@ def test_path_is_a_file(tmp_path):
 def test_bad_options(tmp_path, bad):
   with pytest.raises(offlax.InvalidTierError):
     _tier(tmp_path, **bad)
+
+
+def test_io_threads_make_one_pool_whatever_the_callers(monkeypatch):
+  """First submits from many threads at once (JAX's callback threads) share one pool."""
+  import concurrent.futures
+  import threading
+
+  from offlax._src.nvme.store import IOThreads
+
+  made, real = [], concurrent.futures.ThreadPoolExecutor
+
+  def pool(*args, **kwargs):
+    made.append(1)
+    time.sleep(0.05)  # widen the window in which a second caller could make another
+    return real(*args, **kwargs)
+
+  monkeypatch.setattr(concurrent.futures, "ThreadPoolExecutor", pool)
+  threads, barrier, futures = IOThreads("s", 2), threading.Barrier(8), []
+  callers = [threading.Thread(target=lambda: (barrier.wait(), futures.append(
+    threads.submit(lambda: 1))))  for _ in range(8)]  # fmt: skip
+  for c in callers:
+    c.start()
+  for c in callers:
+    c.join()
+  threads.close()
+  assert len(made) == 1 and [f.result() for f in futures] == [1] * 8
+  with pytest.raises(offlax.StoreError, match="closed"):
+    threads.submit(lambda: 1)
 
 
 def test_numpy_ints_are_taken_as_ints(tmp_path):

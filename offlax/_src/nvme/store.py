@@ -10,6 +10,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import os
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -41,6 +42,9 @@ class IOThreads:
     self.count = count
     self._executor: concurrent.futures.ThreadPoolExecutor | None = None
     self._closed = False
+    # Host callbacks run on JAX's threads: two first submits must not make two pools,
+    # or `close` would wait for one and writes of the other could land after it.
+    self._lock = threading.Lock()
 
   def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
     """Runs `fn(*args)` on an I/O thread; returns its future.
@@ -48,13 +52,14 @@ class IOThreads:
     Raises:
       StoreError: the threads were closed (the tier was).
     """
-    if self._closed:
-      raise errors.StoreError(f"{self.path}: the tier was closed.")
-    if self._executor is None:
-      self._executor = concurrent.futures.ThreadPoolExecutor(
-        self.count, thread_name_prefix="offlax-io"
-      )
-    return self._executor.submit(fn, *args)
+    with self._lock:
+      if self._closed:
+        raise errors.StoreError(f"{self.path}: the tier was closed.")
+      if self._executor is None:
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+          self.count, thread_name_prefix="offlax-io"
+        )
+      return self._executor.submit(fn, *args)
 
   def open(self) -> None:
     """Takes work again (a store locked again after `close`)."""
@@ -62,10 +67,11 @@ class IOThreads:
 
   def close(self) -> None:
     """Refuses new work, then waits for the work submitted."""
-    self._closed = True
-    if self._executor is not None:
-      self._executor.shutdown(wait=True)
-      self._executor = None
+    with self._lock:
+      self._closed = True
+      executor, self._executor = self._executor, None
+    if executor is not None:
+      executor.shutdown(wait=True)
 
 
 class Store:
@@ -224,8 +230,10 @@ class Store:
         if len(pending) > self.threads.count:
           pending.pop(0).result()
     finally:
-      for p in pending:
-        p.result()
+      # Every write done before anything is raised: none may land after the caller moves on.
+      concurrent.futures.wait(pending)
+    for p in pending:
+      p.result()
 
   def write(self, index: int, start: int, value: np.ndarray) -> None:
     """Writes elements starting at `start` into the next generation, now (`ChunkFiles.write`)."""
