@@ -50,10 +50,10 @@ class ReadAhead:
       wanted = [j for j in wanted if 0 <= j < self._n_layers]
       for j in [j for j in self._ahead if j not in wanted]:  # a wrong guess: drop it
         self._drop(self._ahead.pop(j))
-      if future is None:
-        self._held += 1
+      if future is None:  # not read ahead: read now (a corrupt slot raises here, holding nothing)
         future = concurrent.futures.Future()
         future.set_result(self._read(i))
+        self._held += 1
       self.peak_held = max(self.peak_held, self._held)
       for j in wanted:
         if j not in self._ahead:
