@@ -618,3 +618,67 @@ def test_qwen3_moe_experts_stack_into_their_params_as_tunix(tmp_path):
   np.testing.assert_array_equal(logits_of(model, TOKENS), logits_of(want, TOKENS))
   out = offlax.save_safetensors(model, str(tmp_path / "out"), progress=False)
   assert_same_tensors(out, folder)
+
+
+def _linear_checkpoint(tmp_path):
+  """A `nnx.Linear` model loaded from a one-tensor-each checkpoint with a config and tokenizer."""
+
+  class Net(nnx.Module):
+    def __init__(self):
+      self.dense = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+
+  folder = str(tmp_path / "ckpt")
+  os.makedirs(folder)
+  weights = {"dense.weight": np.arange(12, dtype=np.float32).reshape(3, 4),
+             "dense.bias": np.ones(3, np.float32)}  # fmt: skip
+  safetensors_numpy.save_file(weights, os.path.join(folder, "model.safetensors"))
+  for name in ("config.json", "tokenizer.json"):
+    with open(os.path.join(folder, name), "w") as f:
+      f.write("{}")
+  mapping = {
+    r"dense\.weight": ("dense.kernel", ((1, 0), None)),
+    r"dense\.bias": ("dense.bias", None),
+  }
+  return offlax.load_safetensors(Net(), folder, mapping=mapping, progress=False), folder
+
+
+def test_save_fsyncs_every_file_and_the_folder_before_the_rename(tmp_path, monkeypatch):
+  net, folder = _linear_checkpoint(tmp_path)
+  out = str(tmp_path / "out")
+  events: list[tuple[str, str]] = []
+  real_fsync, real_rename = os.fsync, os.rename
+  monkeypatch.setattr(
+    os,
+    "fsync",
+    lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))), real_fsync(fd))[1],
+  )
+  monkeypatch.setattr(os, "rename", lambda a, b: (
+    events.append(("rename", f"{a} {b}")), real_rename(a, b))[1])  # fmt: skip
+  offlax.save_safetensors(net, out, max_shard_bytes=20, progress=False)  # two shards
+  ((i, (_, names)),) = [(i, e) for i, e in enumerate(events) if e[0] == "rename"]
+  tmp = names.split()[0]
+  before = {name for kind, name in events[:i] if kind == "fsync"}
+  want = {os.path.join(tmp, n) for n in os.listdir(out)} | {tmp}
+  assert len(want) == 6  # two shards, the index, config.json, tokenizer.json and the folder
+  assert want <= before, sorted(want - before)
+  assert ("fsync", str(tmp_path)) in events[i + 1 :]  # the parent, after the rename
+  assert_same_tensors(out, folder)
+
+
+def test_save_cleans_up_after_a_killed_save(tmp_path):
+  net, folder = _linear_checkpoint(tmp_path)
+  out = str(tmp_path / "out")
+  offlax.save_safetensors(net, out, progress=False)
+  want = {n: open(os.path.join(out, n), "rb").read() for n in os.listdir(out)}
+  # Killed between its renames: the old checkpoint aside, nothing at `out`, a finished temp folder.
+  os.rename(out, str(tmp_path / ".out.abcd1234.old"))
+  os.makedirs(tmp_path / ".out.zz_9zz99.tmp")
+  os.makedirs(tmp_path / ".other.abcd1234.tmp")  # not this save's: left alone
+  os.makedirs(tmp_path / ".out.notours.tmp")
+  with pytest.raises(offlax.CheckpointExistsError):  # the old checkpoint is back at `out`
+    offlax.save_safetensors(net, out, progress=False)
+  assert {n: open(os.path.join(out, n), "rb").read() for n in os.listdir(out)} == want
+  assert sorted(os.listdir(tmp_path)) == [".other.abcd1234.tmp", ".out.notours.tmp", "ckpt", "out"]
+  offlax.save_safetensors(net, out, overwrite=True, progress=False)
+  assert_same_tensors(out, folder)
+  assert sorted(os.listdir(tmp_path)) == [".other.abcd1234.tmp", ".out.notours.tmp", "ckpt", "out"]

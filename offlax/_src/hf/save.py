@@ -6,13 +6,20 @@ through the inverse of its mapping's steps (exact: transposes and reshapes)
 and is cast to the source's dtype. A param at a time (a stored layer's leaves
 read together), into shards laid out up front; tensors the model does not
 hold (skipped, ``unused.``) are copied from the source as they are. All of it
-goes into a temporary folder beside `path`, renamed to `path` at the end: a
-crash leaves no half checkpoint under `path`.
+goes into a temporary folder beside `path` (``.<name>.XXXXXXXX.tmp``), every
+file and the folder fsynced, renamed to `path` at the end, and the parent
+folder fsynced: a crash leaves no half checkpoint under `path`. An old `path`
+(``overwrite``) is first renamed aside to ``.<name>.XXXXXXXX.old`` and removed
+after; a crash between the two renames leaves it there and nothing at `path`,
+and the next `save_safetensors` to `path` renames it back first. Temporary
+folders a killed save left beside `path` are removed by the next save to it
+(one save to a path at a time).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 from typing import Any
@@ -90,6 +97,7 @@ def save_safetensors(model: Any, path: str, *, source: str | None = None,
   if not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
     raise errors.InvalidOptionError(f"{where}: max_shard_bytes must be an int >= 1.")
   path = os.path.abspath(path)
+  _recover(path)
   if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)) and not overwrite:
     raise errors.CheckpointExistsError(
       f"{where}: {path} exists and holds files; pass overwrite=True to replace it, or another path."
@@ -155,6 +163,47 @@ def _write(tmp: str, folder: files.Folder, matched: plan.Match, targets: dict[st
     full = os.path.join(folder.path, name)
     if os.path.isfile(full) and not name.endswith(".safetensors") and name != files.INDEX:
       shutil.copyfile(full, os.path.join(tmp, name))
+      _fsync(os.path.join(tmp, name))
+  _fsync(tmp)  # its entries: the files' names
+
+
+def _fsync(name: str) -> None:
+  """Flushes file or folder `name` to disk."""
+  fd = os.open(name, os.O_RDONLY)
+  try:
+    os.fsync(fd)
+  finally:
+    os.close(fd)
+
+
+def _leftovers(path: str, suffix: str) -> list[str]:
+  """The folders beside `path` an earlier save made (``.<name>.XXXXXXXX.tmp`` or ``.old``)."""
+  parent, base = os.path.split(path)
+  pattern = re.compile(rf"\.{re.escape(base)}\.[a-z0-9_]{{8}}\.{suffix}")
+  if not os.path.isdir(parent):
+    return []
+  return sorted(
+    os.path.join(parent, n) for n in os.listdir(parent)
+    if pattern.fullmatch(n) and os.path.isdir(os.path.join(parent, n))
+  )  # fmt: skip
+
+
+def _recover(path: str) -> None:
+  """Cleans up after a killed save to `path`: the old checkpoint put back, temporary folders gone.
+
+  A save killed between its two renames left the old checkpoint in a
+  ``.old`` folder and nothing at `path`: it goes back to `path`. Otherwise a
+  ``.old`` folder is a replaced checkpoint not yet removed, and a ``.tmp``
+  one a save that never finished.
+  """
+  olds = _leftovers(path, "old")
+  if olds and not os.path.exists(path):
+    newest = max(olds, key=os.path.getmtime)
+    os.rename(newest, path)
+    _fsync(os.path.dirname(path))
+    olds.remove(newest)
+  for name in olds + _leftovers(path, "tmp"):
+    shutil.rmtree(name, ignore_errors=True)
 
 
 def _replace(tmp: str, path: str) -> None:
@@ -166,10 +215,6 @@ def _replace(tmp: str, path: str) -> None:
     os.rmdir(old)
     os.rename(path, old)
   os.rename(tmp, path)
-  fd = os.open(os.path.dirname(path), os.O_RDONLY)
-  try:
-    os.fsync(fd)  # the rename itself
-  finally:
-    os.close(fd)
+  _fsync(os.path.dirname(path))  # the renames themselves
   if old is not None:
     shutil.rmtree(old, ignore_errors=True)
