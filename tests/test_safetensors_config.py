@@ -91,3 +91,29 @@ def test_plan_hf_config_refuses_a_folder_without_config_json(tmp_path, capsys):
   assert e.value.code == 2
   err = capsys.readouterr().err
   assert f"--hf-config {tmp_path}: not a Hugging Face checkpoint folder with a config.json" in err
+
+
+QWEN3_30B_A3B = {
+  "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048, "intermediate_size": 6144,
+  "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
+  "num_attention_heads": 32, "num_hidden_layers": 48, "num_key_value_heads": 4,
+  "vocab_size": 151936, "head_dim": 128, "tie_word_embeddings": False,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+  "change, key",
+  [
+    ({}, "num_experts"),  # Qwen3-30B-A3B, planned as a dense ~3B model before
+    ({"num_experts": None, "num_local_experts": 8}, "num_local_experts"),  # Mixtral
+    ({"num_experts": None, "moe_intermediate_size": None, "tie_word_embeddings": True},
+     "tie_word_embeddings"),
+    ({"num_experts": None, "moe_intermediate_size": None}, "num_attention_heads x head_dim"),
+  ],
+)  # fmt: skip
+def test_a_config_the_planner_would_miscount_is_refused_naming_the_key(tmp_path, change, key):
+  (tmp_path / "config.json").write_text(json.dumps({**QWEN3_30B_A3B, **change}))
+  with pytest.raises(errors.InvalidOptionError, match=key):
+    plan_models.load(str(tmp_path), tokens=2048)
+  with pytest.raises(errors.InvalidOptionError, match=key):
+    hf_config.planner_shapes(str(tmp_path / "config.json"))

@@ -58,9 +58,48 @@ def planner_shapes(path: str) -> dict[str, Any]:
 
   A key the config lacks is left out (the planner names it); ``kv_heads``
   defaults to the heads, as ``transformers`` does.
+
+  Raises:
+    InvalidOptionError: a model the planner's dense Llama shape would count
+      wrongly: experts (``num_experts``, ``num_local_experts``,
+      ``n_routed_experts``, ``moe_intermediate_size``), a head tied to the
+      embedding (``tie_word_embeddings``), or ``num_attention_heads x
+      head_dim`` other than ``hidden_size``.
   """
   config = read(path)
+  _check_plannable(path, config)
   shapes = {k: config[key] for k, key in SHAPE_KEYS.items() if config.get(key) is not None}
   if "kv_heads" not in shapes and "heads" in shapes:
     shapes["kv_heads"] = shapes["heads"]
   return shapes
+
+
+# Keys of a mixture of experts' config.json (Mixtral, Qwen3-MoE, DeepSeek): the planner's shape
+# has one MLP a layer, so Qwen3-30B-A3B would be counted as a dense 3B model.
+MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
+
+
+def _check_plannable(path: str, config: dict[str, Any]) -> None:
+  """Refuses a config the planner's shape (untied head, heads x head_dim = width) miscounts."""
+  why = None
+  moe = [k for k in MOE_KEYS if config.get(k)]
+  heads, d, head_dim = (config.get(k) for k in ("num_attention_heads", "hidden_size", "head_dim"))
+  if moe:
+    why = (
+      f"{moe[0]} = {config[moe[0]]}: a mixture of experts; the planner's shape has one dense MLP "
+      "a layer and would count a fraction of its params"
+    )
+  elif config.get("tie_word_embeddings"):
+    why = (
+      "tie_word_embeddings = true: the head is the embedding; the planner's shape counts an "
+      "untied head of its own"
+    )
+  elif head_dim is not None and heads is not None and d is not None and heads * head_dim != d:
+    why = (
+      f"num_attention_heads x head_dim = {heads} x {head_dim} = {heads * head_dim}, not "
+      f"hidden_size {d}; the planner's shape has heads x head_dim = width"
+    )
+  if why is not None:
+    raise errors.InvalidOptionError(
+      f"{path}: {why}; plan it with --params N (its parameter count) instead"
+    )
