@@ -682,3 +682,27 @@ def test_save_cleans_up_after_a_killed_save(tmp_path):
   offlax.save_safetensors(net, out, overwrite=True, progress=False)
   assert_same_tensors(out, folder)
   assert sorted(os.listdir(tmp_path)) == [".other.abcd1234.tmp", ".out.notours.tmp", "ckpt", "out"]
+
+
+class _Mixed(nnx.Module):
+  """A float32 and an int8 param."""
+
+  def __init__(self):
+    self.w = nnx.Param(jnp.zeros((2, 3), jnp.float32))
+    self.n = nnx.Param(jnp.zeros((4,), jnp.int8))
+
+
+def test_a_float8_tensor_is_cast_and_an_integer_one_never_narrowed(tmp_path):
+  folder = str(tmp_path / "ckpt")
+  os.makedirs(folder)
+  w = np.array([[0.5, -1.0, 2.0], [3.5, 0.25, -448.0]], ml_dtypes.float8_e4m3fn)
+  n = np.array([1, 2, 300, -7], np.int32)  # 300 wraps to 44 in int8
+  safetensors_numpy.save_file({"w": w, "n": n}, os.path.join(folder, "model.safetensors"))
+  mapping = {r"w": ("w", None), r"n": ("n", None)}
+  with pytest.raises(offlax.CheckpointMismatchError, match=r"tensor n is I32, the param n is int8"):
+    offlax.load_safetensors(_Mixed(), folder, mapping=mapping, progress=False)
+  n8 = np.array([1, 2, 44, -7], np.int8)  # the same dtype: loaded as it is
+  safetensors_numpy.save_file({"w": w, "n": n8}, os.path.join(folder, "model.safetensors"))
+  model = offlax.load_safetensors(_Mixed(), folder, mapping=mapping, progress=False)
+  np.testing.assert_array_equal(model.w[...], w.astype(np.float32))
+  np.testing.assert_array_equal(model.n[...], n8)

@@ -15,7 +15,7 @@ import re
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
-import numpy as np
+import jax.numpy as jnp
 
 from offlax._src import errors
 from offlax._src.hf import files
@@ -117,10 +117,13 @@ def _check(path: str, pairs: list, param: Any, cast: bool) -> list[str]:
     if got != tuple(shape):
       out.append(f"tensor {t.name} is {list(t.shape)} (mapped: {list(got)}), the param "
                  f"{path} wants {list(shape)}")  # fmt: skip
-    floats = [np.issubdtype(d, np.floating) or d.name == "bfloat16" for d in (t.dtype, param.dtype)]
-    if (t.dtype != param.dtype and not cast) or floats[0] != floats[1]:
+    # jnp.issubdtype knows ml_dtypes' bfloat16 and float8s (np.issubdtype does not). A cast is
+    # float to float only: an integer one would silently wrap values.
+    floats = [jnp.issubdtype(d, jnp.floating) for d in (t.dtype, param.dtype)]
+    if t.dtype != param.dtype and (not cast or not (floats[0] and floats[1])):
+      why = " (cast=False)" if not cast else " (cast converts floating point dtypes only)"
       out.append(f"tensor {t.name} is {files.NAMES[t.dtype]}, the param {path} is "
-                 f"{param.dtype.name}" + ("" if cast else " (cast=False)"))  # fmt: skip
+                 f"{param.dtype.name}{why}")  # fmt: skip
   return out
 
 
