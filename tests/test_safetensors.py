@@ -706,3 +706,27 @@ def test_a_float8_tensor_is_cast_and_an_integer_one_never_narrowed(tmp_path):
   model = offlax.load_safetensors(_Mixed(), folder, mapping=mapping, progress=False)
   np.testing.assert_array_equal(model.w[...], w.astype(np.float32))
   np.testing.assert_array_equal(model.n[...], n8)
+
+
+@pytest.mark.parametrize(
+  "header, named",
+  [
+    ({"w": {"dtype": "F32", "data_offsets": [0, 24]}}, "tensor w of"),  # no shape
+    ({"w": {"dtype": "F32", "shape": [2, 3]}}, "tensor w of"),  # no data_offsets
+    ({"w": {"dtype": "F32", "shape": [2, 3], "data_offsets": ["0", 24]}}, "tensor w of"),
+    ({"w": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0.0, 24.0]}}, "tensor w of"),
+    ({"w": {"dtype": "F32", "shape": 6, "data_offsets": [0, 24]}}, "tensor w of"),
+    ({"w": [2, 3]}, "tensor w of"),
+    ([["w", {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]}]],
+     r"model\.safetensors's header is a JSON list"),
+  ],
+)  # fmt: skip
+def test_a_damaged_header_entry_is_refused_as_corrupted_naming_the_tensor(tmp_path, header, named):
+  folder = tmp_path / "ckpt"
+  folder.mkdir()
+  raw = json.dumps(header).encode()
+  name = folder / "model.safetensors"
+  name.write_bytes(len(raw).to_bytes(8, "little") + raw + bytes(24))
+  want = named if "header" in named else rf"{named} .*model\.safetensors has a damaged header"
+  with pytest.raises(offlax.CheckpointCorruptedError, match=want):
+    offlax.load_safetensors(_Mixed(), str(folder), mapping={r"w": ("w", None)}, progress=False)

@@ -128,18 +128,22 @@ def read_header(file: str) -> tuple[list[Tensor], dict[str, str]]:
       raise errors.CheckpointCorruptedError(
         f"load_safetensors: {file}'s header is not JSON ({e}): download it again."
       ) from e
+  if not isinstance(header, dict):
+    raise errors.CheckpointCorruptedError(
+      f"load_safetensors: {file}'s header is a JSON {type(header).__name__}, not an object of "
+      "tensors: download it again."
+    )
   start, tensors = 8 + n, []
   for name, meta in header.items():
     if name == "__metadata__":
       continue
+    shape, begin, end = _entry(file, name, meta)
     dtype = DTYPES.get(meta.get("dtype"))
     if dtype is None:
       raise errors.CheckpointCorruptedError(
         f"load_safetensors: tensor {name} of {file} has dtype {meta.get('dtype')!r}, which "
         f"offlax does not read ({', '.join(DTYPES)})."
       )
-    shape = tuple(int(d) for d in meta["shape"])
-    begin, end = (int(x) for x in meta["data_offsets"])
     want = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
     if end - begin != want:
       raise errors.CheckpointCorruptedError(
@@ -153,6 +157,28 @@ def read_header(file: str) -> tuple[list[Tensor], dict[str, str]]:
       )
     tensors.append(Tensor(name, file, np.dtype(dtype), shape, start + begin, want))
   return tensors, header.get("__metadata__") or {}
+
+
+def _entry(file: str, name: str, meta: Any) -> tuple[tuple[int, ...], int, int]:
+  """A header entry's shape and byte range, each a list of non-negative ints as the format has."""
+
+  def ints(key: str, n: int | None) -> list[int] | None:
+    x = meta.get(key)
+    ok = isinstance(x, list) and (n is None or len(x) == n)
+    ok = ok and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in x)
+    return x if ok else None
+
+  shape = ints("shape", None) if isinstance(meta, dict) else None
+  offsets = ints("data_offsets", 2) if isinstance(meta, dict) else None
+  if shape is None or offsets is None or offsets[0] > offsets[1]:
+    got = meta if not isinstance(meta, dict) else {
+      k: meta.get(k) for k in ("dtype", "shape", "data_offsets")
+    }  # fmt: skip
+    raise errors.CheckpointCorruptedError(
+      f"load_safetensors: tensor {name} of {file} has a damaged header entry {got!r} (a shape "
+      "of non-negative ints and data_offsets [begin, end] wanted): download it again."
+    )
+  return tuple(shape), offsets[0], offsets[1]
 
 
 def read(t: Tensor) -> np.ndarray:
