@@ -730,3 +730,49 @@ def test_a_damaged_header_entry_is_refused_as_corrupted_naming_the_tensor(tmp_pa
   want = named if "header" in named else rf"{named} .*model\.safetensors has a damaged header"
   with pytest.raises(offlax.CheckpointCorruptedError, match=want):
     offlax.load_safetensors(_Mixed(), str(folder), mapping={r"w": ("w", None)}, progress=False)
+
+
+def test_a_load_interrupted_at_the_store_commit_leaves_the_model_as_it_was(tmp_path, monkeypatch):
+  from offlax._src.hf import params as params_lib
+
+  config = config_of("llama3")
+  folder = write_checkpoint(tmp_path / "ckpt", "llama3", config, hf_tensors("llama3", config))
+  model, store = stored_model(tmp_path, "llama3", config)
+
+  def interrupted(*args):
+    raise KeyboardInterrupt
+
+  monkeypatch.setattr(params_lib, "commit", interrupted)
+  with store:
+    with pytest.raises(KeyboardInterrupt):
+      offlax.load_safetensors(model, folder, progress=False)
+    # The params outside the store were read before the commit; none was set.
+    concrete = [
+      jax.tree_util.keystr(p) for p, x in jax.tree_util.tree_leaves_with_path(nnx.state(model))
+      if not isinstance(x, jax.ShapeDtypeStruct)
+    ]  # fmt: skip
+    assert concrete == [f"['layers'][{i}]['_offlax_token'].value" for i in range(LAYERS)]
+
+
+def test_a_load_failing_at_its_last_tensor_leaves_the_values_as_they_were(tmp_path, monkeypatch):
+  from offlax._src.hf import files as files_lib
+
+  config = config_of("llama3")
+  a = write_checkpoint(tmp_path / "a", "llama3", config, hf_tensors("llama3", config))
+  b = write_checkpoint(tmp_path / "b", "llama3", config, hf_tensors("llama3", config, seed=1))
+  model = offlax.load_safetensors(abstract_model("llama3", config), a, progress=False)
+  before = [np.array(x) for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
+  read, count = files_lib.read, [0]
+  total = sum(1 for _ in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+  def failing(t):
+    count[0] += 1
+    if count[0] == total:
+      raise OSError("the disk went away")
+    return read(t)
+
+  monkeypatch.setattr(files_lib, "read", failing)
+  with pytest.raises(OSError, match="went away"):
+    offlax.load_safetensors(model, b, progress=False)
+  for x, y in zip(before, jax.tree.leaves(nnx.state(model, nnx.Param)), strict=True):
+    np.testing.assert_array_equal(x, y)

@@ -58,7 +58,12 @@ def load_safetensors(model: Any, path: str, *, mapping: dict[str, Any] | None = 
   abstract (`nnx.eval_shape`): loading gives it its values.
 
   Every tensor, param, shape, dtype, file size and the folder's
-  ``config.json`` are checked before anything is written.
+  ``config.json`` are checked before anything is written. The params outside
+  the store (all of them, without one) are placed as they are read but set
+  only at the end, after the store's commit: a failure or Ctrl-C mid-load
+  leaves the model as it was. A model that already holds values (not
+  `nnx.eval_shape`) so needs room for those params twice during the load, in
+  their memory (device or ``pinned_host``); an abstract one needs none.
 
   Args:
     model: a Flax NNX model; changed in place.
@@ -118,21 +123,28 @@ def load_safetensors(model: Any, path: str, *, mapping: dict[str, Any] | None = 
     params_lib.check_store(store, where)
   gen = params_lib.free_generation(store) if stored else -1  # the step's own is left whole
   layer: dict[int, np.ndarray] = {}
+  # The params outside the store, placed but set only once all is read and the store committed:
+  # a failure or Ctrl-C before leaves the model as it was, not half loaded.
+  placed: list[tuple[params_lib.Param, Any]] = []
   read = lambda target: [files.read(t) for _, t in matched.by_path[target.path]]
   convert = lambda target, raw: assemble(matched.by_path[target.path], raw, target)
   for target, x in progress_bar(
     ahead(read, convert, order), progress, f"offlax: loading {path}", len(order)
   ):
     if isinstance(target, params_lib.Param):
-      params_lib.put(target, x)
+      placed.append((target, params_lib.place(target, x)))
       continue
     layer[target.leaf] = x
-    params_lib.concrete_placeholder(target)
     if len(layer) == len(store.records):  # the layer's last leaf: write it whole
       params_lib.write_layer(store, gen, target.layer, [layer[k] for k in range(len(layer))])
       layer = {}
   if stored:
     params_lib.commit(store, gen)
+  for target, value in placed:
+    target.variable.set_value(value)
+  for target in order:
+    if isinstance(target, params_lib.Stored):
+      params_lib.concrete_placeholder(target)
   _LOADED[model] = Loaded(path=path, mapping=mapping, skip=skip,
                           seconds=time.perf_counter() - start)  # fmt: skip
   return model

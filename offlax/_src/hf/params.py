@@ -111,13 +111,16 @@ def model_store(model: Any, store: Any, where: str) -> Any:
   )
 
 
-def put(param: Param, x: np.ndarray) -> None:
-  """Sets `param` to `x`: in its own memory and sharding (host `x` straight to ``pinned_host``)."""
+def place(param: Param, x: np.ndarray) -> jax.Array:
+  """`x` placed as `param` is: in its memory and sharding (host `x` straight to ``pinned_host``).
+
+  The param itself is left as it is (the load sets it at the end).
+  """
   old = param.variable.get_value()
   sharding = getattr(old, "sharding", None)
   if sharding is None:  # abstract (nnx.eval_shape) without a sharding: JAX's default device
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  param.variable.set_value(jax.device_put(x, sharding))
+  return jax.device_put(x, sharding)
 
 
 def has_value(param: Param | Stored) -> bool:
