@@ -62,8 +62,8 @@ def memory_analysis(offlax, optax, jax, n_params):
     row["device_bytes_per_param"] = row["device_peak_bytes"] / out["params"]
     out[name] = row
   # The planner's accounting beside the compiler's (it counts params, gradients
-  # and state; the compiled step adds its temporaries).
-  plan = offlax.plan(shapes, optax.adamw(1e-3), device_bytes=2**62, host_bytes=2**62)
+  # and state; the compiled step adds its temporaries). 1 PB: the most the planner takes.
+  plan = offlax.plan(shapes, optax.adamw(1e-3), device_bytes=10**15, host_bytes=10**15)
   a = plan.assumptions
   out["planner"] = {
     "param_grad_state_bytes": a["param_bytes"] + a["grad_bytes"] + a["state_bytes"],

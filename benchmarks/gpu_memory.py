@@ -58,7 +58,7 @@ def planned(params, mode: str, master: bool, chunk_bytes: int, fused: bool) -> i
   planned_mode = {"streamed": "host", "host": "host_compute"}[mode]
   need = planner.mode_bytes(params, tx, planned_mode, chunk_bytes=chunk_bytes, fused=fused)
   device = int((need + 1024) / (1 - planner.DEVICE_RESERVE)) + 1  # (1 KiB for rounding)
-  p = offlax.plan(params, tx, device_bytes=device, host_bytes=2**50, chunk_bytes=chunk_bytes,
+  p = offlax.plan(params, tx, device_bytes=device, host_bytes=10**15, chunk_bytes=chunk_bytes,
                   fused=fused)  # fmt: skip
   if p.mode != planned_mode:
     return None  # a model so small that its slices outweigh its state: no offload planned
