@@ -188,231 +188,6 @@ def refuse_direct_io(monkeypatch) -> None:
   monkeypatch.setattr(fcntl, "fcntl", fcntl_without_direct)
 
 
-# The default run (`pytest -m "not slow"`, the README's command) keeps each feature
-# covered by its cheapest cases and stays within a few minutes on 2 cores; the cases
-# below also run with `-m slow` (`.ci/run` runs both). Full test names (file::name),
-# with, for parametrized tests, the parameter ids kept in the default run.
-_SLOW = {
-  # The examples run by default (lm_nnx through its NVMe kill-and-resume test); the
-  # benchmarks' smoke runs and the longer example runs are slow.
-  "test_examples_and_benchmarks.py::test_host_overhead_benchmark_runs",
-  "test_examples_and_benchmarks.py::test_nvme_throughput_benchmark_runs",
-  "test_examples_and_benchmarks.py::test_gpu_check_code_path_runs_on_cpu",
-  "test_examples_and_benchmarks.py::test_scaling_benchmark_runs",
-  "test_examples_and_benchmarks.py::test_checkpoint_benchmark_runs",
-  "test_examples_and_benchmarks.py::test_entry_point_quick",
-  "test_examples_and_benchmarks.py::test_lm_example_trains_checkpoints_and_resumes",
-  "test_examples_and_benchmarks.py::test_multi_device_example_with_the_nvme_tier",
-  "test_host_adam.py::test_bit_identical_under_default_xla_flags",  # test_default_flags.py
-  "test_host_adam.py::test_whole_step_under_default_xla_flags",  # a subprocess, as the above
-  "test_checkpoint.py::test_async_round_trip_resumes_bit_exactly",
-  "test_nvme_crash.py::test_sigkill_during_orbax_checkpoints",
-  "test_nvme_crash.py::test_sigkill_on_a_mesh_keeps_every_shard_committed",
-  "test_observability.py::test_rollback_then_resume_equals_the_reference",
-  "test_planner.py::test_cli_measure",  # measures the machine; test_cli runs the command line
-  # The longest default cases of features that others cover too (lm_nnx's kill and resume:
-  # the NVMe example's; inspect: the orbax-checkpoint case; ...): 70 s of a 6 min run.
-  "test_examples_and_benchmarks.py::test_lm_example_resumes_after_a_kill_with_the_nvme_tier",
-  "test_observability.py::test_inspect_healthy_and_corrupted_store",
-  "test_nvme_memory.py::test_ram_bounded_by_cache_and_slices",
-  "test_default_flags.py::test_default_xla_flags",
-  "test_checkpoint.py::test_plain_optax_checkpoint_restores_into_offload",
-  # Params in host memory: the example's run (test_params_on_host_nnx.py trains the same
-  # way), the planner's compiled agreement (test_planner.py checks its figures).
-  "test_examples_and_benchmarks.py::test_lm_example_with_params_on_host",
-  "test_gpu_compile.py::test_plan_params_host_agrees_with_the_compiled_host_bytes",
-  # Tunix's PeftTrainer (2 minutes: installs in CI, runs with -m slow).
-  "test_tunix.py::test_peft_trainer_one_device",
-  "test_tunix.py::test_peft_trainer_with_the_nvme_tier",  # the same subprocess
-  "test_tunix.py::test_peft_trainer_checkpoints_of_nvme_state_are_refused",
-  # Donation patterns in a subprocess (test_composition.py donates params and state by
-  # default); the CLI's compile (test_gpu_compile.py compiles the same steps by the API).
-  "test_donation.py::test_donated_step_is_exact_and_in_place",
-  "test_donation.py::test_jax_still_needs_the_fix",
-  "test_gpu_compile.py::test_cli_compile_and_plan_params_host",
-  # Params in host memory: the NVMe tier and LoRA (the host tier's and NNX's cases run).
-  "test_params_on_host.py::test_nvme_tier_with_params_on_host",
-  "test_params_on_host.py::test_coupled_update_inside_offload_equals_optax",
-  "test_params_on_host_nnx.py::test_lora_with_frozen_base_layers_in_host_memory",
-  "test_gpu_compile.py::test_params_off_device_step_is_flat_in_depth",  # see the next test
-  # Second cases of features the default run covers otherwise: the Linen example
-  # (test_flax.py trains Linen), a dtype change in a store with a cache (without one runs).
-  "test_examples_and_benchmarks.py::test_linen_example",
-  "test_checkpoint.py::test_host_tier_checkpoint_into_an_nvme_store_and_back",
-  # A fresh CI venv (the native library built anew) took 40 s more than a warm one; these
-  # keep it near 5 minutes: a store refusing a dtype change (the property tests' find),
-  # L-BFGS's value/grad/value_fn through offload (test_composition.py passes an extra
-  # argument by default), NNX with host layers (test_params_on_host.py runs the mode).
-  "test_composition.py::test_extra_args_reach_the_inner_update",
-  # Added with the Tier protocol, the docs and the whole host step (session 3): the
-  # benchmark's smoke run (7 subprocesses; the host step's tests cover the kernel), a
-  # store's new path (the bad-input cases of its parent run), the stall warning (the
-  # other warnings run), the progress bar of a store copy (test_checkpoint.py copies
-  # stores by default).
-  "test_examples_and_benchmarks.py::test_host_adam_benchmark_runs",
-  "test_bad_input.py::test_non_existent_store_path_is_created",
-  "test_observability.py::test_stall_warning_after_io_bound_steps",
-  "test_checkpoint_speed.py::test_copy_store_shows_a_progress_bar_in_bytes",
-  # NVMeStoreSave/Restore in orbax: docs/checkpoints.md's blocks run them by default;
-  # inspect: test_usage.py's directory case runs the command by default.
-  "test_checkpoint.py::test_nvme_store_in_an_orbax_checkpoint",
-  "test_observability.py::test_inspect_an_orbax_checkpoint",
-  # Room for the GPU compile's native-kernel cases: the property test of every tier against
-  # optax (test_equivalence.py, test_nvme.py and test_third_tier.py run each tier bit-exact
-  # by default).
-  "test_properties.py::test_offload_equals_optax_in_every_tier",
-  # offload_params: Tunix's models in PeftTrainer (subprocesses, minutes); the second cases
-  # of the in-process tests (a list of layers trains bit-exact by default).
-  "test_tunix_params.py::test_peft_trainer_with_params_in_host_memory",
-  "test_tunix_params.py::test_master_weights_with_bf16_params",
-  "test_tunix_params.py::test_on_a_mesh_params_stay_sharded_in_host_memory",
-  "test_offload_params.py::test_gradients_land_in_host_memory_and_equal_the_devices",
-  "test_offload_params.py::test_lora_adapters_stay_on_the_device",
-  "test_offload_params.py::test_master_weights_with_bf16_params",
-  "test_examples_and_benchmarks.py::test_tunix_full_finetune_example",
-  "test_examples_and_benchmarks.py::test_tunix_full_finetune_example_compiles_as_the_benchmark",
-  # The README's test command with the extras hidden (a collection and two pages in a subprocess,
-  # 20 s): .ci/run runs the command itself in a venv without them first.
-  "test_docs.py::test_readme_test_command_without_the_extras",
-  # The CI's fresh venv ran the default cases in 328 s (2026-12-05): the 8-device mesh in a
-  # subprocess (30 s; test_multi_device_example trains on a mesh by default), the docs'
-  # train steps (test_offloaded_step_bounds_device_memory compiles both modes), the third tier's
-  # host-compute mode (test_host_adam.py runs it against optax by default); host compute's
-  # temporaries flat in depth (test_offloaded_step_bounds_device_memory compiles the mode by
-  # default), the sharding patches' canary (test_patches.py checks their scope by default).
-  "test_gpu_compile.py::test_host_compute_host_temp_stays_flat_in_depth",
-  "test_patches.py::test_flax_and_jax_still_need_the_sharding_patches",
-  "test_sharding.py::test_bit_exact_with_optax_on_the_same_mesh",
-  "test_sharding.py::test_state_is_sharded_in_each_devices_host_memory",
-  "test_sharding.py::test_sharded_step_exports_for_cuda",
-  "test_sharding.py::test_abstract_state_has_the_shardings_of_init",
-  "test_sharding.py::test_nvme_tier_on_the_mesh_is_exact_with_optax",
-  "test_sharding.py::test_nvme_tier_on_the_mesh_with_an_update_that_reads_the_tree_dtypes",
-  "test_sharding.py::test_nvme_tier_keeps_one_store_per_device_with_only_its_shard",
-  "test_sharding.py::test_nvme_store_resharded_for_another_mesh_continues_exactly",
-  "test_sharding.py::test_nvme_shards_a_step_apart_resume_from_the_common_step",
-  "test_sharding.py::test_nvme_tier_refuses_another_mesh_or_a_coupled_update",
-  "test_sharding.py::test_nvme_rollback_of_a_sharded_root_rolls_back_every_shard",
-  "test_sharding.py::test_jitted_step_compiles_once_on_the_mesh",
-  # Params on NVMe for NNX models (session 5): room for them in a 325 s default run under
-  # load. Kills of the NVMe tier's training (test_bad_input.py's full disk and Ctrl-C keep
-  # the commit by default), two processes by jax.distributed (test_multi_device_example
-  # trains on a mesh by default).
-  "test_nvme_crash.py::test_sigkill_keeps_the_last_committed_state",
-  "test_multiprocess.py::test_two_processes_train_and_checkpoint",
-  # and the NVMe tier fused inside a chain (test_nvme.py's plain-clip_chain runs a chain
-  # exactly by default), an offload inside an optax wrapper in NNX (test_composition.py and
-  # test_offload_params.py's MultiSteps case wrap offloads by default).
-  "test_nvme.py::test_fused_inside_a_chain_is_exact_and_commits_each_step",
-  "test_offload_params.py::test_an_offload_inside_an_optax_wrapper_trains_in_nnx",
-  # CI's fresh venv then ran the default cases in 323 s (2026-12-06): second cases of features
-  # the default run covers otherwise. A full disk (test_nvme.py's failed step runs), the native
-  # pool's choice (the native kernels' bit-exact tests run), the plan from a clone's folder
-  # (test_cli runs the command), an old store reopened and a store resumed (the NVMe example
-  # resumes), the docs' host-compute step bound (test_params_off_device_step_keeps_the_model_
-  # off_the_device compiles), a LayerStore's inspect and keep (its rest test does both).
-  "test_bad_input.py::test_full_disk_keeps_the_last_commit",
-  "test_host_adam.py::test_native_pool_xla_or_own_gives_the_same_bytes",
-  "test_install.py::test_plan_runs_from_the_folder_holding_a_clone_named_offlax",
-  "test_observability.py::test_keep_is_fixed_and_old_stores_open",
-  "test_nvme.py::test_resume_continues_bit_exactly",
-  "test_gpu_compile.py::test_the_docs_train_steps_keep_the_bound",
-  "test_layer_update.py::test_inspect_verifies_a_layer_store",
-  "test_layer_update.py::test_keep_and_open_at_a_step",
-  "test_planner.py::test_every_no_fit_lists_offlaxs_own_ways_out_first",  # test_cli's no-fit
-  # CI's fresh venv at d53257e: 308 s (284 s at 7b41a64, the same tests): params in host memory
-  # is proposed by test_params_in_host_memory_proposed_for_a_usual_decoder_or_a_named_model.
-  "test_planner.py::test_params_in_host_memory_when_params_and_gradients_do_not_fit",
-}
-_KEEP = {
-  "test_third_tier.py::test_conformance_bit_exact_in_many_slices_with_its_step": {
-    "host-update",
-    "numpy-update",
-  },
-  # A slice of one element is the schedule's slowest case; 7 elements (-m slow) and 64 cut
-  # leaves as well.
-  "test_coupling.py::test_schedule_bounds_slices_and_covers_every_element": {
-    "64",
-    "100",
-    "1000",
-    "1000000",
-  },
-  "test_bad_input.py::test_nan_and_inf_gradients_propagate_like_optax": {"host/host"},
-  # (-m slow: every optimizer; test_host_adam.py and test_composition.py run the host tier
-  # against optax by default)
-  "test_equivalence.py::test_bit_identical_to_inner": set(),
-  "test_layer_update.py::test_update_bit_exact_with_layers_in_memory": {"adam"},
-  # Layers read from a LayerStore: fp32 plain, and bf16 under a remat policy; one pool size.
-  "test_layer_store.py::test_loss_and_grads_bit_exact": {"float32-kw0", "bfloat16-kw3"},
-  "test_layer_store.py::test_pool_bound": {"2"},
-  "test_layer_store_nnx.py::test_layers_on_disk_train_bit_for_bit": {"adam"},
-  "test_host_adam.py::test_bit_identical_to_optax": {"native-adam", "plain-adamw", "native-inject"},
-  "test_host_adam.py::test_under_offload": {"native-device", "plain-host"},
-  "test_host_adam.py::test_native_update_matches_optax_to_rounding": {
-    "native-adamw-device",
-    "native-adamw_mask-host",
-    "plain-adam_schedule-host",
-  },
-  "test_host_adam.py::test_master_weights_whole_step_bit_identical": {
-    "native-adamw-update",
-    "native-adamw_mask_schedule-update_and_apply",
-    "plain-adam-update_and_apply",
-  },
-  "test_host_adam.py::test_update_and_apply_is_one_pass": {"native-adamw"},
-  "test_host_adam.py::test_master_weights_whole_step_under_offload": {"host"},
-  "test_nvme.py::test_bit_identical_to_inner": {"plain-clip_chain"},
-  # The third tier: cut pieces with a coupled chain, and whole leaves.
-  "test_third_tier.py::test_a_third_tier_trains_bit_exact_with_optax": {
-    "clip_adam-256",
-    "adamw-1048576",
-  },
-  # Compositions in the streamed mode; host compute for two (test_export.py lowers all).
-  "test_composition.py::*": {"device"},
-  "test_composition.py::test_chain_clip_then_offload": {"device", "host"},
-  "test_composition.py::test_wrappers_keep_the_fused_step_and_abstract_state": {
-    "offload(chain)",
-    "chain(offload)",
-    "masked(offload)",
-    "MultiSteps(offload)",
-    "chain(offload, scale)",
-    "GradientTransformation(offload)",
-  },
-  "test_composition.py::test_multi_steps_inside_offload": {"device", "host"},
-  "test_composition.py::test_donating_params_and_state": {"device-float32", "host-bfloat16"},
-  "test_master_and_partial.py::*": {"device"},
-  "test_master_and_partial.py::test_partial_offload_by_selector": {"device", "host"},
-  "test_master_and_partial.py::test_apply_if_finite_skips_nan_steps": {
-    "inside-device",
-    "outside-host",
-  },
-  "test_flax.py::test_linen_train_state": {"host"},
-  "test_bad_input.py::test_update_that_changes_a_state_dtype": set(),
-  # optax's update in each mode; offlax's native kernel in each with master weights.
-  "test_gpu_compile.py::test_offloaded_step_bounds_device_memory": {
-    "optax-device-fp32-optax-apply",
-    "optax-host-fp32-update_and_apply",
-    "offlax-device-bf16-master-update_and_apply",
-    "offlax-host-bf16-master-update_and_apply",
-  },
-  "test_params_on_host.py::test_training_off_device_equals_plain": {"True-host"},
-  "test_params_on_host.py::test_unfused_update_keeps_host_updates_on_host": {"host"},
-  "test_params_on_host.py::test_layer_gradients_equal_plain_scan": {
-    "True-True-True",  # remat, offloaded layer inputs, reversed
-    "False-False-True",  # no remat, reversed
-  },
-  "test_params_on_host.py::test_step_exports_for_cuda": {"host"},
-  "test_params_on_host_nnx.py::test_stacked_decoder_with_host_layers_equals_plain": set(),
-  "test_offload_params.py::test_trains_as_on_the_device": {"list-of-layers"},
-  "test_offload_params.py::test_the_wrapped_methods_and_eager_calls": {"True"},
-  "test_sharding.py::*": {"auto"},  # any parametrized test: its Auto-axes mesh case
-  "test_usage.py::test_every_optax_alias_works_with_every_tier": {
-    *(f"nvme-{n}" for n in ("sign_sgd", "polyak_sgd", "noisy_sgd", "sm3")),
-    "device-sm3",
-    "host-noisy_sgd",
-  },
-}
-
-
 def pytest_collection_modifyitems(config, items):
   from offlax._src import gpu_compile
 
@@ -422,24 +197,45 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
       if item.nodeid.startswith("offlax/_src/gpu_compile.py::"):
         item.add_marker(needs)
+  # Runs before `-m` deselects (a conftest's hook comes before pytest's own), so `-m slow`
+  # sees the marks added here. Cases picked by id on the command line leave the test's
+  # other cases uncollected: a kept id is then not missing, so nothing is checked.
+  missing = mark_slow_except(items)
+  if missing and not any("[" in arg for arg in config.args):
+    raise pytest.UsageError("\n".join(missing))
+
+
+def mark_slow_except(items) -> list[str]:
+  """Marks slow the cases a test's `@pytest.mark.slow_except(*ids)` does not keep.
+
+  The default run (`pytest -m "not slow"`, the README's command) keeps each feature
+  covered by its cheapest cases. A test marks itself (`@pytest.mark.slow`) or one
+  parameter's cases (`pytest.param(..., marks=pytest.mark.slow)`) where it can;
+  `slow_except` names the kept cases where they are combinations of several
+  parameters or a fixture's (`native`, `opts`), which pytest cannot mark one by one.
+
+  Args:
+    items: the collected test items.
+
+  Returns:
+    One line per test whose `slow_except` names an id none of its cases has (a
+    renamed or removed parameter), naming the test, the ids and the cases it has.
+  """
+  cases: dict[str, tuple[set, set]] = {}
   for item in items:
-    name = item.nodeid.split("/")[-1]
-    function, _, params = name.partition("[")
-    kept = _KEEP.get(function, _KEEP.get(function.split("::")[0] + "::*"))
-    slow = function in _SLOW or (
-      params and kept is not None and not _kept(params.rstrip("]"), kept, function)
-    )
-    if slow:
+    mark = item.get_closest_marker("slow_except")
+    if mark is None:
+      continue
+    case = getattr(item, "callspec", None)
+    test = item.nodeid.partition("[")[0]
+    kept, seen = cases.setdefault(test, (set(mark.args), set()))
+    if case is not None:
+      seen.add(case.id)
+    if case is None or case.id not in kept:
       item.add_marker(pytest.mark.slow)
-
-
-# For a file's wildcard entry: the parameter ids it chooses among (a test
-# parametrized otherwise is kept).
-_WILDCARD_IDS = {"device", "host", "explicit", "auto"}
-
-
-def _kept(params: str, kept: set, function: str) -> bool:
-  if function not in _KEEP:  # a wildcard entry: its ids among the test's
-    ids = set(params.split("-"))
-    return not ids & _WILDCARD_IDS or bool(ids & kept)
-  return params in kept
+  return [
+    f"{test}: @pytest.mark.slow_except names {sorted(kept - seen)}, not among its cases "
+    f"{sorted(seen)}; name the cases the default run keeps"
+    for test, (kept, seen) in cases.items()
+    if kept - seen
+  ]

@@ -96,7 +96,7 @@ def test_checkpoint_arguments_of_wrong_type():
 # -- NaN and inf gradients: documented to propagate as in the inner optimizer ----
 
 
-@pytest.mark.parametrize("mode", ["host/host", "nvme"])
+@pytest.mark.parametrize("mode", ["host/host", pytest.param("nvme", marks=pytest.mark.slow)])
 def test_nan_and_inf_gradients_propagate_like_optax(tmp_path, mode):
   """The documented rule (docs/errors.md) in the tiers test_errors.py skips: NaN in, NaN out."""
   params = {"w": jnp.ones(4)}
@@ -118,6 +118,7 @@ def test_nan_and_inf_gradients_propagate_like_optax(tmp_path, mode):
     assert_trees_equal(inner_state, want_state)  # NaN moments, or the skipped step's count
 
 
+@pytest.mark.slow  # a store refusing a dtype change (the property tests' find)
 @pytest.mark.parametrize("cache", [0, 2**20])
 def test_update_that_changes_a_state_dtype(tmp_path, cache):
   """Found by the property test: optax's state may change dtype; a store's cannot.
@@ -145,6 +146,7 @@ def test_update_that_changes_a_state_dtype(tmp_path, cache):
 # -- storage: non-existent, read-only, full -----------------------------------
 
 
+@pytest.mark.slow  # its parent's bad-input cases run by default
 def test_non_existent_store_path_is_created(tmp_path):
   path = tmp_path / "a" / "b" / "store"
   tier = _tier(path)
@@ -175,6 +177,7 @@ def _enospc_after(monkeypatch, n):
   monkeypatch.setattr(nvme_chunks, "pwrite_all", full)
 
 
+@pytest.mark.slow  # test_nvme.py's failed step runs by default
 @pytest.mark.parametrize("where", ["chunk", "commit"])
 def test_full_disk_keeps_the_last_commit(tmp_path, monkeypatch, where):
   """ENOSPC injected where the tmpfs test (root only) fills a real disk."""

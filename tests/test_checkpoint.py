@@ -28,6 +28,7 @@ def _kinds(tree):
   return jax.tree.map(lambda x: x.sharding.memory_kind, tree)
 
 
+@pytest.mark.slow
 def test_async_round_trip_resumes_bit_exactly(tmp_path):
   params, inner = _params(), optax.adamw(1e-3)
   tier = offlax.HostTier(chunk_bytes=1024, select="mu|nu")
@@ -75,6 +76,7 @@ def test_restored_host_arrays_are_typed_as_device_arrays(tmp_path):
     tx.update(params, bad, params)
 
 
+@pytest.mark.slow  # long; the other checkpoint tests cover it
 def test_plain_optax_checkpoint_restores_into_offload(tmp_path):
   params, inner = _params(), optax.adam(1e-3)
   want, _ = _steps(inner, params, inner.init(params), 0, 5)
@@ -115,6 +117,7 @@ def test_abstract_state_refuses_the_nvme_tier(tmp_path):
     offlax.abstract_state(optax.adam(1e-3), _params(), offlax.NVMeTier(str(tmp_path)))
 
 
+@pytest.mark.slow  # a dtype change in a store with a cache; without one runs
 def test_host_tier_checkpoint_into_an_nvme_store_and_back(tmp_path):
   params, inner = _params(), optax.adamw(1e-3)
   want, _ = _steps(inner, params, inner.init(params), 0, 7)
@@ -152,6 +155,7 @@ def test_retier_refuses_another_optimizers_state(tmp_path):
     offlax.retier(optax.adam(1e-3).init(other), optax.adam(1e-3), params, offlax.HostTier())
 
 
+@pytest.mark.slow  # docs/checkpoints.md's blocks run it by default
 def test_nvme_store_in_an_orbax_checkpoint(tmp_path):
   params, inner = _params(), optax.adam(1e-3)
   want, _ = _steps(inner, params, inner.init(params), 0, 5)

@@ -163,6 +163,7 @@ def test_copy_files_memory_is_bounded(tmp_path):
     assert _digest(dst) == _digest(src)
 
 
+@pytest.mark.slow  # test_checkpoint.py copies stores by default
 def test_copy_store_shows_a_progress_bar_in_bytes(tmp_path, capsys, bars_at_once):
   tier = offlax.NVMeTier(str(tmp_path / "store"), cache_bytes=0, chunk_bytes=4096, progress=False)
   tx = offlax.offload(optax.adam(1e-3), tier)

@@ -54,11 +54,13 @@ def test_chain_clip_then_offload(opts):
   )
 
 
+@pytest.mark.slow_except("device")
 def test_offload_chain(opts):
   inner = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
   _same_training(inner, offlax.offload(inner, **opts))
 
 
+@pytest.mark.slow_except("device")
 def test_inject_hyperparams_readable_and_settable(opts):
   make = lambda: optax.inject_hyperparams(optax.adamw)(learning_rate=1e-3, weight_decay=0.1)
   tx = offlax.offload(make(), **opts)
@@ -80,6 +82,7 @@ def test_inject_hyperparams_readable_and_settable(opts):
   assert mu["w"].sharding.memory_kind == "pinned_host"
 
 
+@pytest.mark.slow_except("device")
 def test_multi_steps_outside_offload(opts):
   """Works on the CPU; on a GPU prefer offload(MultiSteps(...)) (docs/exactness.md)."""
   _same_training(
@@ -96,6 +99,7 @@ def test_multi_steps_inside_offload(opts):
   assert acc["w"].sharding.memory_kind == "pinned_host"
 
 
+@pytest.mark.slow_except("device")
 def test_multi_transform_and_masked(opts):
   labels = {"w": "adam", "b": "sgd", "v": "adam"}
   _same_training(
@@ -112,6 +116,7 @@ def test_multi_transform_and_masked(opts):
   _same_training(optax.masked(optax.adam(1e-3), decay_mask), masked_inside)
 
 
+@pytest.mark.slow_except("device")
 def test_schedules(opts):
   schedule = optax.join_schedules(
     [optax.linear_schedule(0.0, 1e-2, 2), optax.exponential_decay(1e-2, 3, 0.5)], [2]
@@ -119,6 +124,7 @@ def test_schedules(opts):
   _same_training(optax.adam(schedule), offlax.offload(optax.adam(schedule), **opts), steps=5)
 
 
+@pytest.mark.slow  # L-BFGS; test_composition.py passes an extra argument by default
 def test_extra_args_reach_the_inner_update(opts):
   """L-BFGS needs value, grad and value_fn; they are passed through unchanged."""
   target = jnp.linspace(-1.0, 1.0, 40)
@@ -156,12 +162,14 @@ def test_plain_gradient_transformation_gets_extra_args_support():
   assert_trees_equal(updates, params)
 
 
+@pytest.mark.slow_except("device")
 def test_stateless_inner(opts):
   _same_training(optax.sgd(1e-2), offlax.offload(optax.sgd(1e-2), **opts))
   params = _params()
   assert jax.tree.leaves(offlax.offload(optax.sgd(1e-2)).init(params)) == []
 
 
+@pytest.mark.slow_except("device-float32", "host-bfloat16")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_donating_params_and_state(opts, dtype):
   """The step as optax loops write it, params and state donated: exact, buffers reused."""
@@ -225,6 +233,14 @@ _WRAPPED = {
 }  # fmt: skip
 
 
+@pytest.mark.slow_except(
+  "offload(chain)",
+  "chain(offload)",
+  "masked(offload)",
+  "MultiSteps(offload)",
+  "chain(offload, scale)",
+  "GradientTransformation(offload)",
+)
 @pytest.mark.parametrize("name", list(_WRAPPED))
 def test_wrappers_keep_the_fused_step_and_abstract_state(name, monkeypatch):
   from offlax._src import wrapped_apply

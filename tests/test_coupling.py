@@ -138,7 +138,18 @@ def test_non_scalar_extra_args_make_one_group():
   assert len(c.groups) == 1 and "extra argument" in c.reason
 
 
-@pytest.mark.parametrize("chunk", [1, 7, 64, 100, 1000, 10**6])
+# A slice of one element is the schedule's slowest case; 7 elements as well.
+@pytest.mark.parametrize(
+  "chunk",
+  [
+    pytest.param(1, marks=pytest.mark.slow),
+    pytest.param(7, marks=pytest.mark.slow),
+    64,
+    100,
+    1000,
+    10**6,
+  ],
+)
 def test_schedule_bounds_slices_and_covers_every_element(chunk):
   shapes = [(8, 4), (4,), (3, 5), (), (0, 3), (100,)]
   leaf_bytes = [2 * 4 * max(1, int(jnp.prod(jnp.array(s)))) if s else 8 for s in shapes]

@@ -10,6 +10,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 SCRIPT = textwrap.dedent(
   """
     import json, jax, jax.numpy as jnp, numpy as np, optax, offlax
@@ -50,6 +52,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # a subprocess under the default XLA flags
 def test_default_xla_flags():
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   result = subprocess.run(

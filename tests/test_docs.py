@@ -250,6 +250,7 @@ sys.meta_path.insert(0, Hide())
 """
 
 
+@pytest.mark.slow  # 20 s of subprocess; .ci/run runs the command in a bare venv
 def test_readme_test_command_without_the_extras(tmp_path):
   """The README's test command where only `.[test]` is installed: collection completes, and the
   default cases that need Tunix or the GPU compiler skip, naming it (collection stopped at

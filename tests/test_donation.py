@@ -82,6 +82,7 @@ def test_installed_for_this_jax():
   assert not hasattr(mlir._set_up_aliases.__wrapped__, "__offlax_patch__")
 
 
+@pytest.mark.slow  # subprocesses; test_composition.py donates by default
 @pytest.mark.parametrize("where", ["one_device", "mesh"])
 @pytest.mark.parametrize("mode", ["device", "host"])
 @pytest.mark.parametrize("pattern", PATTERNS)
@@ -119,6 +120,7 @@ def test_only_pairings_across_memory_kinds_change():
   assert patched(*args) == jaxs(*args)
 
 
+@pytest.mark.slow  # a subprocess, as the above
 def test_jax_still_needs_the_fix():
   """Canary: with OFFLAX_NO_PATCHES=1 the Tunix pattern aborts. Red: JAX fixed it, drop the fix.
 

@@ -35,6 +35,7 @@ def with_int_leaves(tx):
   return optax.multi_transform({"float": tx, "int": optax.set_to_zero()}, float_labels)
 
 
+@pytest.mark.slow  # every optimizer: test_host_adam.py, test_composition.py run the host tier
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_bit_identical_to_inner(name):
   params = model_params()

@@ -46,6 +46,7 @@ def test_quickstart_trains(capsys):
   assert "pinned_host" in out
 
 
+@pytest.mark.slow  # a benchmark's smoke run
 def test_host_overhead_benchmark_runs(tmp_path):
   _load("benchmarks/host_overhead.py").main(
     ["--size-scale", "0.01", "--steps", "2", "--out", str(tmp_path)]
@@ -146,6 +147,7 @@ def test_nvme_params_benchmark_runs(tmp_path):
   assert not list(tmp_path.glob("offlax-nvme-params-*"))  # the stores removed
 
 
+@pytest.mark.slow  # a benchmark's smoke run
 def test_nvme_throughput_benchmark_runs(tmp_path):
   nvme = _load("benchmarks/nvme_throughput.py")
   nvme.main(["--params-m", "2", "--raw-gib", "0.05", "--steps", "1", "--out", str(tmp_path)])
@@ -167,6 +169,7 @@ def test_nvme_throughput_benchmark_runs(tmp_path):
   assert any("glibc.malloc.hugetlb=1" in row["measure"] for row in rows)
 
 
+@pytest.mark.slow  # a benchmark's smoke run
 def test_gpu_check_code_path_runs_on_cpu(tmp_path):
   """The prepared GPU script runs end to end; its figures only mean something on a GPU."""
   result = _load("benchmarks/gpu_check.py").main(
@@ -192,6 +195,7 @@ def test_gpu_check_code_path_runs_on_cpu(tmp_path):
   _summary_rows("gpu_check", result)
 
 
+@pytest.mark.slow  # 7 subprocesses; the host step's tests cover the kernel
 def test_host_adam_benchmark_runs(tmp_path):
   result = _load("benchmarks/host_adam.py").main(
     [
@@ -229,6 +233,7 @@ def test_host_adam_benchmark_runs(tmp_path):
   assert all(row["met"] is None and "skipped" in row["measured"] for row in rows)
 
 
+@pytest.mark.slow  # a benchmark's smoke run
 def test_scaling_benchmark_runs(tmp_path):
   sizes = ["--host-sizes-m", "0.5", "1", "--nvme-sizes-m", "0.5", "1"]
   _load("benchmarks/scaling.py").main(
@@ -249,6 +254,7 @@ def test_scaling_benchmark_runs(tmp_path):
   assert list(tmp_path.glob("offlax-scaling-*")) == []  # its stores are removed
 
 
+@pytest.mark.slow  # a benchmark's smoke run
 def test_checkpoint_benchmark_runs(tmp_path):
   out = tmp_path / "out"
   _load("benchmarks/checkpoint.py").main(
@@ -279,6 +285,7 @@ def test_checkpoint_benchmark_runs(tmp_path):
   assert list(tmp_path.glob("offlax-ckpt-bench-*")) == []  # its files are removed
 
 
+@pytest.mark.slow
 def test_entry_point_quick(tmp_path):
   """`python -m benchmarks --quick`: subprocesses, the summary files, no gpu_check on a CPU."""
   cmd = [sys.executable, "-m", "benchmarks", "--quick", "--only", "checkpoint", "gpu_check"]
@@ -301,6 +308,7 @@ def test_entry_point_quick(tmp_path):
   assert "=== summary" in proc.stdout and "needs GPU: not run" in proc.stdout
 
 
+@pytest.mark.slow  # a longer example run
 def test_lm_example_trains_checkpoints_and_resumes(tmp_path, capsys):
   example = _load("examples/lm_nnx.py")
   small = ["--dim", "32", "--seq", "32", "--batch", "8", "--no-progress", "--ckpt-every", "1"]
@@ -322,6 +330,7 @@ def test_lm_example_trains_checkpoints_and_resumes(tmp_path, capsys):
       assert (directory / "ckpt" / "14" / "opt" / "host_state.json").exists()
 
 
+@pytest.mark.slow  # the NVMe example resumes by default
 def test_lm_example_resumes_after_a_kill_with_the_nvme_tier(tmp_path):
   """Killed between checkpoints (the store ahead of the last one), `--resume` continues."""
   import os
@@ -352,6 +361,7 @@ def test_lm_example_resumes_after_a_kill_with_the_nvme_tier(tmp_path):
   assert started % 50 == 0 and 50 <= started <= store  # the last checkpoint's step
 
 
+@pytest.mark.slow  # test_flax.py trains Linen by default
 def test_linen_example(capsys):
   accuracy = _load("examples/linen_train_state.py").main(["--steps", "40"])
   assert accuracy > 0.9
@@ -377,6 +387,7 @@ def test_multi_device_example():
   assert "P(None, ('model', 'data')), pinned_host" in out.stdout
 
 
+@pytest.mark.slow  # a longer example run
 def test_multi_device_example_with_the_nvme_tier(tmp_path):
   import os
   import re
@@ -428,6 +439,7 @@ def test_params_offload_benchmark_runs(tmp_path):
   assert _summary_rows("params_offload", result)[0]["met"]
 
 
+@pytest.mark.slow  # test_params_on_host_nnx.py trains the same way
 def test_lm_example_with_params_on_host(tmp_path, capsys):
   example = _load("examples/lm_nnx.py")
   small = ["--dim", "32", "--seq", "32", "--batch", "8", "--no-progress", "--ckpt-every", "6"]
@@ -439,6 +451,7 @@ def test_lm_example_with_params_on_host(tmp_path, capsys):
   assert "starting at step 12" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # Tunix's models: minutes
 def test_tunix_full_finetune_example(capsys):
   """The example learns its batch: the loss falls every step (it rose on fresh random tokens)."""
   pytest.importorskip("tunix")
@@ -449,6 +462,7 @@ def test_tunix_full_finetune_example(capsys):
   assert "params in ['pinned_host']" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # Tunix's models: minutes
 @pytest.mark.skipif(not offlax.gpu_compile_available(), reason="needs offlax[gpu-compile]")
 def test_tunix_full_finetune_example_compiles_as_the_benchmark():
   """`--compile`: the benchmark's device peak (not 2 GB more for one-hot labels), every line

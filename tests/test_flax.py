@@ -92,7 +92,14 @@ def _linen_run(tx, steps=4):
   return state, losses
 
 
-@pytest.mark.parametrize("tier", ["host", "host_compute", "nvme"])
+@pytest.mark.parametrize(
+  "tier",
+  [
+    "host",
+    pytest.param("host_compute", marks=pytest.mark.slow),
+    pytest.param("nvme", marks=pytest.mark.slow),
+  ],
+)
 def test_linen_train_state(tier, tmp_path):
   want, want_losses = _linen_run(optax.adamw(1e-2))
   made = _tiers(tmp_path)[tier]()

@@ -83,6 +83,12 @@ def test_targets_and_overrides():
     offlax.compile_for_gpu(lambda x: x, jnp.ones(8), target="h300")
 
 
+@pytest.mark.slow_except(
+  "optax-device-fp32-optax-apply",
+  "optax-host-fp32-update_and_apply",
+  "offlax-device-bf16-master-update_and_apply",
+  "offlax-host-bf16-master-update_and_apply",
+)
 @pytest.mark.parametrize("fused", [False, True], ids=["optax-apply", "update_and_apply"])
 @pytest.mark.parametrize("master", [False, True], ids=["fp32", "bf16-master"])
 @pytest.mark.parametrize("compute", ["device", "host"])
@@ -179,6 +185,7 @@ def _llama(layers):
   return llama.Llama(layers=layers, d=256, ffn=512, vocab=512, heads=4, tokens=128)
 
 
+@pytest.mark.slow  # see the next test
 def test_params_off_device_step_is_flat_in_depth():
   # The whole train step (scan_layers forward and backward, update_and_apply on
   # the host) with params, gradients and state in host memory.
@@ -209,6 +216,7 @@ def test_13b_train_step_fits_24gb_and_70b_fits_80gb():
   assert m70.fits and m70.host_compute == ()
 
 
+@pytest.mark.slow  # test_planner.py checks the figures
 def test_plan_params_host_agrees_with_the_compiled_host_bytes():
   m = _llama(4)
   compiled = llama.compile_step(m, "l4", chunk_bytes=2**18)
@@ -247,6 +255,7 @@ def test_plan_params_host_device_agrees_with_the_compiled_step(capsys, n, layers
   assert parse_bytes(device.split()[1] + device.split()[2]) == pytest.approx(planned, rel=0.06)
 
 
+@pytest.mark.slow  # the other tests compile the same steps by the API
 def test_cli_compile_and_plan_params_host(capsys):
   from offlax.__main__ import main as cli
 
@@ -303,7 +312,8 @@ def test_via_host_init_equals_the_inner_init():
   assert all(jax.tree.leaves(same)) and jax.tree.structure(got) == jax.tree.structure(want)
 
 
-@pytest.mark.parametrize("fused", [True, pytest.param(False, marks=pytest.mark.slow)])
+@pytest.mark.slow  # test_offloaded_step_bounds_device_memory compiles the mode
+@pytest.mark.parametrize("fused", [True, False])
 def test_host_compute_host_temp_stays_flat_in_depth(fused):
   """Host compute's slices outside loops are ordered through device values.
 
@@ -364,6 +374,7 @@ def _name(pattern, tx):
   return pattern + ("" if isinstance(tx, OffloadTransformation) else " (chain)")
 
 
+@pytest.mark.slow  # the next tests compile the docs' step
 @pytest.mark.parametrize("compute", ["device", "host"], ids=["streamed", "host-compute"])
 def test_the_docs_train_steps_keep_the_bound(compute):
   """README's step and the others the docs show: params + gradients + 4 slices.

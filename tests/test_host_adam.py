@@ -51,6 +51,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow_except("native-adam", "plain-adamw", "native-inject")
 @pytest.mark.parametrize("case", CASES)
 def test_bit_identical_to_optax(case, native):
   params = _f32_params()
@@ -91,6 +92,7 @@ def test_bf16_leaves_run_optax():
   assert_trees_equal(_train(offlax.adam(1e-3), params), _train(optax.adam(1e-3), params))
 
 
+@pytest.mark.slow_except("native-device", "plain-host")
 @pytest.mark.parametrize("mode", ["device", "host"])
 def test_under_offload(mode, native):
   params = _f32_params()
@@ -172,6 +174,9 @@ REFERENCE = {
 }
 
 
+@pytest.mark.slow_except(
+  "native-adamw-device", "native-adamw_mask-host", "plain-adam_schedule-host"
+)
 @pytest.mark.parametrize("mode", ["device", "host"])
 @pytest.mark.parametrize("case", NATIVE_UPDATE)
 def test_native_update_matches_optax_to_rounding(case, mode, native):
@@ -323,6 +328,7 @@ DEFAULT_FLAGS = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # a subprocess, as test_default_flags.py
 def test_bit_identical_under_default_xla_flags(tmp_path):
   """With XLA's rewrites and FMA on, as users run it (conftest turns them off)."""
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
@@ -373,6 +379,11 @@ def _steps(tx, params, fused, steps=4):
   return (params, state), step.lower(params, state, params).compile().as_text()
 
 
+@pytest.mark.slow_except(
+  "native-adamw-update",
+  "native-adamw_mask_schedule-update_and_apply",
+  "plain-adam-update_and_apply",
+)
 @pytest.mark.parametrize("fused", [False, True], ids=["update", "update_and_apply"])
 @pytest.mark.parametrize("case", WHOLE)
 def test_master_weights_whole_step_bit_identical(case, fused, native):
@@ -390,6 +401,7 @@ def test_master_weights_whole_step_bit_identical(case, fused, native):
   assert ("offlax_adam_step" in text) == native
 
 
+@pytest.mark.slow_except("native-adamw")
 @pytest.mark.parametrize("case", WHOLE)
 def test_update_and_apply_is_one_pass(case, native):
   """`offlax.update_and_apply(offlax.adam(...), ...)`: the CPU-only full step, in place."""
@@ -405,7 +417,7 @@ def test_update_and_apply_is_one_pass(case, native):
     assert stats.temp_size_in_bytes < 4096
 
 
-@pytest.mark.parametrize("mode", ["device", "host"])
+@pytest.mark.parametrize("mode", [pytest.param("device", marks=pytest.mark.slow), "host"])
 def test_master_weights_whole_step_under_offload(mode):
   params = _mixed_params()
   inner = lambda m: offlax.master_weights(m.adamw(1e-3, weight_decay=0.1))
@@ -476,6 +488,7 @@ def _whole_step_run(tmp_path, **env_vars):
   return json.loads(run.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # a subprocess, as the above
 def test_whole_step_under_default_xla_flags(tmp_path):
   """Under XLA's defaults (rewrites, FMA) optax's program rounds its own way.
 
@@ -517,6 +530,7 @@ def _pool_run(**env_vars):
   return run.stdout.split()[-1], int(pool), int(threads), which
 
 
+@pytest.mark.slow  # the native kernels' bit-exact tests run by default
 def test_native_pool_xla_or_own_gives_the_same_bytes():
   """XLA's pool (the CPU backend's), or offlax's own (what a call with no XLA pool gets)."""
   digest, pool, threads, which = _pool_run()

@@ -6,6 +6,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
@@ -24,6 +26,7 @@ def test_the_editable_install_is_a_path_entry():
   assert config["packages"]["find"]["include"] == ["offlax*"]
 
 
+@pytest.mark.slow  # test_cli runs the command by default
 def test_plan_runs_from_the_folder_holding_a_clone_named_offlax(tmp_path):
   parent = tmp_path / "work"
   parent.mkdir()

@@ -54,10 +54,10 @@ def assert_tree_bits(got, want):
   "dtype, kw",
   [
     (jnp.float32, {}),
-    (jnp.bfloat16, {}),
-    (jnp.float32, {"reverse": True}),
+    pytest.param(jnp.bfloat16, {}, marks=pytest.mark.slow),
+    pytest.param(jnp.float32, {"reverse": True}, marks=pytest.mark.slow),
     (jnp.bfloat16, {"remat": jax.checkpoint_policies.dots_saveable}),
-    (jnp.float32, {"remat": False}),
+    pytest.param(jnp.float32, {"remat": False}, marks=pytest.mark.slow),
   ],
 )
 def test_loss_and_grads_bit_exact(tmp_path, dtype, kw):
@@ -103,7 +103,10 @@ def test_accumulate_and_overwrite(tmp_path):
     assert_tree_bits(store.read_grads(), jax.tree.map(np.zeros_like, g2))
 
 
-@pytest.mark.parametrize("pool_layers", [1, 2, 3])
+@pytest.mark.parametrize(
+  "pool_layers",
+  [pytest.param(1, marks=pytest.mark.slow), 2, pytest.param(3, marks=pytest.mark.slow)],
+)
 def test_pool_bound(tmp_path, pool_layers):
   """Reads started and not yet handed to the device never exceed the pool."""
   layers, x = make_layers(n=8), inputs(jnp.float32)

@@ -93,7 +93,11 @@ def assert_bits(got, want):
   "make_tx, dtype",
   [
     (lambda: optax.adam(1e-2), jnp.float32),
-    (lambda: offlax.master_weights(optax.adamw(1e-2, weight_decay=0.1)), jnp.bfloat16),
+    pytest.param(
+      lambda: offlax.master_weights(optax.adamw(1e-2, weight_decay=0.1)),
+      jnp.bfloat16,
+      marks=pytest.mark.slow,
+    ),
   ],
   ids=["adam", "master-adamw"],
 )

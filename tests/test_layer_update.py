@@ -79,6 +79,7 @@ OPTIMIZERS = {
 }
 
 
+@pytest.mark.slow_except("adam")
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_update_bit_exact_with_layers_in_memory(tmp_path, name):
   make_tx, dtype = OPTIMIZERS[name]
@@ -117,6 +118,7 @@ def test_accumulated_gradients(tmp_path):
     assert_bits(store.read_params(), params)
 
 
+@pytest.mark.slow  # its rest test keeps by default
 def test_keep_and_open_at_a_step(tmp_path):
   tx, layers, path = optax.adam(1e-2), make_layers(), str(tmp_path / "s")
   like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), layers)
@@ -316,6 +318,7 @@ def run_optimizer():
   return offlax.master_weights(optax.adamw(1e-2, weight_decay=0.1))
 
 
+@pytest.mark.slow  # its rest test inspects by default
 def test_inspect_verifies_a_layer_store(tmp_path):
   tx, layers, path = optax.adam(1e-2), make_layers(), str(tmp_path / "s")
   with offlax.LayerStore.create(path, layers, optimizer=tx, keep=2, progress=False) as store:

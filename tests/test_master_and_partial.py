@@ -45,7 +45,7 @@ def _error(got, want):
   return max(float(np.max(np.abs(got[k] - want[k]))) for k in want)
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", ["device", pytest.param("host", marks=pytest.mark.slow)])
 def test_master_weights_track_fp32_far_better_than_bf16(mode):
   # lr 1e-3 steps are below half a bf16 ulp for most weights near 1: bf16
   # params stall, the fp32 master keeps moving.
@@ -67,7 +67,7 @@ def test_master_weights_track_fp32_far_better_than_bf16(mode):
   )
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", ["device", pytest.param("host", marks=pytest.mark.slow)])
 def test_offloaded_master_weights_equal_plain(mode):
   inner = offlax.master_weights(optax.adamw(1e-2))
   want, _ = _regression(5, jnp.bfloat16, inner)
@@ -96,7 +96,7 @@ def _kinds(state):
   return {jax.tree_util.keystr(p): x.sharding.memory_kind for p, x in flat if x.ndim}
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", ["device", pytest.param("host", marks=pytest.mark.slow)])
 def test_partial_offload_by_fraction_largest_first(mode):
   params = _params()
   # Offloadable: embed's moments 4 KiB each, kernel's 1 KiB, bias's 64 B (10.1 KiB).
@@ -143,6 +143,7 @@ def _same_as_plain(tx, plain, params, steps=3, grads=None):
   return got_state, want_state
 
 
+@pytest.mark.slow_except("inside-device", "outside-host")
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("where", ["inside", "outside"])
 def test_apply_if_finite_skips_nan_steps(mode, where):

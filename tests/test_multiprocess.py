@@ -6,6 +6,8 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -15,6 +17,7 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
+@pytest.mark.slow  # test_multi_device_example trains on a mesh by default
 def test_two_processes_train_and_checkpoint(tmp_path):
   env = {**os.environ, "PYTHONPATH": os.path.dirname(HERE)}
   port = str(_free_port())

@@ -59,6 +59,7 @@ OPTIMIZERS = {
 }
 
 
+@pytest.mark.slow_except("plain-clip_chain")
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_bit_identical_to_inner(tmp_path, name, native):
   params = _float_params()
@@ -102,6 +103,7 @@ def test_state_placement(tmp_path):
   tier.close()
 
 
+@pytest.mark.slow  # the NVMe example resumes by default
 def test_resume_continues_bit_exactly(tmp_path, caplog):
   params = _float_params()
   inner = optax.adamw(1e-3)
@@ -492,6 +494,7 @@ def test_state_copies_share_the_tier_and_pickles_keep_its_type(tmp_path):
   tier.close()
 
 
+@pytest.mark.slow  # test_bit_identical_to_inner runs a chain by default
 def test_fused_inside_a_chain_is_exact_and_commits_each_step(tmp_path):
   """``chain(clip, offload(adam, nvme))`` by `update_and_apply`: the offload's fused step, once."""
   params = _float_params()

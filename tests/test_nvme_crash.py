@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from conftest import assert_trees_equal, long_profile
 
 from offlax._src.layout import ParamSpec, StateLayout
@@ -179,6 +180,7 @@ def _trials(default: int) -> int:
   return 50 if long_profile() else default
 
 
+@pytest.mark.slow  # test_bad_input.py's full disk and Ctrl-C keep the commit
 def test_sigkill_keeps_the_last_committed_state(tmp_path):
   figures = run_trials(tmp_path / "store", trials=_trials(2), seed=0)
   print(figures)
@@ -187,6 +189,7 @@ def test_sigkill_keeps_the_last_committed_state(tmp_path):
   assert steps[-1] > 2 * len(steps), figures
 
 
+@pytest.mark.slow
 def test_sigkill_during_orbax_checkpoints(tmp_path):
   figures = run_trials(
     tmp_path / "store", trials=_trials(2), seed=2, checkpoints=tmp_path / "checkpoints"
@@ -253,6 +256,7 @@ def _block(shape, spec, position):
   return tuple(index)
 
 
+@pytest.mark.slow
 def test_sigkill_on_a_mesh_keeps_every_shard_committed(tmp_path):
   # A child trains on 8 devices (one store each) and is killed at a random point,
   # maybe between two shards' commits. Each store must hold exactly optax's

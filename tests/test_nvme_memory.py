@@ -11,6 +11,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 CHILD = textwrap.dedent(
   """
   import json, os, resource, sys, tempfile, threading, time
@@ -56,6 +58,7 @@ def _run(mode, path):
   return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_ram_bounded_by_cache_and_slices(tmp_path):
   state_bytes = 24 * 2 * 8 * MIB
   sgd = _run("sgd", tmp_path / "unused")

@@ -114,6 +114,7 @@ def test_nvme_stats_count_the_step_io(tmp_path, caplog):
 # -- warnings ------------------------------------------------------------------
 
 
+@pytest.mark.slow  # the other warnings run by default
 def test_stall_warning_after_io_bound_steps(tmp_path, monkeypatch):
   monkeypatch.setattr(telemetry, "STALL_MIN_S", 0.0)
   monkeypatch.setattr(telemetry, "STALL_SHARE", 0.0)  # any wait is a stall
@@ -212,6 +213,7 @@ def _chunk(path, leaf_path, step=None):
   return path / f"gen{gen}" / f"leaf_{record['index']:05d}" / "c" / "0"
 
 
+@pytest.mark.slow  # test_usage.py's directory case runs inspect by default
 def test_inspect_healthy_and_corrupted_store(tmp_path):
   _store(tmp_path)
   [report] = offlax.inspect_store(tmp_path, verify=True, progress=False)
@@ -246,6 +248,7 @@ def test_inspect_healthy_and_corrupted_store(tmp_path):
   assert out.returncode == 2 and "not a directory" in out.stderr
 
 
+@pytest.mark.slow  # test_usage.py's directory case runs inspect by default
 def test_inspect_an_orbax_checkpoint(tmp_path):
   params = _float_params()
   del params["head"]  # orbax refuses zero-size arrays
@@ -278,6 +281,7 @@ def test_inspect_an_orbax_checkpoint(tmp_path):
 # -- rollback ------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_rollback_then_resume_equals_the_reference(tmp_path):
   params = _float_params()
   inner = optax.adamw(1e-3)
@@ -324,6 +328,7 @@ def test_rollback_refuses_a_damaged_step_and_keeps_the_store(tmp_path):
     offlax.rollback(tmp_path / "nowhere", 1)
 
 
+@pytest.mark.slow
 def test_keep_is_fixed_and_old_stores_open(tmp_path):
   _store(tmp_path / "one", keep=1)
   store = Store(str(tmp_path / "one"), fsync=False)

@@ -104,7 +104,11 @@ def kinds(tree):
 
 @pytest.mark.parametrize(
   "make, remat",
-  [(ListModel, True), (MLP, False), (Stacked, True)],
+  [
+    (ListModel, True),
+    pytest.param(MLP, False, marks=pytest.mark.slow),
+    pytest.param(Stacked, True, marks=pytest.mark.slow),
+  ],
   ids=["list-of-layers", "mlp", "nnx-scan"],
 )
 def test_trains_as_on_the_device(make, remat):
@@ -128,6 +132,7 @@ def test_trains_as_on_the_device(make, remat):
     assert jnp.max(jnp.abs(jax.device_get(a) - jax.device_get(b))) < 1e-6
 
 
+@pytest.mark.slow  # a list of layers trains bit-exact by default
 def test_gradients_land_in_host_memory_and_equal_the_devices():
   want = nnx.jit(nnx.grad(loss_fn))(ListModel(nnx.Rngs(0), remat=True))
   model = offlax.offload_params(ListModel(nnx.Rngs(0)))
@@ -136,7 +141,7 @@ def test_gradients_land_in_host_memory_and_equal_the_devices():
   assert_trees_equal(nnx.state(grads), nnx.state(want))
 
 
-@pytest.mark.parametrize("offload_activations", [False, True])
+@pytest.mark.parametrize("offload_activations", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_the_wrapped_methods_and_eager_calls(offload_activations):
   model = offlax.offload_params(ListModel(nnx.Rngs(0)), offload_activations=offload_activations)
   want = ListModel(nnx.Rngs(0))
@@ -146,6 +151,7 @@ def test_the_wrapped_methods_and_eager_calls(offload_activations):
   assert kinds(nnx.state(grads)) == {"pinned_host"}
 
 
+@pytest.mark.slow  # a list of layers trains bit-exact by default
 def test_lora_adapters_stay_on_the_device():
   class Lora(nnx.Module):
     def __init__(self, rngs):
@@ -165,6 +171,7 @@ def test_lora_adapters_stay_on_the_device():
   assert model.a.lora.lora_a[...].sharding.memory_kind == "device"
 
 
+@pytest.mark.slow  # a list of layers trains bit-exact by default
 def test_master_weights_with_bf16_params():
   """bf16 params, fp32 master in host memory: optax's results to bf16 rounding.
 
@@ -372,6 +379,7 @@ def test_a_list_filter_is_accepted():
   assert kinds(nnx.state(model, nnx.Param)) == {"pinned_host"}
 
 
+@pytest.mark.slow  # its MultiSteps case runs by default
 def test_an_offload_inside_an_optax_wrapper_trains_in_nnx():
   """`nnx.Optimizer` with ``masked(offload(...))``: the offload's fused update, as on the device."""
   mask = lambda params: jax.tree.map(lambda _: True, params)

@@ -78,6 +78,9 @@ def train(tx, params, loss, steps, fused):
   return params, state
 
 
+@pytest.mark.slow_except(
+  "True-True-True", "False-False-True"
+)  # remat + offloaded inputs, no remat; reversed
 @pytest.mark.parametrize("reverse", [False, True])
 @pytest.mark.parametrize(
   "remat, offload_activations",
@@ -103,8 +106,8 @@ def test_offload_activations_needs_remat():
                        remat=False, offload_activations=True)  # fmt: skip
 
 
-@pytest.mark.parametrize("compute", ["device", "host"])
-@pytest.mark.parametrize("master", [False, True])
+@pytest.mark.parametrize("compute", [pytest.param("device", marks=pytest.mark.slow), "host"])
+@pytest.mark.parametrize("master", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_training_off_device_equals_plain(compute, master):
   dtype = jnp.bfloat16 if master else jnp.float32
   inner = optax.adamw(1e-2)
@@ -124,7 +127,7 @@ def test_training_off_device_equals_plain(compute, master):
   assert master_w is None or master_w.sharding.memory_kind == "pinned_host"
 
 
-@pytest.mark.parametrize("compute", ["device", "host"])
+@pytest.mark.parametrize("compute", [pytest.param("device", marks=pytest.mark.slow), "host"])
 def test_unfused_update_keeps_host_updates_on_host(compute):
   params = to_host(make_params(jnp.float32))
   tx = offlax.offload(optax.adam(1e-2), compute=compute, chunk_bytes=2048)
@@ -153,6 +156,7 @@ def test_apply_updates_in_slices(monkeypatch):
   np.testing.assert_array_equal(np.asarray(got), np.asarray(p) + 0.25)
 
 
+@pytest.mark.slow  # the host tier's and NNX's cases run
 @pytest.mark.parametrize("compute", ["device", "host"])
 def test_coupled_update_inside_offload_equals_optax(compute):
   # The global norm needs every gradient: the update runs as one slice.
@@ -186,6 +190,7 @@ def test_master_weights_leaf_with_a_tail_piece_equals_plain():
     assert_trees_equal(got[1].inner_state, want[1])
 
 
+@pytest.mark.slow  # the host tier's and NNX's cases run
 def test_nvme_tier_with_params_on_host(tmp_path):
   inner = offlax.master_weights(optax.adamw(1e-2))
   params = make_params(jnp.bfloat16)
@@ -201,7 +206,7 @@ def test_nvme_tier_with_params_on_host(tmp_path):
   assert_trees_equal(stored, want_s)
 
 
-@pytest.mark.parametrize("compute", ["device", "host"])
+@pytest.mark.parametrize("compute", [pytest.param("device", marks=pytest.mark.slow), "host"])
 def test_step_exports_for_cuda(compute):
   # jax.export type-checks memory spaces for CUDA (tests/test_gpu_compile.py compiles it).
   params = to_host(make_params(jnp.bfloat16))

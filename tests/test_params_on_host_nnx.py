@@ -72,6 +72,7 @@ def train(model, optimizer, steps, fused, wrt=nnx.Param):
     step(model, optimizer)
 
 
+@pytest.mark.slow  # test_params_on_host.py runs the mode
 @pytest.mark.parametrize("fused", [True, False])
 def test_stacked_decoder_with_host_layers_equals_plain(fused):
   want = Decoder(nnx.Rngs(0), offlax_scan=False)
@@ -87,6 +88,7 @@ def test_stacked_decoder_with_host_layers_equals_plain(fused):
   assert model.embed.embedding[...].sharding.memory_kind == "device"
 
 
+@pytest.mark.slow  # the host tier's and NNX's cases run
 def test_lora_with_frozen_base_layers_in_host_memory():
   want = Decoder(nnx.Rngs(0), lora_rank=2, offlax_scan=False)
   opt = nnx.Optimizer(want, optax.adam(1e-2), wrt=nnx.LoRAParam)

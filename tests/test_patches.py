@@ -85,6 +85,7 @@ def test_nnx_state_stays_in_host_memory_and_other_trees_are_untouched():
   assert r["params_named_same"]
 
 
+@pytest.mark.slow  # a canary; their scope is checked by default
 def test_flax_and_jax_still_need_the_sharding_patches():
   """Canary: with OFFLAX_NO_PATCHES=1 Tunix's two calls put the moments in device memory.
 

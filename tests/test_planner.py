@@ -99,6 +99,7 @@ def test_cli(capsys):
   assert "not a size" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # measures the machine; test_cli runs the command line
 def test_cli_measure(capsys, tmp_path):
   assert cli(["plan", "--params", "1e8", "--device-mem", "80GB", "--host-mem", "16GB",
               "--measure", "--nvme-path", str(tmp_path)]) == 0  # fmt: skip
@@ -161,6 +162,7 @@ def test_no_fit_always_says_what_is_missing(capsys):
   assert "DOES NOT FIT" in out and "\n- " in out
 
 
+@pytest.mark.slow  # a usual decoder's case runs by default
 def test_params_in_host_memory_when_params_and_gradients_do_not_fit():
   # 13B bf16 params with an fp32 master on a 24 GB device: params and gradients alone are 52 GB.
   shapes = {f"w{i}": jax.ShapeDtypeStruct((2**26,), jnp.bfloat16) for i in range(194)}
@@ -187,6 +189,7 @@ def test_params_in_host_memory_when_params_and_gradients_do_not_fit():
   assert not offlax.plan(shapes, tx, host_bytes=40 * 10**9, layers=40, **small_disk).fits
 
 
+@pytest.mark.slow  # test_cli's no-fit runs by default
 def test_every_no_fit_lists_offlaxs_own_ways_out_first(capsys):
   """Params in host memory, the NVMe tier and chunk_bytes/fraction, each with its needs."""
   gb = 10**9

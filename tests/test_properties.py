@@ -159,6 +159,7 @@ def pipelines(draw, params):
 CHUNKS = st.one_of(st.sampled_from([2**40, 64, 1024]), st.integers(16, 3000))
 
 
+@pytest.mark.slow  # each tier runs bit-exact by default elsewhere
 @given(data=st.data())
 def test_offload_equals_optax_in_every_tier(data):
   params = data.draw(pytrees(), "params")

@@ -57,6 +57,7 @@ def _spec(text):
   return tuple(entries)
 
 
+@pytest.mark.slow  # the 8-device run; test_multi_device_example trains on a mesh
 @pytest.mark.parametrize("mesh", MESHES)
 @pytest.mark.parametrize("tier", TIERS)
 def test_bit_exact_with_optax_on_the_same_mesh(results, mesh, tier):
@@ -64,6 +65,7 @@ def test_bit_exact_with_optax_on_the_same_mesh(results, mesh, tier):
   assert results[mesh][tier]["exact"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", MESHES)
 @pytest.mark.parametrize("tier", TIERS)
 def test_state_is_sharded_in_each_devices_host_memory(results, mesh, tier):
@@ -86,6 +88,7 @@ def test_state_is_sharded_in_each_devices_host_memory(results, mesh, tier):
   assert (count["kind"], count["mesh"], _spec(count["spec"])) == ("device", True, ())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", MESHES)
 @pytest.mark.parametrize("tier", TIERS)
 def test_sharded_step_exports_for_cuda(results, mesh, tier):
@@ -95,6 +98,7 @@ def test_sharded_step_exports_for_cuda(results, mesh, tier):
   assert exported["host_args"] == 16  # mu and nu of 4 params, in and out, in pinned host memory
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", MESHES)
 @pytest.mark.parametrize("tier", TIERS)
 def test_abstract_state_has_the_shardings_of_init(results, mesh, tier):
@@ -106,6 +110,7 @@ def test_abstract_state_has_the_shardings_of_init(results, mesh, tier):
 SHARD_BYTES = 2 * (2048 + 256 + 512 + 144) + 4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", MESHES)
 def test_nvme_tier_on_the_mesh_is_exact_with_optax(results, mesh):
   # clip_by_global_norm outside offload, adamw inside: two steps, bit for bit,
@@ -117,12 +122,14 @@ def test_nvme_tier_on_the_mesh_is_exact_with_optax(results, mesh):
   assert got["retier_exact"]  # a plain optax state retiered into a sharded store
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", MESHES)
 def test_nvme_tier_on_the_mesh_with_an_update_that_reads_the_tree_dtypes(results, mesh):
   """A constant cast to the tree's highest dtype: one slice per device, not refused, exact."""
   assert results[mesh]["nvme"]["mixed_dtypes_exact"] == [True, True]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", MESHES)
 def test_nvme_tier_keeps_one_store_per_device_with_only_its_shard(results, mesh):
   got = results[mesh]["nvme"]
@@ -138,6 +145,7 @@ def test_nvme_tier_keeps_one_store_per_device_with_only_its_shard(results, mesh)
   assert got["shard_bytes"] == got["disk_bytes"] == {str(i): SHARD_BYTES for i in range(8)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", MESHES)
 def test_nvme_store_resharded_for_another_mesh_continues_exactly(results, mesh):
   # offlax.reshard writes the store for a (2, 4) mesh, for other specs on the same
@@ -151,6 +159,7 @@ def test_nvme_store_resharded_for_another_mesh_continues_exactly(results, mesh):
     assert got["shards"] == ([] if name == "none" else list(range(8)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", MESHES)
 def test_nvme_shards_a_step_apart_resume_from_the_common_step(results, mesh):
   # One shard's store rolled back a step, as a crash between commits leaves it:
@@ -159,6 +168,7 @@ def test_nvme_shards_a_step_apart_resume_from_the_common_step(results, mesh):
   assert agreed["steps"] == [2] * 8 and agreed["exact"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", MESHES)
 def test_nvme_tier_refuses_another_mesh_or_a_coupled_update(results, mesh):
   errors = results[mesh]["nvme"]["errors"]
@@ -177,6 +187,7 @@ def test_nvme_tier_refuses_another_mesh_or_a_coupled_update(results, mesh):
   assert "a step failed on some of them" in errors["mixed_snapshot"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", MESHES)
 def test_nvme_rollback_of_a_sharded_root_rolls_back_every_shard(results, mesh):
   got = results[mesh]["nvme"]["root_rollback"]
@@ -188,6 +199,7 @@ def test_nvme_rollback_of_a_sharded_root_rolls_back_every_shard(results, mesh):
 MESH = AbstractMesh((4, 2), ("data", "model"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", MESHES)
 def test_jitted_step_compiles_once_on_the_mesh(results, mesh):
   """Three calls of a jitted train step, each tier: one XLA compilation, as plain optax."""

@@ -114,6 +114,7 @@ class NumpyIO:
 # --8<-- [end:tier]
 
 
+@pytest.mark.slow_except("clip_adam-256", "adamw-1048576")
 @pytest.mark.parametrize("chunk_bytes", [256, 2**20])
 @pytest.mark.parametrize(
   "make",
@@ -203,6 +204,7 @@ def test_conformance_protocol_and_io(make_tier):
   assert tier.compute == "device" or io.writes_in_place
 
 
+@pytest.mark.slow_except("host-update", "numpy-update")
 @pytest.mark.parametrize("fused", [False, True], ids=["update", "update_and_apply"])
 def test_conformance_bit_exact_in_many_slices_with_its_step(make_tier, fused):
   """Leaves cut into pieces and a coupled update: optax's results, bit for bit; the step counts."""

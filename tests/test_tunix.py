@@ -53,17 +53,20 @@ def _check(r, case):
     assert r["kinds_after_init"] == ["pinned_host"]
 
 
+@pytest.mark.slow  # Tunix's PeftTrainer: minutes
 @pytest.mark.parametrize("case", CASES)
 def test_peft_trainer_one_device(one_device, case):
   _check(one_device[case], case)
 
 
+@pytest.mark.slow  # the same subprocess
 def test_peft_trainer_with_the_nvme_tier(one_device):
   r = one_device["full-nvme"]
   assert r["losses"] == r["want_losses"]
   assert r["params_exact"], "params differ from plain optax's"
 
 
+@pytest.mark.slow  # Tunix's PeftTrainer: minutes
 def test_peft_trainer_checkpoints_of_nvme_state_are_refused(one_device):
   """Tunix's checkpoint would hold the small leaves without the store's moments: refused."""
   r = one_device["full-nvme-checkpoint"]

@@ -46,6 +46,7 @@ def runs():
 CASES = ["llama3-full", "qwen3-full", "llama3-resume", "llama3-lora", "llama3-accumulate"]
 
 
+@pytest.mark.slow  # Tunix's PeftTrainer: minutes
 @pytest.mark.parametrize("case", CASES)
 def test_peft_trainer_with_params_in_host_memory(runs, case):
   r = runs[case]
@@ -58,6 +59,7 @@ def test_peft_trainer_with_params_in_host_memory(runs, case):
     assert r["adapter_kinds"] == ["device"]
 
 
+@pytest.mark.slow  # Tunix's models
 @pytest.mark.parametrize("family", ["llama3"])
 def test_on_a_mesh_params_stay_sharded_in_host_memory(family):
   """A 2-device ("fsdp", "tp") mesh: Tunix's annotations kept, the same results as on the device."""
@@ -68,6 +70,7 @@ def test_on_a_mesh_params_stay_sharded_in_host_memory(family):
   assert r["specs_as_annotated"] and r["sharded"] > 0
 
 
+@pytest.mark.slow  # Tunix's models
 def test_master_weights_with_bf16_params():
   """bf16 params, fp32 master: under XLA's default flags (the suite's crash XLA:CPU here).
 

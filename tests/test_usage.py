@@ -256,6 +256,9 @@ def test_the_alias_list_is_optaxs():
   }
 
 
+@pytest.mark.slow_except(
+  "nvme-sign_sgd", "nvme-polyak_sgd", "nvme-noisy_sgd", "nvme-sm3", "device-sm3", "host-noisy_sgd"
+)
 @pytest.mark.parametrize(
   "name", [n if n in UNUSUAL else pytest.param(n, marks=pytest.mark.slow) for n in ALIASES]
 )
