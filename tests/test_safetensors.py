@@ -24,8 +24,12 @@ from flax import nnx
 
 import offlax
 
-pytest.importorskip("tunix", reason="the Llama3/Qwen3/Gemma3 models and loaders are Tunix's")
-safetensors_numpy = pytest.importorskip("safetensors.numpy", reason="writes the test checkpoints")
+pytest.importorskip(
+  "tunix", reason="needs google-tunix: the Llama3/Qwen3/Gemma3 models and loaders are Tunix's"
+)
+safetensors_numpy = pytest.importorskip(
+  "safetensors.numpy", reason="needs safetensors: writes the test checkpoints"
+)
 
 from tunix.models.gemma3 import model as gemma3  # noqa: E402
 from tunix.models.gemma3 import params_safetensors as gemma3_params  # noqa: E402

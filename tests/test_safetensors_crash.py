@@ -22,7 +22,9 @@ from flax import nnx
 
 import offlax
 
-safetensors_numpy = pytest.importorskip("safetensors.numpy", reason="writes the test checkpoints")
+safetensors_numpy = pytest.importorskip(
+  "safetensors.numpy", reason="needs safetensors: writes the test checkpoints"
+)
 
 D, L = 16, 4
 MAPPING = {

@@ -23,9 +23,11 @@ from flax import nnx
 
 import offlax
 
-torch = pytest.importorskip("torch", reason="transformers' models run on PyTorch")
-transformers = pytest.importorskip("transformers", reason="the reference implementation")
-pytest.importorskip("tunix", reason="the Llama3/Qwen3 models are Tunix's")
+torch = pytest.importorskip("torch", reason="needs torch: transformers' models run on it")
+transformers = pytest.importorskip(
+  "transformers", reason="needs transformers: the reference implementation"
+)
+pytest.importorskip("tunix", reason="needs google-tunix: the Llama3/Qwen3 models are Tunix's")
 
 from test_safetensors import (  # noqa: E402
   TOKENS,
