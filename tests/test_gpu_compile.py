@@ -374,7 +374,7 @@ def _name(pattern, tx):
   return pattern + ("" if isinstance(tx, OffloadTransformation) else " (chain)")
 
 
-@pytest.mark.slow  # the next tests compile the docs' step
+@pytest.mark.slow  # test_params_off_device_step_keeps_the_model_off_the_device compiles
 @pytest.mark.parametrize("compute", ["device", "host"], ids=["streamed", "host-compute"])
 def test_the_docs_train_steps_keep_the_bound(compute):
   """README's step and the others the docs show: params + gradients + 4 slices.

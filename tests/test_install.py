@@ -26,7 +26,7 @@ def test_the_editable_install_is_a_path_entry():
   assert config["packages"]["find"]["include"] == ["offlax*"]
 
 
-@pytest.mark.slow  # test_cli runs the command by default
+@pytest.mark.slow  # test_planner.py::test_cli runs the command by default
 def test_plan_runs_from_the_folder_holding_a_clone_named_offlax(tmp_path):
   parent = tmp_path / "work"
   parent.mkdir()

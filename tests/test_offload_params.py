@@ -379,7 +379,7 @@ def test_a_list_filter_is_accepted():
   assert kinds(nnx.state(model, nnx.Param)) == {"pinned_host"}
 
 
-@pytest.mark.slow  # its MultiSteps case runs by default
+@pytest.mark.slow  # test_composition.py wraps offloads by default
 def test_an_offload_inside_an_optax_wrapper_trains_in_nnx():
   """`nnx.Optimizer` with ``masked(offload(...))``: the offload's fused update, as on the device."""
   mask = lambda params: jax.tree.map(lambda _: True, params)
