@@ -188,7 +188,7 @@ def run(
   step: int,
   show: bool,
   layers: Sequence[int] | None = None,
-  grads: Callable[[int, int], np.ndarray] | None = None,
+  handed: Callable[[int, int], tuple[np.ndarray, np.ndarray]] | None = None,
 ) -> Stats:
   """Updates every layer of a store's `slots` from generation `gen` into `target`, as `step`.
 
@@ -199,9 +199,10 @@ def run(
   most two units queued while the next computes. A layer's shared state (the
   step count) is read with its first leaf and written with it.
 
-  `layers` is the order (default 0, 1, ...); `grads(i, k)`, where given, is leaf `k` of
-  layer `i`'s gradient, waited for, in place of the store's gradient slot (the update in
-  the backward pass, `backward.BackwardStep`: the same units, the same update function).
+  `layers` is the order (default 0, 1, ...); `handed(i, k)`, where given, is leaf `k` of
+  layer `i`'s gradient and param, waited for, in place of the store's gradient and param
+  slots (the update in the backward pass, `backward.BackwardStep`: the gradient handed off,
+  the param as the backward pass read it; the same units, the same update function).
   """
   cpu = jax.devices("cpu")[0]  # the host's compute, whatever the default device
   nk = len(slots.records)
@@ -223,7 +224,8 @@ def run(
     slot = lambda kind, g, j: pool.submit(timed, "read", slots.read_slot, kind, g, j, i)
     shared = updates[k].shared if k == 0 else []
     return [
-      [slot("params", gen, k)], [slot("grads", 0, k)] if grads is None else [],
+      [slot("params", gen, k)] if handed is None else [],
+      [slot("grads", 0, k)] if handed is None else [],
       [slot("state", gen, j) for j in updates[k].owned], [slot("state", gen, j) for j in shared],
     ]  # fmt: skip
 
@@ -248,10 +250,10 @@ def run(
       for j, i in enumerate(progress(order, show, moved_bytes(slots), desc)):
         for k in range(nk):
           u = j * nk + k
-          [p], gs, owned, got = [[f.result() for f in futures] for futures in reads.pop(u)]
+          ps, gs, owned, got = [[f.result() for f in futures] for futures in reads.pop(u)]
           shared = got if k == 0 else shared
-          tally["read_bytes"] += sum(x.nbytes for x in [p, *gs, *owned, *got])
-          g = gs[0] if grads is None else grads(i, k)
+          tally["read_bytes"] += sum(x.nbytes for x in [*ps, *gs, *owned, *got])
+          g, p = (gs[0], ps[0]) if handed is None else handed(i, k)
           if u + ahead < len(units):
             reads[u + ahead] = read(readers, u + ahead)
           t = time.perf_counter()

@@ -32,11 +32,15 @@ one writer thread (at most ``pool_layers`` layers queued), added into the
 store's with ``source(accumulate=True)``. `update` and the read helpers wait
 for those writes first.
 
+With ``update="backward"`` (`backward`) the gradients are not written: each
+layer is updated in the backward pass as its gradient reaches the host, into
+the free generation, and `update` commits.
+
 `LayerStore` is the facade of its parts, one job each: `slots.Slots` (its open
 files, a slot read and written checked), `commits.Commits` (the manifest, the
 committed step), `read_ahead.ReadAhead` (the model's reads),
 `grads.GradientWriter` (the gradients' hand-off) and `step.LayerStep` (the
-optimizer's step); `opening` makes and opens a store.
+optimizer's step), or `backward.BackwardStep` for both; `opening` makes and opens a store.
 """
 
 from __future__ import annotations
@@ -287,8 +291,8 @@ class LayerStore(_Parts):
 
     With ``update="backward"``, a step updated and not committed is committed first (warning).
     """
-    if isinstance(self._grads, backward.BackwardStep):
-      self._grads.before_read()
+    if isinstance(self._grads, backward.BackwardStep):  # kept: the update's params
+      return self._grads.read(i, self._reads.fetch)
     return self._reads.fetch(i)
 
   def put_grads(self, accumulate: bool, i: Any, *grads: np.ndarray) -> np.ndarray:
