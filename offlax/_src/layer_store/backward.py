@@ -7,8 +7,9 @@ a worker thread updates that layer at once: the same `step.run` over the same
 units with the same jitted update functions as `update()` (so the result is
 the same to the bit), its master and moments read ahead in the backward pass's
 order while the device computes the layers above, its new params and state
-written into the free generation behind. The gradient never touches the disk:
-32 bytes a parameter a step with an fp32 master and Adam, against 36.
+written into the free generation behind. The gradient never touches the disk,
+and the layer's params are taken as the backward pass read them (`BackwardStep.read`):
+30 bytes a parameter a step with an fp32 master and Adam, against 36.
 
 The step commits at its end, by the same manifest rename (`commits`), after
 its last layer: `update(rest=...)` waits for the worker and commits; a kill
@@ -20,8 +21,9 @@ silent, and the forward pass always reads committed layers. `close` drops a
 step not committed, and warns.
 
 RAM: the gradients of at most ``queued`` layers wait for the worker (the
-backward pass waits beyond: the device's hand-off blocks), plus `step.run`'s
-leaves in flight. Gradient accumulation is refused here: micro-steps add
+backward pass waits beyond: the device's hand-off blocks), the params of at
+most ``queued + 2`` layers as the model read them, plus `step.run`'s leaves in
+flight. Gradient accumulation is refused here: micro-steps add
 into the gradients on disk in the ``"explicit"`` mode.
 """
 
