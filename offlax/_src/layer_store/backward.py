@@ -23,8 +23,14 @@ step not committed, and warns.
 RAM: the gradients of at most ``queued`` layers wait for the worker (the
 backward pass waits beyond: the device's hand-off blocks), the params of at
 most ``queued + 2`` layers as the model read them, plus `step.run`'s leaves in
-flight. Gradient accumulation is refused here: micro-steps add
-into the gradients on disk in the ``"explicit"`` mode.
+flight.
+
+Gradient accumulation: the micro-steps before the last
+(``source(accumulate=True)``) add their gradients into those on disk, as in
+the ``"explicit"`` mode (`grads.GradientWriter`, RAM bounded alike); the
+last (``source(accumulate=True, last=True)``) hands each layer's gradient to
+the worker, which adds the sum on disk to it (the same expression,
+`grads.add`) and updates the layer at once: the sum is never written.
 """
 
 from __future__ import annotations
@@ -40,12 +46,12 @@ from typing import Any
 import numpy as np
 
 from offlax._src import errors
+from offlax._src.layer_store import grads as grads_lib
 from offlax._src.layer_store import rest as layer_rest
 from offlax._src.layer_store import step as layer_step
 from offlax._src.layer_store.commits import Commits
 from offlax._src.layer_store.grads import GradientWriter
 from offlax._src.layer_store.slots import Slots
-from offlax._src.nvme.pipeline import wait_for_dispatched_steps
 
 MODES = ("explicit", "backward")
 
@@ -72,10 +78,21 @@ def refuse(mode: str, what: str, path: str) -> None:
   if mode == "backward":
     raise errors.InvalidOptionError(
       f"LayerStore {path}: {what} needs the gradients on disk, and update='backward' keeps "
-      "none (each layer is updated as its gradient arrives). For gradient accumulation or "
-      "to read the gradients, open the store with update='explicit' (the default): "
-      "LayerStore.open(path, like, optimizer=tx)."
+      "none (each layer is updated as its gradient arrives; only accumulation's micro-steps "
+      "before the last add theirs there). To read the gradients, open the store with "
+      "update='explicit' (the default): LayerStore.open(path, like, optimizer=tx)."
     )
+
+
+def hand_off(accumulate: bool, last: bool, path: str) -> bool | str:
+  """What `LayerStore.source(accumulate=, last=)` asks of the hand-off: False, True or "last"."""
+  if last and not accumulate:
+    raise errors.InvalidOptionError(
+      f"LayerStore {path}: source(last=True) ends a gradient accumulation: pass "
+      "source(accumulate=True, last=True) for the last micro-step, source(accumulate=True) "
+      "for those before (store.zero_grads() first), or neither for a step of one batch."
+    )
+  return "last" if last else bool(accumulate)
 
 
 def step_parts(
@@ -87,13 +104,14 @@ def step_parts(
   ``"explicit"``: `step.LayerStep` and `grads.GradientWriter`; ``"backward"``: one
   `BackwardStep` for both.
   """
-  if update == "backward":
-    both = BackwardStep(optimizer, treedef, slots, commits, queued, drop_reads)
+  writer = GradientWriter(slots, queued, lambda: commits.step, optimizer is not None)
+  if update == "backward":  # the writer for accumulation's micro-steps
+    both = BackwardStep(optimizer, treedef, slots, commits, writer, drop_reads)
     return both, both
   step = None
   if optimizer is not None:
     step = layer_step.LayerStep(optimizer, treedef, slots, commits, progress)
-  return step, GradientWriter(slots, queued, lambda: commits.step, optimizer is not None)
+  return step, writer
 
 
 class _Aborted(Exception):
@@ -108,11 +126,12 @@ class Handoff:
     self._cond = threading.Condition()
     self._layers: dict[int, list[np.ndarray]] = {}
     self._next, self._aborted = n_layers - 1, False
+    self.last = False  # the step ends an accumulation: its gradients add to those on disk
 
-  def start(self) -> None:
-    """A new step: layer L-1's gradient comes first."""
+  def start(self, last: bool) -> None:
+    """A new step (`last`: of an accumulation): layer L-1's gradient comes first."""
     with self._cond:
-      self._layers, self._next, self._aborted = {}, self._n - 1, False
+      self._layers, self._next, self._aborted, self.last = {}, self._n - 1, False, last
 
   @property
   def complete(self) -> bool:
@@ -163,6 +182,35 @@ class Handoff:
       self._cond.notify_all()
 
 
+class KeptReads:
+  """The layers' params the model read last (a few), for the update to take them (`take`)."""
+
+  def __init__(self, keep: int):
+    self._keep, self._lock = keep, threading.Lock()  # its own lock: see `BackwardStep._lock`
+    self._layers: collections.OrderedDict[int, list[np.ndarray]] = collections.OrderedDict()
+
+  def put(self, i: int, leaves: list[np.ndarray]) -> None:
+    """Layer `i` as the model read it; the oldest dropped beyond ``keep`` (RAM bounded)."""
+    with self._lock:
+      self._layers[i] = leaves
+      self._layers.move_to_end(i)
+      while len(self._layers) > self._keep:  # the forward pass's
+        self._layers.popitem(last=False)
+
+  def take(self, i: int, k: int) -> np.ndarray | None:
+    """Leaf `k` of layer `i`, or None (not kept); the layer dropped after its last leaf."""
+    with self._lock:
+      leaves = self._layers.get(i)
+      if leaves is not None and k == len(leaves) - 1:
+        del self._layers[i]
+    return None if leaves is None else leaves[k]
+
+  def clear(self) -> None:
+    """Forgets them all (a commit: they are of the generation before)."""
+    with self._lock:
+      self._layers.clear()
+
+
 class BackwardStep:
   """The layers' update in the backward pass, committed at the step's end (module docstring).
 
@@ -174,22 +222,21 @@ class BackwardStep:
     treedef: one layer's tree structure.
     slots: the store's open files.
     commits: the store's manifest and committed step.
-    queued: the most layers' gradients waiting for the worker.
+    writer: the gradients' writer, for accumulation's micro-steps before the last (its
+      ``queued``: the most layers' gradients waiting for the worker too).
     drop_reads: forgets the model's layers read ahead (before a commit).
   """
 
-  def __init__(self, optimizer: Any, treedef: Any, slots: Slots, commits: Commits, queued: int,
-               drop_reads: Callable[[], None]):  # fmt: skip
+  def __init__(self, optimizer: Any, treedef: Any, slots: Slots, commits: Commits,
+               writer: GradientWriter, drop_reads: Callable[[], None]):  # fmt: skip
     self._slots, self._commits, self._drop_reads = slots, commits, drop_reads
     self._updates = layer_step.layer_update(optimizer, treedef, slots.records)
-    self._handoff = Handoff(slots.n_layers, queued)
+    self._writer, self._handoff = writer, Handoff(slots.n_layers, writer.queued)
     self._worker = concurrent.futures.ThreadPoolExecutor(1, "offlax-backward-update")
     self._lock = threading.RLock()
     self._run: concurrent.futures.Future | None = None  # the step in flight
     self._target = 0
-    self._read: collections.OrderedDict[int, list[np.ndarray]] = collections.OrderedDict()
-    self._keep_read = queued + 2  # the layers the model read last, for `_param`
-    self._read_lock = threading.Lock()  # not `_lock`: a commit holds that, waiting for `_param`
+    self._kept = KeptReads(writer.queued + 2)  # the layers the model read last, for `_param`
 
   def read(self, i: Any, fetch: Callable[[Any], list[np.ndarray]]) -> list[np.ndarray]:
     """Layer `i` for the model (a callback, by `fetch`), kept: the update's params.
@@ -200,32 +247,37 @@ class BackwardStep:
     """
     self.before_read()
     leaves = fetch(i)
-    with self._read_lock:
-      self._read[int(i)] = leaves
-      self._read.move_to_end(int(i))
-      while len(self._read) > self._keep_read:  # the forward pass's: RAM bounded
-        self._read.popitem(last=False)
+    self._kept.put(int(i), leaves)
     return leaves
 
-  def _param(self, gen: int, i: int, k: int) -> np.ndarray:
-    """Leaf `k` of layer `i`'s params of generation `gen`: as the model read them, or read now."""
-    with self._read_lock:
-      leaves = self._read.get(i)
-      if leaves is not None and k == len(leaves) - 1:
-        del self._read[i]
-    if leaves is None:  # not kept (another reader's order): read now
-      return self._slots.read_slot("params", gen, k, i)
-    return leaves[k]
+  def _handed(self, gen: int, i: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Leaf `k` of layer `i`'s gradient (plus the sum on disk, ending an accumulation) and
+    its params of generation `gen`, as the model read them (else read now)."""
+    grad = self._handoff.take(i, k)
+    if self._handoff.last:
+      grad = grads_lib.add(self._slots.read_slot("grads", 0, k, i), grad)
+    param = self._kept.take(i, k)
+    if param is None:  # not kept (another reader's order): read now
+      param = self._slots.read_slot("params", gen, k, i)
+    return grad, param
 
   def put(self, accumulate: bool, i: Any, *grads: np.ndarray) -> np.ndarray:
-    """Layer `i`'s gradients (a callback): copied out, the layer updated by the worker."""
+    """Layer `i`'s gradients (a callback): copied out, the layer updated by the worker.
+
+    A micro-step before the last (``accumulate`` True) adds them into those on disk instead
+    (`grads.GradientWriter`); the last (``"last"``) adds those on disk to them.
+    """
+    if accumulate is True:
+      return self._writer.put(True, i, *grads)
     i = int(i)
     leaves = [np.array(g) for g in grads]  # a copy: the callback's buffers are XLA's
     with self._lock:
       if i == self._slots.n_layers - 1:  # a new step's first layer
         self.before_read()  # the step before, whole and not committed: committed first
         self._drop(warn=True)  # one cut short (its backward pass failed): dropped
-        self._start()
+        if accumulate == "last":
+          self._writer.wait_writes()  # the micro-steps' sums on disk before the worker reads
+        self._start(accumulate == "last")
       elif self._run is None:
         raise errors.IncompleteStepError(
           f"LayerStore(update='backward'): layer {i}'s gradient reached the host outside a "
@@ -234,10 +286,10 @@ class BackwardStep:
     self._handoff.put(i, leaves)
     return np.zeros((), np.float32)
 
-  def _start(self) -> None:
+  def _start(self, last: bool) -> None:
     commits = self._commits
     self._target = commits.free_generation()
-    self._handoff.start()
+    self._handoff.start(last)
     layers = range(self._slots.n_layers - 1, -1, -1)
     self._run = self._worker.submit(
       self._work, commits.generation, self._target, commits.step + 1, layers
@@ -245,7 +297,7 @@ class BackwardStep:
 
   def _work(self, gen: int, target: int, step: int, layers: Any) -> layer_step.Stats:
     try:
-      handed = lambda i, k: (self._handoff.take(i, k), self._param(gen, i, k))
+      handed = lambda i, k: self._handed(gen, i, k)
       return layer_step.run(self._slots, self._updates, gen, target, step=step, show=False,
                             layers=layers, handed=handed)  # fmt: skip
     except BaseException:
@@ -308,8 +360,7 @@ class BackwardStep:
           + "run the step again (update='backward' keeps no gradients to update from).",
         ) from e
       commits.commit(self._target, rest_records)
-      with self._read_lock:
-        self._read.clear()  # of the generation before
+      self._kept.clear()  # of the generation before
       return stats
 
   def _drop(self, warn: bool) -> None:
@@ -333,18 +384,21 @@ class BackwardStep:
       )
 
   def flush(self) -> None:
-    """Waits for the steps dispatched so far (their hand-offs), not for the worker."""
-    wait_for_dispatched_steps()
+    """Waits for the steps dispatched so far (their hand-offs, micro-steps' writes), not for
+    the worker."""
+    self._writer.flush()
 
   def used(self) -> None:
-    """Nothing to note: no gradients are kept."""
+    """The gradients on disk were used (an accumulation's last micro-step was committed)."""
+    self._writer.used()
 
   def zero(self) -> None:
-    """Refused: this mode keeps no gradients to zero (`refuse`)."""
-    refuse("backward", "zero_grads()", self._commits.path)
+    """Sets the gradients on disk to zero (before accumulating anew)."""
+    self._writer.zero()
 
   def close(self) -> None:
     """Drops a step not committed (warning where its layers were all updated); ends the worker."""
     with self._lock:
       self._drop(warn=self._run is not None and self._handoff.complete)
     self._worker.shutdown(wait=True)
+    self._writer.close()

@@ -169,8 +169,7 @@ class LayerStore(_Parts):
         ``offlax.stack_layers(model, path)`` stacked.
       update: ``"explicit"``: `update()` runs the optimizer after the backward pass, from the
         gradients written to disk; ``"backward"``: each layer is updated as its gradient
-        reaches the host in the backward pass, never written, and `update()` commits
-        (`backward`; no gradient accumulation). Not recorded: `open` chooses again.
+        reaches the host, never written, `update()` commits (`backward`). Not recorded.
 
     Returns:
       The open store, at step 0.
@@ -179,8 +178,8 @@ class LayerStore(_Parts):
       StoreExistsError: `path` holds a layer store (`LayerStore.open` it).
       NotAStoreError: `path` holds other files.
       TransformationTypeError: the optimizer is wrapped by `offlax.offload`.
-      InvalidOptionError: the pool cannot hold one layer, or the optimizer
-        couples elements of a leaf (its update cannot run a layer at a time).
+      InvalidOptionError: the pool cannot hold one layer, the optimizer couples elements of
+        a leaf (its update cannot run a layer at a time), or `update` is not a mode.
       StoreError: the disk has no room for the store.
     """
     return opening.create(cls, path, layers, optimizer=optimizer, keep=keep, init_layer=init_layer,
@@ -230,19 +229,20 @@ class LayerStore(_Parts):
   def __repr__(self) -> str:
     return f"LayerStore({self.path!r}, n_layers={self.n_layers}, step={self.step})"
 
-  def source(self, *, accumulate: bool = False) -> LayerSource:
+  def source(self, *, accumulate: bool = False, last: bool = False) -> LayerSource:
     """What `scan_layers` takes in place of the stacked layers.
 
     Differentiate with respect to it (``jax.grad(loss)(source, ...)``) to write
     the layers' gradients into the store; its own gradient is a zero token.
 
     Args:
-      accumulate: add each gradient into the store's (gradient accumulation;
-        `zero_grads` starts afresh), instead of overwriting it (not with ``update="backward"``).
+      accumulate: add each gradient into the store's (gradient accumulation; `zero_grads`
+        starts afresh), instead of overwriting it.
+      last: with ``accumulate``, the last micro-step: with ``update="backward"`` each layer is
+        updated as its gradient's sum is known (`backward`); else the same as ``accumulate``.
     """
-    if accumulate:
-      backward.refuse(self.update_mode, "source(accumulate=True)", self.path)
-    return LayerSource(jnp.zeros((self.n_layers,), jnp.float32), self, accumulate)
+    kind = backward.hand_off(accumulate, last, self.path)
+    return LayerSource(jnp.zeros((self.n_layers,), jnp.float32), self, kind)
 
   def avals(self) -> list[jax.ShapeDtypeStruct]:
     """One layer's leaves, as shapes and dtypes."""
@@ -295,7 +295,7 @@ class LayerStore(_Parts):
       return self._grads.read(i, self._reads.fetch)
     return self._reads.fetch(i)
 
-  def put_grads(self, accumulate: bool, i: Any, *grads: np.ndarray) -> np.ndarray:
+  def put_grads(self, accumulate: bool | str, i: Any, *grads: np.ndarray) -> np.ndarray:
     """Layer `i`'s gradients (a callback): copied out, written behind compute."""
     return self._grads.put(accumulate, i, *grads)
 
@@ -308,8 +308,8 @@ class LayerStore(_Parts):
 
     Waits for the gradient writes, then reads params, gradients and state a layer at a time,
     runs the optimizer on the host CPU, writes the new params and state into a free generation
-    and commits them together (`step.LayerStep`). With ``update="backward"`` the backward
-    pass updated the layers: this waits for the last and commits (`backward.BackwardStep`).
+    and commits them together (`step.LayerStep`). ``update="backward"``: waits for the
+    backward pass's updates (`backward.BackwardStep`), commits.
 
     Args:
       rest: a pytree of arrays committed with the layers, of the same step: the rest of the
