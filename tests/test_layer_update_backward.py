@@ -177,6 +177,11 @@ def test_accumulated_micro_steps_then_the_last_updates(tmp_path, update):
     state_slots = L * sum(r["slot"] for r in store.state_records)
     want = 11 if update == "explicit" else 8
     assert moved == [want * layer_slots + 2 * state_slots] * 2
+    if update == "backward":  # zero_grads() before update(): the step is committed first
+      grad(store.source(accumulate=True, last=True), batch(4))
+      with pytest.warns(errors.StepNotCommittedWarning, match="step 3's layers were updated"):
+        store.zero_grads()
+      assert store.step == 3
 
 
 def test_no_warning_when_each_step_is_committed(tmp_path):

@@ -393,7 +393,10 @@ class BackwardStep:
     self._writer.used()
 
   def zero(self) -> None:
-    """Sets the gradients on disk to zero (before accumulating anew)."""
+    """Sets the gradients on disk to zero (before accumulating anew), once a step not
+    committed, whose worker may still read them, is committed (`before_read`, warning)."""
+    self._writer.flush()  # its hand-offs done: the step whole, or cut short
+    self.before_read()
     self._writer.zero()
 
   def close(self) -> None:
