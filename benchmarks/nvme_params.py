@@ -14,7 +14,13 @@ What is measured, in one run and on one filesystem (a fresh directory under `--d
    gradient written back), then `store.update()` (params, gradients and state read a layer
    at a time, AdamW on the CPU, params and state written and committed). Peak RSS of the
    whole subprocess (VmHWM), against the 8 GB goal and against the model's training state
-   (params + gradients + master + moments: 16 bytes a parameter).
+   (params + gradients + master + moments: 16 bytes a parameter). Each size runs twice, side
+   by side (`--modes`): ``explicit`` as above, and ``backward``
+   (`LayerStore.create(..., update="backward")`: each layer updated by a host worker as its
+   gradient reaches the host in the backward pass, no gradient on disk; `store.update()`
+   waits for the last layer and commits). Per step: the step's time (forward, backward,
+   update, commit), and the bytes a parameter it moved, from the store's counters
+   (`bytes_read`, `bytes_written`).
 3. The update's I/O against the raw disk: its bytes read and written over its wall time, and
    the ratio of the time the raw disk needs for the same traffic (`_disk.raw_seconds`) to
    the update's time (goal >= 0.8x). The forward/backward pass's traffic and time too.
@@ -27,6 +33,7 @@ What is measured, in one run and on one filesystem (a fresh directory under `--d
    (`planner.params_on_disk_bytes`), the RAM in all (goal <= 64 GB).
 
   python benchmarks/nvme_params.py [--sizes 0.5 1.8] [--steps 3] [--dir /tmp]
+                                   [--modes explicit backward]
 
 Results: `<out>/nvme_params.json` and `<out>/nvme_params.png`.
 """
@@ -82,8 +89,8 @@ def block(h, p):
   return h + (jax.nn.gelu(h @ p["up"]) @ p["down"]) * 0.1, None
 
 
-def child(path: str, n_layers: int, steps: int, d: int, f: int) -> dict[str, Any]:
-  """One size: create, `steps` steps, RSS and I/O figures (JSON on stdout)."""
+def child(path: str, n_layers: int, steps: int, d: int, f: int, mode: str) -> dict[str, Any]:
+  """One size in one mode: create, `steps` steps, RSS and I/O figures (JSON on stdout)."""
   import jax
   import jax.numpy as jnp
 
@@ -93,7 +100,7 @@ def child(path: str, n_layers: int, steps: int, d: int, f: int) -> dict[str, Any
   start = time.perf_counter()
   store = offlax.LayerStore.create(
     path, layer_like(n_layers, d, f), optimizer=tx, keep=1, progress=False,
-    init_layer=lambda i: init_layer(i, d, f),
+    init_layer=lambda i: init_layer(i, d, f), update=mode,
   )  # fmt: skip
   create_s = time.perf_counter() - start
 
@@ -105,36 +112,51 @@ def child(path: str, n_layers: int, steps: int, d: int, f: int) -> dict[str, Any
   x = jax.random.normal(jax.random.key(0), (TOKENS, d)).astype(jnp.bfloat16)
   rows = []
   for step in range(steps):
+    moved = store.bytes_read, store.bytes_written
     start = time.perf_counter()
     loss, _ = grads(store.source(), x)
-    store.flush_grads()  # the backward pass's gradient writes, done
+    store.flush_grads()  # the backward pass's hand-offs (explicit: the gradient writes) done
     backward_s = time.perf_counter() - start
-    store.update()
+    store.update()  # backward: waits for the worker's last layers, commits
+    step_s = time.perf_counter() - start
     u = store.last_update
-    rows.append({"loss": float(loss), "forward_backward_s": backward_s, **u._asdict()})
-    print(f"step {step + 1}: loss {float(loss):.5f}, forward+backward {backward_s:.1f} s, "
-          f"update {u.seconds:.1f} s", file=sys.stderr, flush=True)  # fmt: skip
+    read, written = store.bytes_read - moved[0], store.bytes_written - moved[1]
+    rows.append({"loss": float(loss), "forward_backward_s": backward_s, "step_s": step_s,
+                 "after_backward_s": step_s - backward_s, "step_bytes_read": read,
+                 "step_bytes_written": written, **u._asdict()})  # fmt: skip
+    print(f"{mode} step {step + 1}: loss {float(loss):.5f}, forward+backward {backward_s:.1f} s, "
+          f"step {step_s:.1f} s, {(read + written) / (n_layers * (4 * d * d + 2 * d * f)):.1f} "
+          "bytes a "
+          "param", file=sys.stderr, flush=True)  # fmt: skip
   store.close()
   return {"create_s": create_s, "steps": rows, "peak_rss_bytes": _common.peak_rss()}
 
 
-def run_size(workdir: pathlib.Path, billions: float, steps: int, d: int, f: int) -> dict[str, Any]:
+def run_size(workdir: pathlib.Path, billions: float, steps: int, d: int, f: int,
+             modes: list[str]) -> dict[str, Any]:  # fmt: skip
+  """One size in each of `modes`, one fresh subprocess each; the first mode's figures on top."""
   n_layers = max(2, round(billions * 1e9 / (4 * d * d + 2 * d * f)))
   n_params = n_layers * (4 * d * d + 2 * d * f)
-  path = workdir / f"store-{billions:g}b"
-  cmd = [sys.executable, __file__, "--child", str(path), str(n_layers), str(steps), str(d), str(f)]
-  print(f"{n_params / 1e9:.2f}B params ({n_layers} layers): {' '.join(cmd)}", flush=True)
-  done = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True)
-  out = json.loads(done.stdout.splitlines()[-1])
-  disk_bytes = _disk.tree_bytes(path)
-  inspect = subprocess.run([sys.executable, "-m", "offlax", "inspect", str(path)],
-                           capture_output=True, text=True)  # fmt: skip
-  shutil.rmtree(path)
+  runs = {}
+  for mode in modes:
+    path = workdir / f"store-{billions:g}b-{mode}"
+    cmd = [sys.executable, __file__, "--child", str(path), str(n_layers), str(steps), str(d),
+           str(f), mode]  # fmt: skip
+    print(f"{n_params / 1e9:.2f}B params ({n_layers} layers): {' '.join(cmd)}", flush=True)
+    done = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True)
+    out = json.loads(done.stdout.splitlines()[-1])
+    out["disk_bytes"] = _disk.tree_bytes(path)
+    inspect = subprocess.run([sys.executable, "-m", "offlax", "inspect", str(path)],
+                             capture_output=True, text=True)  # fmt: skip
+    out["inspect"] = {"returncode": inspect.returncode, "output": inspect.stdout[-2000:]}
+    for row in out["steps"]:
+      row["bytes_per_param"] = (row["step_bytes_read"] + row["step_bytes_written"]) / n_params
+    shutil.rmtree(path)
+    runs[mode] = out
   return {
-    "n_params": n_params, "n_layers": n_layers, "disk_bytes": disk_bytes,
+    "n_params": n_params, "n_layers": n_layers,
     "train_state_bytes": 16 * n_params,  # bf16 params + grads, fp32 master + two moments
-    "inspect": {"returncode": inspect.returncode, "output": inspect.stdout[-2000:]},
-    **out,
+    **runs[modes[0]], "modes": runs,
   }  # fmt: skip
 
 
@@ -174,7 +196,7 @@ def io_figures(size: dict[str, Any], raw: dict[str, Any]) -> dict[str, Any]:
 
 def plot(result: dict[str, Any], path: pathlib.Path) -> None:
   plt = _common.pyplot()
-  fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+  fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4))
   sizes = result["sizes"]
   names = [f"{s['n_params'] / 1e9:.1f}B" for s in sizes]
   xs = range(len(sizes))
@@ -193,7 +215,26 @@ def plot(result: dict[str, Any], path: pathlib.Path) -> None:
   b.set_ylabel("update I/O time at raw speed / update time")
   b.set_title("update() against the raw disk (median step)")
   b.legend(fontsize=8)
+  modes = list(sizes[0]["modes"])
+  width = 0.8 / len(modes)
+  for m, mode in enumerate(modes):
+    times = [median_step(s["modes"][mode])["step_s"] for s in sizes]
+    c.bar([x + (m - (len(modes) - 1) / 2) * width for x in xs], times, width, label=mode)
+    for x, s in zip(xs, sizes, strict=True):
+      bpp = median_step(s["modes"][mode])["bytes_per_param"]
+      c.text(x + (m - (len(modes) - 1) / 2) * width, 0, f"{bpp:.0f} B/p", ha="center",
+             va="bottom", fontsize=7)  # fmt: skip
+  c.set_xticks(list(xs), names)
+  c.set_ylabel("s per step (forward, backward, update, commit)")
+  c.set_title("a step by update mode (median; bytes a param)")
+  c.legend(fontsize=8)
   _common.save_png(fig, path, suptitle=f"offlax.LayerStore, {result['environment_line']}")
+
+
+def median_step(run: dict[str, Any]) -> dict[str, Any]:
+  """The step of median time among a run's steps past the first (compiles), else the first."""
+  steps = sorted(run["steps"][1:] or run["steps"], key=lambda row: row["step_s"])
+  return steps[len(steps) // 2]
 
 
 def summary_table(result: dict[str, Any]) -> str:
@@ -211,6 +252,19 @@ def summary_table(result: dict[str, Any]) -> str:
       f"{s['io']['median_ratio']:.2f}x (goal >= 0.8); forward+backward "
       f"{last['forward_backward_s']:.1f} s; inspect exit {s['inspect']['returncode']}"
     )
+    for mode, run in s["modes"].items():
+      m = median_step(run)
+      lines.append(
+        f"  update={mode!r}: step {m['step_s']:.2f} s (forward+backward "
+        f"{m['forward_backward_s']:.2f} s, then {m['after_backward_s']:.2f} s to the commit), "
+        f"{m['bytes_per_param']:.1f} bytes "
+        f"a param a step (read {m['step_bytes_read'] / 1e9:.2f} GB, written "
+        f"{m['step_bytes_written'] / 1e9:.2f} GB), peak RSS {run['peak_rss_bytes'] / 1e9:.2f} GB"
+      )
+    if {"explicit", "backward"} <= set(s["modes"]):
+      ratio = (median_step(s["modes"]["backward"])["step_s"]
+               / median_step(s["modes"]["explicit"])["step_s"])  # fmt: skip
+      lines.append(f"  backward / explicit step time: {ratio:.2f}x (goal <= 0.7)")
   c = result.get("compiled")
   if c:
     d, h = c["layers_on_disk"], c["params_host"]
@@ -229,15 +283,17 @@ def main(argv=None) -> dict[str, Any]:
   parser.add_argument("--sizes", type=float, nargs="+", default=[0.5, 1.8], help="billions")
   parser.add_argument("--steps", type=int, default=3)
   parser.add_argument("--width", type=int, default=D, help="d (f = 1.375 d)")
-  parser.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
+  parser.add_argument("--child", nargs=6, help=argparse.SUPPRESS)
+  modes = ["explicit", "backward"]
+  parser.add_argument("--modes", nargs="+", default=modes, choices=modes, help="update= modes")
   parser.add_argument("--compile", default="a100-80gb", help="GPU target, or 'none' (a100-80gb)")
   _disk.add_raw_arguments(parser, raw_gib=4.0)
   _common.add_dir_argument(parser, "the stores and the raw-disk file")
   _common.add_out_argument(parser, "nvme_params")
   args = parser.parse_args(argv)
   if args.child:
-    path, n, steps, d, f = args.child
-    print(json.dumps(child(path, int(n), int(steps), int(d), int(f))))
+    path, n, steps, d, f, mode = args.child
+    print(json.dumps(child(path, int(n), int(steps), int(d), int(f), mode)))
     return {}
   d, f = args.width, int(args.width * 1.375) // 64 * 64
   need = max(args.sizes) * 1e9 * (2 * 14 + 2) * 1.05 + args.raw_gib * 2**30 * 2
@@ -257,7 +313,7 @@ def main(argv=None) -> dict[str, Any]:
       result["compiled"] = compiled(args.compile, workdir)
     result["raw"] = _disk.combine_raw([_disk.raw_pass(workdir, args, "before")])
     for b in args.sizes:
-      size = run_size(workdir, b, args.steps, d, f)
+      size = run_size(workdir, b, args.steps, d, f, args.modes)
       size["io"] = io_figures(size, result["raw"])
       result["sizes"].append(size)
   finally:

@@ -1,11 +1,12 @@
 """Trains a small `LayerStore` until killed (tests/test_layer_update.py's crash test).
 
-  python tests/layer_store_run.py PATH
+  python tests/layer_store_run.py PATH [UPDATE]
 
 Creates the store at PATH, or resumes it; prints "ready" once open, then steps
 forever: the gradients of batch `store.step`, then `update`, committing with
 the layers a "rest" of the model that says which step it is (`rest_of`), and
-prints "committed STEP" after each commit.
+prints "committed STEP" after each commit. UPDATE is the store's mode, ``explicit`` (the
+default) or ``backward`` (each layer updated in the backward pass, `update` commits).
 """
 
 import os
@@ -26,14 +27,14 @@ from test_layer_update import (  # noqa: E402
 import offlax  # noqa: E402
 
 
-def main(path):
+def main(path, update="explicit"):
   if os.path.exists(os.path.join(path, "layers.json")):
     store = offlax.LayerStore.open(
-      path, make_layers_like(), optimizer=run_optimizer(), progress=False
+      path, make_layers_like(), optimizer=run_optimizer(), progress=False, update=update
     )
   else:
     store = offlax.LayerStore.create(path, make_layers(jnp.float32), optimizer=run_optimizer(),
-                                     progress=False)  # fmt: skip
+                                     progress=False, update=update)  # fmt: skip
   print("ready", store.step, flush=True)
   while True:
     grad(store.source(), batch(store.step, jnp.float32))
@@ -42,4 +43,4 @@ def main(path):
 
 
 if __name__ == "__main__":
-  main(sys.argv[1])
+  main(*sys.argv[1:])

@@ -144,6 +144,12 @@ def test_nvme_params_benchmark_runs(tmp_path):
     assert size["inspect"]["returncode"] == 0 and "OK" in size["inspect"]["output"]
     assert size["peak_rss_bytes"] > 0 and size["io"]["median_ratio"] > 0
     assert size["steps"][-1]["loss"] < size["steps"][0]["loss"]
+    # update="backward": the same losses (bit for bit); no gradient written and read, nor
+    # the params read again (2 + 2 + 2 bytes a param).
+    explicit, backward = size["modes"]["explicit"]["steps"], size["modes"]["backward"]["steps"]
+    assert [r["loss"] for r in backward] == [r["loss"] for r in explicit]
+    for e, b in zip(explicit, backward, strict=True):
+      assert e["bytes_per_param"] - b["bytes_per_param"] > 5.9
   assert not list(tmp_path.glob("offlax-nvme-params-*"))  # the stores removed
 
 

@@ -126,6 +126,40 @@ def test_layers_on_disk_train_bit_for_bit(tmp_path, make_tx, dtype):
     assert nnx.state(model.layers[0], nnx.Param)["_offlax_token"][...] == 0.0
 
 
+def train_nnx(tmp_path, make_tx, dtype, update, steps=3):
+  """`steps` steps of the model with its layers in a store in mode `update`."""
+  model, store = on_store(tmp_path / update, make_tx(), dtype, update=update)
+  with store:
+    optimizer = nnx.Optimizer(model, offlax.offload(make_tx(), compute="host"), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, optimizer, x):
+      loss, grads = nnx.value_and_grad(lambda m: m(x))(model)
+      optimizer.update(model, grads)
+      return loss
+
+    losses = []
+    for i in range(steps):
+      losses.append(float(step(model, optimizer, batch(i, dtype))))
+      rest = nnx.state(model, nnx.All(nnx.Param, nnx.Not(offlax.LayerToken)))
+      assert store.update(rest={"params": rest, "optimizer": nnx.state(optimizer)}) == i + 1
+    return losses, store.read_params(), store.read_state()
+
+
+@pytest.mark.slow
+def test_update_in_the_backward_pass_trains_bit_for_bit(tmp_path):
+  """`update="backward"`: the same params and state as the explicit `update()`, and as optax."""
+  make_tx, dtype = lambda: offlax.master_weights(optax.adamw(1e-2, weight_decay=0.1)), jnp.bfloat16
+  want_losses, want = reference(make_tx(), 3, dtype)
+  losses, params, state = train_nnx(tmp_path, make_tx, dtype, "backward")
+  assert losses == want_losses
+  assert_bits(params, want)
+  e_losses, e_params, e_state = train_nnx(tmp_path, make_tx, dtype, "explicit")
+  assert losses == e_losses
+  assert_bits(params, e_params)
+  assert_bits(state, e_state)
+
+
 def test_accumulate_adds_microbatch_gradients(tmp_path):
   model, store = on_store(tmp_path, optax.sgd(0.1), jnp.float32)
   plain = Model(nnx.Rngs(0))

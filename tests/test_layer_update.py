@@ -279,10 +279,14 @@ def test_init_layer_writes_a_layer_at_a_time(tmp_path):
 
 
 @pytest.mark.slow
-def test_killed_at_any_moment_resumes_params_and_state_of_one_step(tmp_path):
-  """SIGKILL at random moments (mid-backward, mid-update, mid-commit): always one whole step."""
+@pytest.mark.parametrize("update", ["explicit", "backward"])
+def test_killed_at_any_moment_resumes_params_and_state_of_one_step(tmp_path, update):
+  """SIGKILL at random moments (mid-backward, mid-update, mid-commit): always one whole step.
+
+  With ``update="backward"`` the kills land in the backward pass's updates too.
+  """
   path, rng = str(tmp_path / "s"), np.random.default_rng(0)
-  cmd = [sys.executable, os.path.join(HERE, "layer_store_run.py"), path]
+  cmd = [sys.executable, os.path.join(HERE, "layer_store_run.py"), path, update]
   steps = []
   for _ in range(4):
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)

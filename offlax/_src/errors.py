@@ -94,6 +94,19 @@ class GradientsOverwrittenWarning(UserWarning):
   """
 
 
+class StepNotCommittedWarning(UserWarning):
+  """A `LayerStore(update="backward")` step was committed late (by the next read) or dropped.
+
+  Its layers were updated in the backward pass and ``store.update()`` did not
+  commit them before the next pass read the layers (then they are committed
+  without ``rest``), or before ``close`` (then they are dropped).
+  """
+
+
+class IncompleteStepError(OffloadError, RuntimeError):
+  """A `LayerStore(update="backward")` step lacks layers: nothing to commit, nothing committed."""
+
+
 class CheckpointNotFoundError(OffloadError, FileNotFoundError):
   """A Hugging Face checkpoint folder, or a shard its index names, is missing."""
 

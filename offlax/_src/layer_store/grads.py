@@ -22,6 +22,12 @@ from offlax._src.layer_store.slots import Slots
 from offlax._src.nvme.pipeline import wait_for_dispatched_steps
 
 
+def add(old: np.ndarray, new: np.ndarray) -> np.ndarray:
+  """A micro-step's gradient `new` added into the sum so far, `old` (the one expression: the
+  update in the backward pass adds the last micro-step's alike)."""
+  return old + new
+
+
 class GradientWriter:
   """The gradients of the layers, written behind compute into a store's slots.
 
@@ -35,10 +41,11 @@ class GradientWriter:
     self._writer = concurrent.futures.ThreadPoolExecutor(1, "offlax-grads")
     self._pending: collections.deque[concurrent.futures.Future] = collections.deque()
 
-  def put(self, accumulate: bool, i: Any, *grads: np.ndarray) -> np.ndarray:
+  def put(self, accumulate: bool | str, i: Any, *grads: np.ndarray) -> np.ndarray:
     """Layer `i`'s gradients (a callback): copied out, written behind compute."""
     i = int(i)
-    self._ledger.written(i, accumulate, self._step())  # warns where unused ones are overwritten
+    # warns where unused ones are overwritten
+    self._ledger.written(i, bool(accumulate), self._step())
     records = self._slots.records
     slots = [files.to_slot(np.asarray(g), r["slot"]) for g, r in zip(grads, records, strict=True)]
     while len(self._pending) >= self.queued:
@@ -49,6 +56,10 @@ class GradientWriter:
   def flush(self) -> None:
     """Waits for the steps dispatched so far and their gradient writes; raises a failed write."""
     wait_for_dispatched_steps()  # a jitted backward pass returns before its callbacks run
+    self.wait_writes()
+
+  def wait_writes(self) -> None:
+    """Waits for the gradient writes queued (not for the steps: from a callback too)."""
     while self._pending:
       self._pending.popleft().result()
 
@@ -66,12 +77,12 @@ class GradientWriter:
     """Waits for the writes queued."""
     self._writer.shutdown(wait=True)
 
-  def _store(self, accumulate: bool, i: int, slots: list[np.ndarray]) -> None:
+  def _store(self, accumulate: bool | str, i: int, slots: list[np.ndarray]) -> None:
     for k, slot in enumerate(slots):
       if accumulate:
         r = self._slots.records[k]
         count = int(np.prod(r["shape"], dtype=np.int64)) * np.dtype(r["dtype"]).itemsize
         old = self._slots.read_slot("grads", 0, k, i)
         new = slot[:count].view(old.dtype).reshape(old.shape)
-        new[...] = old + new
+        new[...] = add(old, new)
       self._slots.write_raw("grads", 0, k, i, slot)

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from offlax._src import errors
-from offlax._src.layer_store import files, guards
+from offlax._src.layer_store import backward, files, guards
 from offlax._src.layer_store.commits import Commits
 from offlax._src.layer_store.slots import Slots, write_initial
 
@@ -35,6 +35,7 @@ def create(
   fsync: bool,
   progress: bool,
   layers_path: str | None,
+  update: str = "explicit",
 ) -> Any:
   """`LayerStore.create` (`cls`): its checks, the files, the layers written, the manifest."""
   records, n, treedef = files.layer_records(layers)
@@ -47,6 +48,7 @@ def create(
       "LayerStore.create: init_layer= makes the layers; pass them as jax.ShapeDtypeStructs."
     )
   state_records, state_treedef = guards.optimizer_state(optimizer, layers, path)
+  update = backward.check_mode(update, optimizer, "LayerStore.create")
   guards.check_folder(path)
   manifest = {
     "format": files.FORMAT, "version": files.VERSION, "n_layers": n, "leaves": records,
@@ -60,7 +62,8 @@ def create(
     files.make_files(path, manifest, reserve=init_layer is not None or not any(abstract))
     commits = Commits(path, manifest, fsync)
     parts = Slots(path, records, state_records, commits)  # under the store's lock
-    store = _open(cls, parts, treedef, optimizer, state_treedef, parts, commits, pool, progress)
+    store = _open(cls, parts, treedef, optimizer, state_treedef, parts, commits, pool, progress,
+                  update)  # fmt: skip
     try:
       if init_layer is not None:
         write_initial(parts, treedef, optimizer, init_layer, progress)
@@ -90,6 +93,7 @@ def open_store(
   pool_bytes: int | None,
   fsync: bool,
   progress: bool,
+  update: str = "explicit",
 ) -> Any:
   """`LayerStore.open` (`cls`): the manifest and files checked, at `step` if given."""
   manifest = files.read_manifest(path)
@@ -100,11 +104,13 @@ def open_store(
     )
   records = files.check_records(path, "param", manifest["leaves"], records)
   state_records, state_treedef = guards.optimizer_state(optimizer, like, path, manifest)
+  update = backward.check_mode(update, optimizer, "LayerStore.open")
   manifest["layers_path"] = guards.opened_path(path, manifest, like)
   pool = files.pool_size(sum(r["slot"] for r in records), pool_layers, pool_bytes)
   commits = Commits(path, manifest, fsync)
   parts = Slots(path, records, state_records, commits)  # under the store's lock
-  store = _open(cls, parts, treedef, optimizer, state_treedef, parts, commits, pool, progress)
+  store = _open(cls, parts, treedef, optimizer, state_treedef, parts, commits, pool, progress,
+                update)  # fmt: skip
   try:
     parts.check_sizes()
     if step is not None and step != commits.step:

@@ -10,6 +10,7 @@ gradients (`checks`); each read checks it.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -32,6 +33,8 @@ class Slots:
     state_records: the same per optimizer state leaf (none without an optimizer).
     n_layers: the number of layers.
     layer_bytes: one layer's param slots, in bytes.
+    bytes_read: the bytes of the slots read since opened (of every kind).
+    bytes_written: the same, written.
   """
 
   def __init__(self, path: str, records: list[dict], state_records: list[dict], commits: Commits):
@@ -42,6 +45,8 @@ class Slots:
     self._fds: dict[tuple[str, int], list[int]] = {}
     self._grad_crcs: list[list[int | None]] = [[checks.UNKNOWN] * self.n_layers for _ in records]
     self._lock_fd: int | None = None
+    self.bytes_read = self.bytes_written = 0
+    self._tally = threading.Lock()  # the counters: reads and writes come from several threads
     try:
       self._lock_fd = files.lock_store(path)
       for kind, gen in self._files():
@@ -123,6 +128,8 @@ class Slots:
       raise errors.StoreError(
         e.errno, f"LayerStore: cannot read layer {i} of {kind} leaf {r['path']}: {e}"
       ) from e
+    with self._tally:
+      self.bytes_read += r["slot"]
     at = checks.slot_at(records, k, i)
     want = self._grad_crcs[k][i] if kind == "grads" else self._commits.crcs(gen)[kind][at]
     if want is not checks.UNKNOWN and (got := checks.crc(buffer)) != want:
@@ -154,6 +161,8 @@ class Slots:
       self._grad_crcs[k][i] = checks.crc(slot)
     else:  # checked on every read, and by `offlax.inspect_store(verify=True)`
       self._commits.crcs(gen)[kind][checks.slot_at(records, k, i)] = checks.crc(slot)
+    with self._tally:
+      self.bytes_written += r["slot"]
     try:
       pwrite_all(self._fds[kind, 0 if kind == "grads" else gen][k], [slot], i * r["slot"])
     except OSError as e:

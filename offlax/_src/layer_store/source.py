@@ -4,7 +4,8 @@ The scan runs over the layer index, and its body reads layer i by a
 `jax.pure_callback` whose results (one layer's leaves) land in device memory.
 The read is a `jax.custom_vjp`: its backward rule hands layer i's gradient to
 the store by an unordered `io_callback` (the store writes it behind, or adds
-it into what is there with ``accumulate``) and returns, as the cotangent of the
+it into what is there with ``accumulate``; ``"last"``: the last micro-step, see
+`backward`) and returns, as the cotangent of the
 source's token (a zero per layer, the source's only pytree leaf), the zero that
 callback returns: the hand-off is a dependency of the gradient the caller
 gets, so no pass drops it, and the gradients never form a model-sized buffer.
@@ -29,7 +30,7 @@ class LayerSource:
   gradient is zeros that depend on those writes.
   """
 
-  def __init__(self, token: Any, store: Any, accumulate: bool):
+  def __init__(self, token: Any, store: Any, accumulate: bool | str):
     self.token, self.store, self.accumulate = token, store, accumulate
 
   def tree_flatten(self):
@@ -57,7 +58,7 @@ def _fetch_callback(store: Any, i, token):
   )
 
 
-def _read(store: Any, accumulate: bool, i, token):
+def _read(store: Any, accumulate: bool | str, i, token):
   @jax.custom_vjp
   def read(i, token):
     return _fetch_callback(store, i, token)

@@ -22,6 +22,7 @@ import concurrent.futures
 import errno
 import threading
 import time
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
@@ -179,7 +180,15 @@ def layer_update(optimizer: Any, treedef: Any, records: list[dict]) -> list[Leaf
 
 
 def run(
-  slots: Slots, updates: list[LeafUpdate], gen: int, target: int, *, step: int, show: bool
+  slots: Slots,
+  updates: list[LeafUpdate],
+  gen: int,
+  target: int,
+  *,
+  step: int,
+  show: bool,
+  layers: Sequence[int] | None = None,
+  handed: Callable[[int, int], tuple[np.ndarray, np.ndarray]] | None = None,
 ) -> Stats:
   """Updates every layer of a store's `slots` from generation `gen` into `target`, as `step`.
 
@@ -189,10 +198,16 @@ def run(
   runs on the CPU; its new param and state are written by as many threads, at
   most two units queued while the next computes. A layer's shared state (the
   step count) is read with its first leaf and written with it.
+
+  `layers` is the order (default 0, 1, ...); `handed(i, k)`, where given, is leaf `k` of
+  layer `i`'s gradient and param, waited for, in place of the store's gradient and param
+  slots (the update in the backward pass, `backward.BackwardStep`: the gradient handed off,
+  the param as the backward pass read it; the same units, the same update function).
   """
   cpu = jax.devices("cpu")[0]  # the host's compute, whatever the default device
-  n, nk = slots.n_layers, len(slots.records)
-  units = [(i, k) for i in range(n) for k in range(nk)]
+  nk = len(slots.records)
+  order = list(range(slots.n_layers) if layers is None else layers)
+  units = [(i, k) for i in order for k in range(nk)]
   ahead = AHEAD
   lock = threading.Lock()
   tally: collections.defaultdict[str, float] = collections.defaultdict(float)
@@ -209,7 +224,8 @@ def run(
     slot = lambda kind, g, j: pool.submit(timed, "read", slots.read_slot, kind, g, j, i)
     shared = updates[k].shared if k == 0 else []
     return [
-      [slot("params", gen, k)], [slot("grads", 0, k)],
+      [slot("params", gen, k)] if handed is None else [],
+      [slot("grads", 0, k)] if handed is None else [],
       [slot("state", gen, j) for j in updates[k].owned], [slot("state", gen, j) for j in shared],
     ]  # fmt: skip
 
@@ -230,12 +246,14 @@ def run(
     writes: collections.deque[list[concurrent.futures.Future]] = collections.deque()
     shared: list[Any] = []
     try:
-      for i in progress(range(n), show, moved_bytes(slots), f"offlax: updating {slots.path}"):
+      desc = f"offlax: updating {slots.path}"
+      for j, i in enumerate(progress(order, show, moved_bytes(slots), desc)):
         for k in range(nk):
-          u = i * nk + k
-          [p], [g], owned, got = [[f.result() for f in futures] for futures in reads.pop(u)]
+          u = j * nk + k
+          ps, gs, owned, got = [[f.result() for f in futures] for futures in reads.pop(u)]
           shared = got if k == 0 else shared
-          tally["read_bytes"] += sum(x.nbytes for x in [p, g, *owned, *got])
+          tally["read_bytes"] += sum(x.nbytes for x in [*ps, *gs, *owned, *got])
+          g, p = (gs[0], ps[0]) if handed is None else handed(i, k)
           if u + ahead < len(units):
             reads[u + ahead] = read(readers, u + ahead)
           t = time.perf_counter()

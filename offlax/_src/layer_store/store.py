@@ -32,11 +32,15 @@ one writer thread (at most ``pool_layers`` layers queued), added into the
 store's with ``source(accumulate=True)``. `update` and the read helpers wait
 for those writes first.
 
+With ``update="backward"`` (`backward`) the gradients are not written: each
+layer is updated in the backward pass as its gradient reaches the host, into
+the free generation, and `update` commits.
+
 `LayerStore` is the facade of its parts, one job each: `slots.Slots` (its open
 files, a slot read and written checked), `commits.Commits` (the manifest, the
 committed step), `read_ahead.ReadAhead` (the model's reads),
 `grads.GradientWriter` (the gradients' hand-off) and `step.LayerStep` (the
-optimizer's step); `opening` makes and opens a store.
+optimizer's step), or `backward.BackwardStep` for both; `opening` makes and opens a store.
 """
 
 from __future__ import annotations
@@ -50,11 +54,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from offlax._src import errors
-from offlax._src.layer_store import opening
+from offlax._src.layer_store import backward, opening
 from offlax._src.layer_store import rest as layer_rest
 from offlax._src.layer_store import step as layer_step
 from offlax._src.layer_store.commits import Commits
-from offlax._src.layer_store.grads import GradientWriter
 from offlax._src.layer_store.read_ahead import ReadAhead
 from offlax._src.layer_store.slots import Slots
 from offlax._src.layer_store.source import LayerSource
@@ -67,7 +70,32 @@ def _held(where: str, doc: str, settable: bool = False) -> Any:
   return property(operator.attrgetter(where), set_it, doc=doc)
 
 
-class LayerStore:
+class _Parts:
+  """What a `LayerStore`'s parts hold, as its properties: read-only but `generation` and `kept`
+  (`load_safetensors` commits them)."""
+
+  _commits: Commits
+  _slots: Slots
+  _reads: ReadAhead
+
+  manifest: dict = _held("_commits.manifest", "The manifest as in memory (``layers.json``).")
+  fsync: bool = _held("_commits.fsync", "Whether a commit flushes the step's files first.")
+  generations: int = _held("_commits.generations", "Copies of params and state (``keep + 1``).")
+  step: int = _held("_commits.step", "The committed step (0 after `create`).")
+  generation: int = _held("_commits.generation", "The committed step's generation.", True)
+  kept: list[tuple[int, int]] = _held("_commits.kept", "(step, gen)s kept, newest first.", True)
+  n_layers: int = _held("_slots.n_layers", "The number of layers.")
+  records: list[dict] = _held("_slots.records", "Per param leaf: path, shape, dtype, slot bytes.")
+  state_records: list[dict] = _held("_slots.state_records", "The same per optimizer state leaf.")
+  layer_bytes: int = _held("_slots.layer_bytes", "One layer's param slots, in bytes.")
+  pool_layers: int = _held("_reads.pool_layers", "The most layers the model's reads hold in RAM.")
+  peak_held: int = _held("_reads.peak_held", "The most layers the reads held at once (tests).")
+  layers_path: str | None = _held("_commits.layers_path", "The model list of the layers, or None.")
+  bytes_read: int = _held("_slots.bytes_read", "Bytes read from the store's files since opened.")
+  bytes_written: int = _held("_slots.bytes_written", "Bytes written to its files since opened.")
+
+
+class LayerStore(_Parts):
   """A stacked layer pytree's params, gradients and optimizer state on disk.
 
   Make one with `LayerStore.create` or `LayerStore.open`; use it as a context manager or `close`
@@ -82,6 +110,7 @@ class LayerStore:
     kept: the committed steps on disk, newest first.
     pool_layers: the most layers held in RAM by the model's reads.
     last_update: what the last `update` moved and how long it took, or None.
+    update_mode: where the optimizer runs, ``"explicit"`` or ``"backward"`` (`create`).
     peak_held: the most layers the reads held at once so far (for tests).
 
   Example:
@@ -100,37 +129,22 @@ class LayerStore:
   """
 
   def __init__(self, treedef: Any, optimizer: Any, state_treedef: Any, slots: Slots,
-               commits: Commits, pool_layers: int, progress: bool):  # fmt: skip
+               commits: Commits, pool_layers: int, progress: bool,
+               update: str = "explicit"):  # fmt: skip
     self.path, self.treedef, self.optimizer = slots.path, treedef, optimizer
-    self.state_treedef, self.progress = state_treedef, progress
+    self.state_treedef, self.progress, self.update_mode = state_treedef, progress, update
     self.last_update: layer_step.Stats | None = None
     self._slots, self._commits = slots, commits
-    self._update: layer_step.LayerStep | None = None
-    if optimizer is not None:
-      self._update = layer_step.LayerStep(optimizer, treedef, slots, commits, progress)
     self._reads = ReadAhead(lambda i: self.read_layer(i), slots.n_layers, pool_layers)
-    self._grads = GradientWriter(slots, pool_layers, lambda: self.step, optimizer is not None)
-
-  # What its parts hold, read-only but `generation` and `kept` (`load_safetensors` commits them).
-  manifest: dict = _held("_commits.manifest", "The manifest as in memory (``layers.json``).")
-  fsync: bool = _held("_commits.fsync", "Whether a commit flushes the step's files first.")
-  generations: int = _held("_commits.generations", "Copies of params and state (``keep + 1``).")
-  step: int = _held("_commits.step", "The committed step (0 after `create`).")
-  generation: int = _held("_commits.generation", "The committed step's generation.", True)
-  kept: list[tuple[int, int]] = _held("_commits.kept", "(step, gen)s kept, newest first.", True)
-  n_layers: int = _held("_slots.n_layers", "The number of layers.")
-  records: list[dict] = _held("_slots.records", "Per param leaf: path, shape, dtype, slot bytes.")
-  state_records: list[dict] = _held("_slots.state_records", "The same per optimizer state leaf.")
-  layer_bytes: int = _held("_slots.layer_bytes", "One layer's param slots, in bytes.")
-  pool_layers: int = _held("_reads.pool_layers", "The most layers the model's reads hold in RAM.")
-  peak_held: int = _held("_reads.peak_held", "The most layers the reads held at once (tests).")
-  layers_path: str | None = _held("_commits.layers_path", "The model list of the layers, or None.")
+    self._update, self._grads = backward.step_parts(
+      update, optimizer, treedef, slots, commits, pool_layers, progress, self.drop_read_ahead
+    )
 
   @classmethod
   def create(cls, path: str, layers: Any, *, optimizer: Any = None, keep: int = 1,
              init_layer: Callable[[int], Any] | None = None, pool_layers: int | None = 2,
              pool_bytes: int | None = None, fsync: bool = True, progress: bool = True,
-             layers_path: str | None = None) -> LayerStore:  # fmt: skip
+             layers_path: str | None = None, update: str = "explicit") -> LayerStore:  # fmt: skip
     """Writes the stacked `layers` (and `optimizer.init` of each layer) into a new store.
 
     Args:
@@ -153,6 +167,9 @@ class LayerStore:
       layers_path: the model's list the layers are, as ``"encoder"`` names ``model.encoder``,
         recorded for `offload_params(model, store=)`; default: the list
         ``offlax.stack_layers(model, path)`` stacked.
+      update: ``"explicit"``: `update()` runs the optimizer after the backward pass, from the
+        gradients written to disk; ``"backward"``: each layer is updated as its gradient
+        reaches the host, never written, `update()` commits (`backward`). Not recorded.
 
     Returns:
       The open store, at step 0.
@@ -161,18 +178,18 @@ class LayerStore:
       StoreExistsError: `path` holds a layer store (`LayerStore.open` it).
       NotAStoreError: `path` holds other files.
       TransformationTypeError: the optimizer is wrapped by `offlax.offload`.
-      InvalidOptionError: the pool cannot hold one layer, or the optimizer
-        couples elements of a leaf (its update cannot run a layer at a time).
+      InvalidOptionError: the pool cannot hold one layer, the optimizer couples elements of
+        a leaf (its update cannot run a layer at a time), or `update` is not a mode.
       StoreError: the disk has no room for the store.
     """
     return opening.create(cls, path, layers, optimizer=optimizer, keep=keep, init_layer=init_layer,
                           pool_layers=pool_layers, pool_bytes=pool_bytes, fsync=fsync,
-                          progress=progress, layers_path=layers_path)  # fmt: skip
+                          progress=progress, layers_path=layers_path, update=update)  # fmt: skip
 
   @classmethod
   def open(cls, path: str, like: Any, *, optimizer: Any = None, step: int | None = None,
            pool_layers: int | None = 2, pool_bytes: int | None = None, fsync: bool = True,
-           progress: bool = True) -> LayerStore:  # fmt: skip
+           progress: bool = True, update: str = "explicit") -> LayerStore:  # fmt: skip
     """Opens the store at `path`, checked against `like` (and `optimizer`).
 
     Args:
@@ -184,7 +201,7 @@ class LayerStore:
       step: the step the caller's other state is at (e.g. a checkpoint of the rest of the
         model): a kept step is made current again, dropping the steps after it; another raises
         `StoreMismatchError`. None: the committed step.
-      pool_layers: as for `create`, and so are pool_bytes, fsync and progress.
+      pool_layers: as for `create`, and so are pool_bytes, fsync, progress and update.
 
     Raises:
       StoreError: no store at `path`.
@@ -195,7 +212,7 @@ class LayerStore:
     """
     return opening.open_store(cls, path, like, optimizer=optimizer, step=step,
                               pool_layers=pool_layers, pool_bytes=pool_bytes, fsync=fsync,
-                              progress=progress)  # fmt: skip
+                              progress=progress, update=update)  # fmt: skip
 
   def close(self) -> None:
     """Waits for the gradient writes, ends the reads and closes the files."""
@@ -212,17 +229,20 @@ class LayerStore:
   def __repr__(self) -> str:
     return f"LayerStore({self.path!r}, n_layers={self.n_layers}, step={self.step})"
 
-  def source(self, *, accumulate: bool = False) -> LayerSource:
+  def source(self, *, accumulate: bool = False, last: bool = False) -> LayerSource:
     """What `scan_layers` takes in place of the stacked layers.
 
     Differentiate with respect to it (``jax.grad(loss)(source, ...)``) to write
     the layers' gradients into the store; its own gradient is a zero token.
 
     Args:
-      accumulate: add each gradient into the store's (gradient accumulation;
-        `zero_grads` starts afresh), instead of overwriting it.
+      accumulate: add each gradient into the store's (gradient accumulation; `zero_grads`
+        starts afresh), instead of overwriting it.
+      last: with ``accumulate``, the last micro-step: with ``update="backward"`` each layer is
+        updated as its gradient's sum is known (`backward`); else the same as ``accumulate``.
     """
-    return LayerSource(jnp.zeros((self.n_layers,), jnp.float32), self, accumulate)
+    kind = backward.hand_off(accumulate, last, self.path)
+    return LayerSource(jnp.zeros((self.n_layers,), jnp.float32), self, kind)
 
   def avals(self) -> list[jax.ShapeDtypeStruct]:
     """One layer's leaves, as shapes and dtypes."""
@@ -238,6 +258,7 @@ class LayerStore:
 
   def read_grads(self) -> Any:
     """All the gradients, stacked as the params are (for small models)."""
+    backward.refuse(self.update_mode, "read_grads()", self.path)
     self.flush_grads()
     return self._slots.stacked("grads", self.generation, self.treedef)
 
@@ -266,10 +287,15 @@ class LayerStore:
     self._grads.zero()
 
   def fetch(self, i: Any) -> list[np.ndarray]:
-    """Layer `i` for the scan (a callback): from the pool, reading the next layers ahead."""
+    """Layer `i` for the scan (a callback): from the pool, reading the next layers ahead.
+
+    With ``update="backward"``, a step updated and not committed is committed first (warning).
+    """
+    if isinstance(self._grads, backward.BackwardStep):  # kept: the update's params
+      return self._grads.read(i, self._reads.fetch)
     return self._reads.fetch(i)
 
-  def put_grads(self, accumulate: bool, i: Any, *grads: np.ndarray) -> np.ndarray:
+  def put_grads(self, accumulate: bool | str, i: Any, *grads: np.ndarray) -> np.ndarray:
     """Layer `i`'s gradients (a callback): copied out, written behind compute."""
     return self._grads.put(accumulate, i, *grads)
 
@@ -282,7 +308,8 @@ class LayerStore:
 
     Waits for the gradient writes, then reads params, gradients and state a layer at a time,
     runs the optimizer on the host CPU, writes the new params and state into a free generation
-    and commits them together (`step.LayerStep`).
+    and commits them together (`step.LayerStep`). ``update="backward"``: waits for the
+    backward pass's updates (`backward.BackwardStep`), commits.
 
     Args:
       rest: a pytree of arrays committed with the layers, of the same step: the rest of the
@@ -294,6 +321,7 @@ class LayerStore:
 
     Raises:
       InvalidOptionError: the store is open without an optimizer.
+      IncompleteStepError: ``update="backward"``, and no backward pass handed off every layer.
       StoreError: a read or write failed (a full disk: ``errno.ENOSPC``); nothing was
         committed, the store still holds the step before, and `update` may be called again.
       StoreCorruptedError: a slot read does not match its checksum; nothing

@@ -1,0 +1,407 @@
+"""The update in the backward pass (`LayerStore.create(..., update="backward")`).
+
+As ZeRO-Infinity's overlapped step and LoHan's active gradient offloading: the
+backward pass hands each layer's gradient to the host (`LayerStore.put_grads`,
+layers L-1, ..., 0), and rather than writing it to disk for a later `update`,
+a worker thread updates that layer at once: the same `step.run` over the same
+units with the same jitted update functions as `update()` (so the result is
+the same to the bit), its master and moments read ahead in the backward pass's
+order while the device computes the layers above, its new params and state
+written into the free generation behind. The gradient never touches the disk,
+and the layer's params are taken as the backward pass read them (`BackwardStep.read`):
+30 bytes a parameter a step with an fp32 master and Adam, against 36.
+
+The step commits at its end, by the same manifest rename (`commits`), after
+its last layer: `update(rest=...)` waits for the worker and commits; a kill
+before leaves the last committed step whole. The step's end must come before
+the next step's forward pass reads the layers: a read that finds a step whose
+layers are all updated and not committed commits it first (without ``rest``)
+and warns (`StepNotCommittedWarning`), so a forgotten `update()` is never
+silent, and the forward pass always reads committed layers. `close` drops a
+step not committed, and warns.
+
+RAM: the gradients of at most ``queued`` layers wait for the worker (the
+backward pass waits beyond: the device's hand-off blocks), the params of at
+most ``queued + 2`` layers as the model read them, plus `step.run`'s leaves in
+flight.
+
+Gradient accumulation: the micro-steps before the last
+(``source(accumulate=True)``) add their gradients into those on disk, as in
+the ``"explicit"`` mode (`grads.GradientWriter`, RAM bounded alike); the
+last (``source(accumulate=True, last=True)``) hands each layer's gradient to
+the worker, which adds the sum on disk to it (the same expression,
+`grads.add`) and updates the layer at once: the sum is never written.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import errno
+import threading
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from offlax._src import errors
+from offlax._src.layer_store import grads as grads_lib
+from offlax._src.layer_store import rest as layer_rest
+from offlax._src.layer_store import step as layer_step
+from offlax._src.layer_store.commits import Commits
+from offlax._src.layer_store.grads import GradientWriter
+from offlax._src.layer_store.slots import Slots
+
+MODES = ("explicit", "backward")
+
+
+def check_mode(update: Any, optimizer: Any, where: str) -> str:
+  """`update` if it is a mode the store can run with `optimizer`, else `InvalidOptionError`."""
+  if update not in MODES:
+    raise errors.InvalidOptionError(
+      f"{where}: update={update!r}; choose update='explicit' (store.update() runs the "
+      "optimizer after the backward pass) or update='backward' (each layer updated as its "
+      "gradient reaches the host, store.update() commits)."
+    )
+  if update == "backward" and optimizer is None:
+    raise errors.InvalidOptionError(
+      f"{where}: update='backward' updates each layer in the backward pass with the store's "
+      "optimizer, and none was given: pass optimizer= (an elementwise optax transformation, "
+      "e.g. offlax.master_weights(offlax.adamw(1e-3))), or leave update='explicit'."
+    )
+  return update
+
+
+def refuse(mode: str, what: str, path: str) -> None:
+  """Refuses `what` (a use of the gradients on disk) in the ``"backward"`` mode, which has none."""
+  if mode == "backward":
+    raise errors.InvalidOptionError(
+      f"LayerStore {path}: {what} needs the gradients on disk, and update='backward' keeps "
+      "none (each layer is updated as its gradient arrives; only accumulation's micro-steps "
+      "before the last add theirs there). To read the gradients, open the store with "
+      "update='explicit' (the default): LayerStore.open(path, like, optimizer=tx)."
+    )
+
+
+def hand_off(accumulate: bool, last: bool, path: str) -> bool | str:
+  """What `LayerStore.source(accumulate=, last=)` asks of the hand-off: False, True or "last"."""
+  if last and not accumulate:
+    raise errors.InvalidOptionError(
+      f"LayerStore {path}: source(last=True) ends a gradient accumulation: pass "
+      "source(accumulate=True, last=True) for the last micro-step, source(accumulate=True) "
+      "for those before (store.zero_grads() first), or neither for a step of one batch."
+    )
+  return "last" if last else bool(accumulate)
+
+
+def step_parts(
+  update: str, optimizer: Any, treedef: Any, slots: Slots, commits: Commits, queued: int,
+  progress: bool, drop_reads: Callable[[], None],
+) -> tuple[Any, Any]:  # fmt: skip
+  """A store's step (`update()`'s, or None) and what takes the backward pass's gradients.
+
+  ``"explicit"``: `step.LayerStep` and `grads.GradientWriter`; ``"backward"``: one
+  `BackwardStep` for both.
+  """
+  writer = GradientWriter(slots, queued, lambda: commits.step, optimizer is not None)
+  if update == "backward":  # the writer for accumulation's micro-steps
+    both = BackwardStep(optimizer, treedef, slots, commits, writer, drop_reads)
+    return both, both
+  step = None
+  if optimizer is not None:
+    step = layer_step.LayerStep(optimizer, treedef, slots, commits, progress)
+  return step, writer
+
+
+class _Aborted(Exception):
+  """The step in flight was dropped: its worker stops waiting for gradients."""
+
+
+class Handoff:
+  """The gradients handed off by the backward pass, in its order, until the worker takes them."""
+
+  def __init__(self, n_layers: int, queued: int):
+    self._n, self._queued = n_layers, queued
+    self._cond = threading.Condition()
+    self._layers: dict[int, list[np.ndarray]] = {}
+    self._next, self._aborted = n_layers - 1, False
+    self.last = False  # the step ends an accumulation: its gradients add to those on disk
+
+  def start(self, last: bool) -> None:
+    """A new step (`last`: of an accumulation): layer L-1's gradient comes first."""
+    with self._cond:
+      self._layers, self._next, self._aborted, self.last = {}, self._n - 1, False, last
+
+  @property
+  def complete(self) -> bool:
+    """Whether every layer's gradient has arrived."""
+    return self._next < 0
+
+  @property
+  def started(self) -> bool:
+    """Whether some layer's gradient has arrived."""
+    return self._next < self._n - 1
+
+  def put(self, i: int, leaves: list[np.ndarray]) -> None:
+    """Layer `i`'s gradient, waiting while ``queued`` layers wait for the worker."""
+    with self._cond:
+      if i != self._next:
+        self._aborted = True
+        self._cond.notify_all()
+        raise errors.InvalidOptionError(
+          f"LayerStore(update='backward'): layer {i}'s gradient reached the host where layer "
+          f"{self._next}'s was due; this mode updates the layers in the backward pass's order "
+          "(L-1 down to 0, as offlax.scan_layers and offload_params hand them off). Nothing "
+          "was committed. Open the store with update='explicit' for another order."
+        )
+      while len(self._layers) >= self._queued and not self._aborted:
+        self._cond.wait()
+      if not self._aborted:
+        self._layers[i] = leaves
+      self._next -= 1
+      self._cond.notify_all()
+
+  def take(self, i: int, k: int) -> np.ndarray:
+    """Leaf `k` of layer `i`'s gradient, waited for; the layer dropped after its last leaf."""
+    with self._cond:
+      while i not in self._layers and not self._aborted:
+        self._cond.wait()
+      if self._aborted:
+        raise _Aborted
+      leaves = self._layers[i]
+      if k == len(leaves) - 1:
+        del self._layers[i]
+        self._cond.notify_all()
+      return leaves[k]
+
+  def abort(self) -> None:
+    """Stops the worker's waits and drops the gradients queued."""
+    with self._cond:
+      self._aborted, self._layers = True, {}
+      self._cond.notify_all()
+
+
+class KeptReads:
+  """The layers' params the model read last (a few), for the update to take them (`take`)."""
+
+  def __init__(self, keep: int):
+    self._keep, self._lock = keep, threading.Lock()  # its own lock: see `BackwardStep._lock`
+    self._layers: collections.OrderedDict[int, list[np.ndarray]] = collections.OrderedDict()
+
+  def put(self, i: int, leaves: list[np.ndarray]) -> None:
+    """Layer `i` as the model read it; the oldest dropped beyond ``keep`` (RAM bounded)."""
+    with self._lock:
+      self._layers[i] = leaves
+      self._layers.move_to_end(i)
+      while len(self._layers) > self._keep:  # the forward pass's
+        self._layers.popitem(last=False)
+
+  def take(self, i: int, k: int) -> np.ndarray | None:
+    """Leaf `k` of layer `i`, or None (not kept); the layer dropped after its last leaf."""
+    with self._lock:
+      leaves = self._layers.get(i)
+      if leaves is not None and k == len(leaves) - 1:
+        del self._layers[i]
+    return None if leaves is None else leaves[k]
+
+  def clear(self) -> None:
+    """Forgets them all (a commit: they are of the generation before)."""
+    with self._lock:
+      self._layers.clear()
+
+
+class BackwardStep:
+  """The layers' update in the backward pass, committed at the step's end (module docstring).
+
+  It takes the place of both the gradient writer (`put`, `flush`, `used`, `zero`, `close`)
+  and `update()`'s step (calling it commits the step in flight).
+
+  Args:
+    optimizer: the elementwise optax transformation (`step.check_elementwise`).
+    treedef: one layer's tree structure.
+    slots: the store's open files.
+    commits: the store's manifest and committed step.
+    writer: the gradients' writer, for accumulation's micro-steps before the last (its
+      ``queued``: the most layers' gradients waiting for the worker too).
+    drop_reads: forgets the model's layers read ahead (before a commit).
+  """
+
+  def __init__(self, optimizer: Any, treedef: Any, slots: Slots, commits: Commits,
+               writer: GradientWriter, drop_reads: Callable[[], None]):  # fmt: skip
+    self._slots, self._commits, self._drop_reads = slots, commits, drop_reads
+    self._updates = layer_step.layer_update(optimizer, treedef, slots.records)
+    self._writer, self._handoff = writer, Handoff(slots.n_layers, writer.queued)
+    self._worker = concurrent.futures.ThreadPoolExecutor(1, "offlax-backward-update")
+    self._lock = threading.RLock()
+    self._run: concurrent.futures.Future | None = None  # the step in flight
+    self._target = 0
+    self._kept = KeptReads(writer.queued + 2)  # the layers the model read last, for `_param`
+
+  def read(self, i: Any, fetch: Callable[[Any], list[np.ndarray]]) -> list[np.ndarray]:
+    """Layer `i` for the model (a callback, by `fetch`), kept: the update's params.
+
+    A step updated and not committed is committed first (`before_read`). The backward
+    pass reads layer i just before it hands off its gradient: the update takes the params
+    from here (`_param`) rather than reading them again, 2 bytes a parameter a step less.
+    """
+    self.before_read()
+    leaves = fetch(i)
+    self._kept.put(int(i), leaves)
+    return leaves
+
+  def _handed(self, gen: int, i: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Leaf `k` of layer `i`'s gradient (plus the sum on disk, ending an accumulation) and
+    its params of generation `gen`, as the model read them (else read now)."""
+    grad = self._handoff.take(i, k)
+    if self._handoff.last:
+      grad = grads_lib.add(self._slots.read_slot("grads", 0, k, i), grad)
+    param = self._kept.take(i, k)
+    if param is None:  # not kept (another reader's order): read now
+      param = self._slots.read_slot("params", gen, k, i)
+    return grad, param
+
+  def put(self, accumulate: bool, i: Any, *grads: np.ndarray) -> np.ndarray:
+    """Layer `i`'s gradients (a callback): copied out, the layer updated by the worker.
+
+    A micro-step before the last (``accumulate`` True) adds them into those on disk instead
+    (`grads.GradientWriter`); the last (``"last"``) adds those on disk to them.
+    """
+    if accumulate is True:
+      return self._writer.put(True, i, *grads)
+    i = int(i)
+    leaves = [np.array(g) for g in grads]  # a copy: the callback's buffers are XLA's
+    with self._lock:
+      if i == self._slots.n_layers - 1:  # a new step's first layer
+        self.before_read()  # the step before, whole and not committed: committed first
+        self._drop(warn=True)  # one cut short (its backward pass failed): dropped
+        if accumulate == "last":
+          self._writer.wait_writes()  # the micro-steps' sums on disk before the worker reads
+        self._start(accumulate == "last")
+      elif self._run is None:
+        raise errors.IncompleteStepError(
+          f"LayerStore(update='backward'): layer {i}'s gradient reached the host outside a "
+          f"step (layer {self._slots.n_layers - 1}'s comes first); nothing was updated."
+        )
+    self._handoff.put(i, leaves)
+    return np.zeros((), np.float32)
+
+  def _start(self, last: bool) -> None:
+    commits = self._commits
+    self._target = commits.free_generation()
+    self._handoff.start(last)
+    layers = range(self._slots.n_layers - 1, -1, -1)
+    self._run = self._worker.submit(
+      self._work, commits.generation, self._target, commits.step + 1, layers
+    )
+
+  def _work(self, gen: int, target: int, step: int, layers: Any) -> layer_step.Stats:
+    try:
+      handed = lambda i, k: self._handed(gen, i, k)
+      return layer_step.run(self._slots, self._updates, gen, target, step=step, show=False,
+                            layers=layers, handed=handed)  # fmt: skip
+    except BaseException:
+      self._handoff.abort()  # the backward pass's hand-offs no longer wait for it
+      raise
+
+  def before_read(self) -> bool:
+    """Commits a step whose layers are all updated (a model's read, `put`), warning; or False."""
+    with self._lock:
+      if self._run is None or not self._handoff.complete:
+        return False
+      step = self._commits.step + 1
+      self(None)
+      warnings.warn(
+        errors.StepNotCommittedWarning(
+          f"LayerStore {self._commits.path}: step {step}'s layers were updated in the "
+          "backward pass, and the next pass read the layers before store.update() committed "
+          "them: committed now, without rest=. Call store.update(rest=...) at each step's "
+          "end (after its backward pass, before the next step) to commit the rest of the "
+          "model with the layers."
+        ),
+        stacklevel=2,
+      )
+      return True
+
+  def __call__(self, rest: Any) -> layer_step.Stats:
+    """Waits for the step in flight's last layer, writes `rest`, flushes and commits.
+
+    Raises:
+      IncompleteStepError: no backward pass handed off every layer since the last commit.
+      StoreError: a read or write failed; nothing was committed.
+    """
+    commits = self._commits
+    with self._lock:
+      if self._run is None or not self._handoff.complete:
+        arrived = self._handoff.started and self._run is not None
+        self._drop(warn=False)
+        what = "only some layers' gradients" if arrived else "the layers' gradients"
+        raise errors.IncompleteStepError(
+          f"LayerStore.update: no step to commit: no backward pass handed off {what}"
+          f" since step {commits.step} (update='backward' updates each layer in the "
+          "backward pass and update() commits them). The store holds step "
+          f"{commits.step}, whole: run the step's forward and backward pass, then update()."
+        )
+      run, self._run = self._run, None
+      self._drop_reads()  # of the generation this step replaces
+      try:
+        stats = run.result()
+        rest_records = None
+        if rest is not None:
+          rest_records = layer_rest.write(commits.path, self._target, rest, fsync=commits.fsync)
+        if commits.fsync:
+          self._slots.sync(self._target)
+      except OSError as e:
+        raise errors.StoreError(
+          e.errno,
+          f"LayerStore.update: step {commits.step + 1} was not committed ({e.strerror or e}); "
+          f"{commits.path} still holds step {commits.step}, whole: "
+          + ("free space on the disk, then " if e.errno == errno.ENOSPC else "")
+          + "run the step again (update='backward' keeps no gradients to update from).",
+        ) from e
+      commits.commit(self._target, rest_records)
+      self._kept.clear()  # of the generation before
+      return stats
+
+  def _drop(self, warn: bool) -> None:
+    """Drops the step in flight, not committed: the worker stopped, its writes left."""
+    run, self._run = self._run, None
+    if run is None:
+      return
+    self._handoff.abort()
+    try:
+      run.result()
+    except Exception:  # _Aborted, or the worker's own error
+      pass  # its error was the backward pass's, or is moot: nothing of it is committed
+    if warn:
+      warnings.warn(
+        errors.StepNotCommittedWarning(
+          f"LayerStore {self._commits.path}: step {self._commits.step + 1} was dropped, not "
+          "committed: its backward pass stopped before handing off every layer (or update() "
+          f"was not called before close()). The store holds step {self._commits.step}."
+        ),
+        stacklevel=3,
+      )
+
+  def flush(self) -> None:
+    """Waits for the steps dispatched so far (their hand-offs, micro-steps' writes), not for
+    the worker."""
+    self._writer.flush()
+
+  def used(self) -> None:
+    """The gradients on disk were used (an accumulation's last micro-step was committed)."""
+    self._writer.used()
+
+  def zero(self) -> None:
+    """Sets the gradients on disk to zero (before accumulating anew), once a step not
+    committed, whose worker may still read them, is committed (`before_read`, warning)."""
+    self._writer.flush()  # its hand-offs done: the step whole, or cut short
+    self.before_read()
+    self._writer.zero()
+
+  def close(self) -> None:
+    """Drops a step not committed (warning where its layers were all updated); ends the worker."""
+    with self._lock:
+      self._drop(warn=self._run is not None and self._handoff.complete)
+    self._worker.shutdown(wait=True)
+    self._writer.close()

@@ -1,0 +1,199 @@
+"""`LayerStore.create(..., update="backward")`: each layer updated in the backward pass.
+
+The same model, batches and optimizers as `test_layer_update`: the params and
+state after the steps equal, to the bit, the explicit `update()` mode's and
+plain optax's on the layers in memory; the gradients never go to disk (the
+store's byte counters); the step commits at its end, and only then.
+"""
+
+import errno
+import warnings
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from test_layer_update import (
+  OPTIMIZERS,
+  L,
+  assert_bits,
+  batch,
+  grad,
+  make_layers,
+  per_layer,
+  reference,
+  rest_of,
+)
+
+import offlax
+from offlax._src import errors
+from offlax._src.layer_store import slots as slots_lib
+
+
+def train(path, make_tx, dtype, update, steps=3, rest=False):
+  """`steps` steps in mode `update`; the params, state and bytes moved per step."""
+  store = offlax.LayerStore.create(path, make_layers(dtype), optimizer=make_tx(), update=update,
+                                   progress=False)  # fmt: skip
+  moved = []
+  with store:
+    for step in range(steps):
+      before = store.bytes_read + store.bytes_written
+      grad(store.source(), batch(step, dtype))
+      assert store.update(rest=rest_of(step + 1) if rest else None) == step + 1
+      moved.append(store.bytes_read + store.bytes_written - before)
+    return store.read_params(), store.read_state(), moved, store.last_update
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_backward_mode_is_bit_exact_and_moves_no_gradients(tmp_path, name):
+  make_tx, dtype = OPTIMIZERS[name]
+  params, state, moved, last = train(str(tmp_path / "b"), make_tx, dtype, "backward", rest=True)
+  want_params, want_state = reference(make_tx(), make_layers(dtype), 3, dtype)
+  assert_bits(params, want_params)
+  assert_bits(state, per_layer(want_state))
+  e_params, e_state, e_moved, _ = train(str(tmp_path / "e"), make_tx, dtype, "explicit")
+  assert_bits(params, e_params)
+  assert_bits(state, e_state)
+  # Per step, the explicit mode also writes each layer's gradient and reads it back, and its
+  # update reads the params the backward pass read (the backward mode keeps them).
+  layer_slots = L * sum(r["slot"] for r in offlax.LayerStore.open(
+    str(tmp_path / "e"), params, optimizer=make_tx()).records)  # fmt: skip
+  assert [e - b for e, b in zip(e_moved, moved, strict=True)] == [3 * layer_slots] * 3
+  assert last.step == 3 and last.bytes_written > 0 and last.bytes_read > 0
+  with offlax.LayerStore.open(str(tmp_path / "b"), params, optimizer=make_tx()) as store:
+    assert store.step == 3  # committed on disk, with its rest; resumed in the explicit mode
+    assert_bits(store.read_rest(rest_of(0)), rest_of(3))
+    grad(store.source(), batch(3, dtype))
+    store.update()
+    assert_bits(store.read_params(), reference(make_tx(), make_layers(dtype), 4, dtype)[0])
+
+
+def test_the_step_commits_at_its_end_and_a_forgotten_update_is_not_silent(tmp_path):
+  tx, layers = optax.adam(1e-2), make_layers(jnp.float32)
+  store = offlax.LayerStore.create(str(tmp_path / "s"), layers, optimizer=tx, update="backward",
+                                   progress=False)  # fmt: skip
+  with pytest.raises(errors.IncompleteStepError, match="no backward pass handed off the layers"):
+    store.update()
+  grad(store.source(), batch(0, jnp.float32))
+  store.flush_grads()
+  assert store.step == 0  # updated in the backward pass, not committed
+  assert_bits(store.read_params(), layers)
+  # The next step's forward pass reads the layers: the step is committed first, warning.
+  with pytest.warns(errors.StepNotCommittedWarning, match="step 1's layers were updated"):
+    grad(store.source(), batch(1, jnp.float32))
+    store.flush_grads()
+  assert store.step == 1
+  assert store.update() == 2  # step 2, its forward pass reading step 1's layers
+  assert_bits(store.read_params(), reference(tx, layers, 2, jnp.float32)[0])
+  grad(store.source(), batch(2, jnp.float32))
+  with pytest.warns(errors.StepNotCommittedWarning, match="step 3 was dropped, not committed"):
+    store.close()  # without update(): dropped
+  like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), layers)
+  with offlax.LayerStore.open(str(tmp_path / "s"), like, optimizer=tx) as store:
+    assert store.step == 2
+    assert_bits(store.read_params(), reference(tx, layers, 2, jnp.float32)[0])
+
+
+@pytest.mark.slow
+def test_a_failed_write_commits_nothing(tmp_path, monkeypatch):
+  tx, layers = optax.adam(1e-2), make_layers(jnp.float32)
+  store = offlax.LayerStore.create(str(tmp_path / "s"), layers, optimizer=tx, update="backward",
+                                   progress=False)  # fmt: skip
+  with store:
+    grad(store.source(), batch(0, jnp.float32))
+    store.update()
+    real, writes = slots_lib.pwrite_all, [0]
+
+    def full_disk(fd, parts, offset):
+      writes[0] += 1
+      if writes[0] > 3:
+        raise OSError(errno.ENOSPC, "No space left on device")
+      real(fd, parts, offset)
+
+    monkeypatch.setattr(slots_lib, "pwrite_all", full_disk)
+    grad(store.source(), batch(1, jnp.float32))  # the backward pass goes on; its worker failed
+    with pytest.raises(errors.StoreError, match=r"step 2 was not committed .*still holds step 1, "
+                       r"whole: free space on the disk, then run the step again"):  # fmt: skip
+      store.update()
+    monkeypatch.setattr(slots_lib, "pwrite_all", real)
+    assert store.step == 1
+    assert_bits(store.read_params(), reference(tx, layers, 1, jnp.float32)[0])
+    grad(store.source(), batch(1, jnp.float32))  # the step again
+    store.update()
+    assert_bits(store.read_params(), reference(tx, layers, 2, jnp.float32)[0])
+
+
+def test_bad_options_are_refused(tmp_path):
+  layers = make_layers()
+  like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), layers)
+  with pytest.raises(errors.InvalidOptionError, match=r"update='sideways'; choose "
+                     r"update='explicit' .* or update='backward'"):  # fmt: skip
+    offlax.LayerStore.create(str(tmp_path / "a"), layers, optimizer=optax.adam(1e-2),
+                             update="sideways")  # fmt: skip
+  with pytest.raises(errors.InvalidOptionError, match="update='backward' .* none was given"):
+    offlax.LayerStore.create(str(tmp_path / "a"), layers, update="backward")
+  clipped = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))
+  with pytest.raises(errors.InvalidOptionError, match=r"leaf \['b'\] is not elementwise"):
+    offlax.LayerStore.create(str(tmp_path / "a"), layers, optimizer=clipped, update="backward")
+  offlax.LayerStore.create(str(tmp_path / "s"), layers, optimizer=optax.adam(1e-2)).close()
+  with pytest.raises(errors.InvalidOptionError, match="update='backward' .* none was given"):
+    offlax.LayerStore.open(str(tmp_path / "s"), like, update="backward")
+  with offlax.LayerStore.open(str(tmp_path / "s"), like, optimizer=optax.adam(1e-2),
+                              update="backward") as store:  # fmt: skip
+    with pytest.raises(errors.InvalidOptionError, match=r"keeps none .* open the store with "
+                       r"update='explicit' \(the default\)"):  # fmt: skip
+      store.read_grads()
+    with pytest.raises(errors.InvalidOptionError, match=r"source\(last=True\) ends a gradient "
+                       r"accumulation: pass source\(accumulate=True, last=True\)"):  # fmt: skip
+      store.source(last=True)
+
+
+@pytest.mark.parametrize("update", [pytest.param("explicit", marks=pytest.mark.slow), "backward"])
+def test_accumulated_micro_steps_then_the_last_updates(tmp_path, update):
+  """Two steps of two micro-steps: the same loop in both modes, bit for bit with optax."""
+  tx, layers = optax.adam(1e-2), make_layers()
+  with offlax.LayerStore.create(str(tmp_path / "s"), layers, optimizer=tx, update=update,
+                                progress=False) as store:  # fmt: skip
+    moved = []
+    for step in range(2):
+      store.zero_grads()
+      before = store.bytes_read + store.bytes_written
+      grad(store.source(accumulate=True), batch(2 * step))
+      grad(store.source(accumulate=True, last=True), batch(2 * step + 1))
+      assert store.update() == step + 1
+      moved.append(store.bytes_read + store.bytes_written - before)
+    params, state = layers, tx.init(layers)
+    for step in range(2):
+      g = jax.tree.map(jnp.add, grad(params, batch(2 * step)), grad(params, batch(2 * step + 1)))
+      u, state = jax.jit(tx.update)(g, state, params)
+      params = jax.jit(optax.apply_updates)(params, u)
+    assert_bits(store.read_params(), params)
+    assert_bits(store.read_state(), per_layer(state))
+    layer_slots = L * sum(r["slot"] for r in store.records)
+    # Each micro-step reads the params twice, and the sum on disk; the explicit mode's write
+    # theirs, the update reads params and gradients, writes params (11 in all). The backward
+    # mode's last micro-step writes no sum, its update reads neither (8).
+    state_slots = L * sum(r["slot"] for r in store.state_records)
+    want = 11 if update == "explicit" else 8
+    assert moved == [want * layer_slots + 2 * state_slots] * 2
+    if update == "backward":  # zero_grads() before update(): the step is committed first
+      grad(store.source(accumulate=True, last=True), batch(4))
+      with pytest.warns(errors.StepNotCommittedWarning, match="step 3's layers were updated"):
+        store.zero_grads()
+      assert store.step == 3
+
+
+def test_no_warning_when_each_step_is_committed(tmp_path):
+  tx, layers = optax.sgd(0.1), make_layers(jnp.float32)
+  with (
+    warnings.catch_warnings(),
+    offlax.LayerStore.create(str(tmp_path / "s"), layers, optimizer=tx, update="backward",
+                             progress=False) as store,
+  ):  # fmt: skip
+    warnings.simplefilter("error")
+    for step in range(2):
+      grad(store.source(), batch(step, jnp.float32))
+      store.update()
+    assert store.step == 2
+    assert_bits(store.read_params(), reference(tx, layers, 2, jnp.float32)[0])
