@@ -166,7 +166,7 @@ def _compiled(n, mode, master, chunk, layers, target, memory, fraction=1.0, fuse
   import offlax
   from offlax._src import gpu_compile
 
-  if not offlax.gpu_compile_available():
+  if not offlax.extend.gpu_compile_available():
     print("error: XLA's GPU compiler is not installed: pip install 'offlax[gpu-compile]'",
           file=sys.stderr)  # fmt: skip
     return None
@@ -175,7 +175,7 @@ def _compiled(n, mode, master, chunk, layers, target, memory, fraction=1.0, fuse
       n, mode=mode, master=master, chunk_bytes=chunk, layers=layers, fraction=fraction,
       target=target, device_memory_size=memory, fused=fused,
     )  # fmt: skip
-  except offlax.OffloadError as e:
+  except offlax.errors.OffloadError as e:
     print(f"error: {e}", file=sys.stderr)
     return None
 
@@ -184,8 +184,8 @@ def _inspect(path: str, verify: bool, progress: bool) -> int:
   import offlax
 
   try:
-    reports = offlax.inspect_store(path, verify=verify, progress=progress)
-  except offlax.OffloadError as e:
+    reports = offlax.checkpoint.inspect_store(path, verify=verify, progress=progress)
+  except offlax.errors.OffloadError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   for report in reports:
@@ -197,8 +197,8 @@ def _rollback(path: str, step: int) -> int:
   import offlax
 
   try:
-    offlax.rollback(path, step)
-  except offlax.OffloadError as e:
+    offlax.checkpoint.rollback(path, step)
+  except offlax.errors.OffloadError as e:
     print(f"error: {e}", file=sys.stderr)
     return 1
   how = (

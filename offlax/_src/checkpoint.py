@@ -220,7 +220,7 @@ def retier(
     >>> import jax.numpy as jnp, optax, offlax
     >>> params = {"w": jnp.ones(3)}
     >>> plain = optax.adam(1e-3).init(params)
-    >>> state = offlax.retier(plain, optax.adam(1e-3), params, offlax.HostTier())
+    >>> state = offlax.checkpoint.retier(plain, optax.adam(1e-3), params, offlax.HostTier())
     >>> state.inner_state[0].mu["w"].sharding.memory_kind
     'pinned_host'
   """
@@ -319,16 +319,16 @@ class _OnDiskRefusal(ocp.type_handlers.TypeHandler):
 
   def typestr(self) -> str:
     if not self.armed:
-      return "offlax.OnDisk"
+      return "offlax.extend.OnDisk"
     raise errors.UnsavableStateError(
       "ocp.args.StandardSave (or another orbax pytree save: PyTreeSave, an item of a "
-      "Composite) got an NVMe-tier state: its arrays on disk are offlax.OnDisk "
+      "Composite) got an NVMe-tier state: its arrays on disk are offlax.extend.OnDisk "
       "placeholders (in Flax NNX's nnx.state(optimizer), OnDiskVariables), which orbax "
-      "would save and restore as None. Save the store with offlax.NVMeStoreSave(tier) "
+      "would save and restore as None. Save the store with offlax.checkpoint.NVMeStoreSave(tier) "
       "instead, e.g. mngr.save(step, args=ocp.args.Composite(model=ocp.args.StandardSave("
-      "params), opt=offlax.NVMeStoreSave(tier))) (with NNX: nnx.state(model) and "
+      "params), opt=offlax.checkpoint.NVMeStoreSave(tier))) (with NNX: nnx.state(model) and "
       "optimizer.step as the model item), or move the state to a HostTier first "
-      "(offlax.retier(tier.read_state(state), inner, params, offlax.HostTier())). Tunix's "
+      "(offlax.checkpoint.retier(tier.read_state(state), inner, params, offlax.HostTier())). Tunix's "
       "PeftTrainer checkpoints nnx.state(optimizer, nnx.optimizer.OptState) this way: with "
       "the NVMe tier, give it checkpoint_root_directory=None and save as above, or use "
       "offlax.HostTier() with its checkpoints."
@@ -369,7 +369,7 @@ class NVMeStoreSave(ocp.args.CheckpointArgs):
 
   Use it beside the other items of a step, e.g.
   ``mngr.save(step, args=ocp.args.Composite(model=ocp.args.StandardSave(params),
-  opt=offlax.NVMeStoreSave(tier)))``: the store holds all of the optimizer
+  opt=offlax.checkpoint.NVMeStoreSave(tier)))``: the store holds all of the optimizer
   state, cached arrays included. The copy streams in the kernel and needs no
   RAM for the state; it runs before `save` returns, even with asynchronous
   checkpointing, because the store overwrites that generation `keep + 1` steps later.
@@ -382,9 +382,9 @@ class NVMeStoreSave(ocp.args.CheckpointArgs):
     >>> tier = offlax.NVMeTier(tempfile.mkdtemp(), progress=False)
     >>> state = offlax.offload(optax.adam(1e-3), tier).init({"w": jnp.ones(3)})
     >>> with ocp.CheckpointManager(tempfile.mkdtemp()) as mngr:
-    ...   _ = mngr.save(0, args=ocp.args.Composite(opt=offlax.NVMeStoreSave(tier)))
+    ...   _ = mngr.save(0, args=ocp.args.Composite(opt=offlax.checkpoint.NVMeStoreSave(tier)))
     ...   mngr.wait_until_finished()
-    ...   [report] = offlax.inspect_store(mngr.directory / "0" / "opt", progress=False)
+    ...   [report] = offlax.checkpoint.inspect_store(mngr.directory / "0" / "opt", progress=False)
     >>> report.ok, report.step
     (True, 0)
     >>> tier.close()

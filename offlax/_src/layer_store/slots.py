@@ -152,7 +152,7 @@ class Slots:
     r = records[k]
     if kind == "grads":  # in memory: see `checks`
       self._grad_crcs[k][i] = checks.crc(slot)
-    else:  # checked on every read, and by `offlax.inspect_store(verify=True)`
+    else:  # checked on every read, and by `offlax.checkpoint.inspect_store(verify=True)`
       self._commits.crcs(gen)[kind][checks.slot_at(records, k, i)] = checks.crc(slot)
     try:
       pwrite_all(self._fds[kind, 0 if kind == "grads" else gen][k], [slot], i * r["slot"])
