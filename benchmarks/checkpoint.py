@@ -266,7 +266,7 @@ def nvme_rounds(
       restore.disk_bytes.append(_disk.tree_bytes(pathlib.Path(restored)))
 
   try:
-    offlax.checkpoint.retier(state.inner_state, inner, params, tier)  # writes the store
+    offlax.checkpoint.retier(inner, params, state.inner_state, tier)  # writes the store
     rounds(args, workdir / "nvme_ckpt", body, (save, restore))
   finally:
     tier.close()

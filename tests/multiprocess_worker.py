@@ -153,7 +153,7 @@ new_params = {
 }
 resharded = os.path.join(ckpt_dir, "nvme_resharded")
 got["reshard_step"] = offlax.checkpoint.reshard(
-  restored, resharded, optax.adamw(1e-2), new_params, **options
+  optax.adamw(1e-2), new_params, restored, resharded, **options
 )
 tier = offlax.NVMeTier(resharded, resume=True, **options)
 tx = optax.chain(optax.clip_by_global_norm(1.0), offlax.offload(optax.adamw(1e-2), tier))

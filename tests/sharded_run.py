@@ -283,7 +283,7 @@ def run_nvme(axis_type, base):
   out["errors"] = errors
   # A plain optax state moved into a sharded store (`retier`) continues exactly.
   tier = nvme_tier(os.path.join(base, "retier"))
-  moved = offlax.checkpoint.retier(states[1][1], optax.adamw(1e-2), params, tier)
+  moved = offlax.checkpoint.retier(optax.adamw(1e-2), params, states[1][1], tier)
   u, _ = jax.jit(tx(tier).update)(grads[2], (states[1][0], moved), params)
   out["retier_exact"] = same(u, ref[2])
   tier.close()
@@ -294,7 +294,7 @@ def run_nvme(axis_type, base):
   for name, where in targets.items():
     dest = os.path.join(base, f"reshard_{name}")
     step_of = offlax.checkpoint.reshard(
-      path, dest, optax.adamw(1e-2), where, progress=False, fsync=False
+      optax.adamw(1e-2), where, path, dest, progress=False, fsync=False
     )
     tier = nvme_tier(dest, resume=True)
     opt = tx(tier)

@@ -45,7 +45,7 @@ TAKES_A_TRANSFORMATION = {
   "offload": lambda tx: offlax.offload(tx),
   "master_weights": lambda tx: offlax.master_weights(tx),
   "plan": lambda tx: offlax.plan(PARAMS, tx, device_bytes=2**30, host_bytes=2**30),
-  "retier": lambda tx: offlax.checkpoint.retier({}, tx, PARAMS, offlax.HostTier()),
+  "retier": lambda tx: offlax.checkpoint.retier(tx, PARAMS, {}, offlax.HostTier()),
   "abstract_state": lambda tx: offlax.abstract_state(tx, PARAMS),
 }
 

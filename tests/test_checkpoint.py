@@ -128,12 +128,12 @@ def test_host_tier_checkpoint_into_an_nvme_store_and_back(tmp_path):
 
   # host-tier checkpoint -> a new NVMe store, two steps there
   tier = offlax.NVMeTier(str(tmp_path / "store"), chunk_bytes=3000, cache_bytes=0, progress=False)
-  on_disk = offlax.checkpoint.retier(restored.inner_state, inner, params, tier)
+  on_disk = offlax.checkpoint.retier(inner, params, restored.inner_state, tier)
   assert not any(x.ndim for x in jax.tree.leaves(on_disk))  # every array in the store
   nvme = offlax.offload(inner, tier)
   p5, s5 = _steps(nvme, p3, on_disk, 3, 5)
   # ... and back to the host tier for the last two
-  back = offlax.checkpoint.retier(tier.read_state(s5), inner, params, offlax.HostTier())
+  back = offlax.checkpoint.retier(inner, params, tier.read_state(s5), offlax.HostTier())
   tier.close()
   got, state = _steps(host, p5, back, 5, 7)
   assert_trees_equal(got, want)
@@ -143,14 +143,14 @@ def test_host_tier_checkpoint_into_an_nvme_store_and_back(tmp_path):
 def test_retier_refuses_another_optimizers_state(tmp_path):
   params = _params()
   with pytest.raises(offlax.errors.TreeMismatchError, match="not one of this optimizer.*structure"):
-    offlax.checkpoint.retier(optax.sgd(0.1, momentum=0.9).init(params), optax.adam(1e-3), params,
-                  offlax.HostTier())  # fmt: skip
+    offlax.checkpoint.retier(optax.adam(1e-3), params, optax.sgd(0.1, momentum=0.9).init(params),
+                             offlax.HostTier())  # fmt: skip
   other = dict(params, temperature=jax.numpy.ones(2))
   with pytest.raises(
     offlax.errors.TreeMismatchError, match=r"leaf \[0\]\.mu\['temperature'\] is float32\[2\]"
   ):
     offlax.checkpoint.retier(
-      optax.adam(1e-3).init(other), optax.adam(1e-3), params, offlax.HostTier()
+      optax.adam(1e-3), params, optax.adam(1e-3).init(other), offlax.HostTier()
     )
 
 
