@@ -201,7 +201,9 @@ def trained(tmp_path_factory):
 def test_every_orbax_save_of_nnx_nvme_state_is_refused_naming_nvme_store_save(
   tmp_path, trained, save
 ):
-  with pytest.raises(offlax.errors.UnsavableStateError, match=r"offlax\.NVMeStoreSave\(tier\)"):
+  with pytest.raises(
+    offlax.errors.UnsavableStateError, match=r"offlax\.checkpoint\.NVMeStoreSave\(tier\)"
+  ):
     SAVES[save](tmp_path, *trained)
 
 

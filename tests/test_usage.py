@@ -321,7 +321,9 @@ def test_standard_save_of_nvme_state_is_refused_naming_nvme_store_save(tmp_path)
   tier = _nvme(str(tmp_path / "store"))
   state = offlax.offload(optax.adam(1e-3), tier).init(_params())
   checkpointer = ocp.StandardCheckpointer()
-  with pytest.raises(offlax.errors.UnsavableStateError, match=r"offlax\.NVMeStoreSave\(tier\)"):
+  with pytest.raises(
+    offlax.errors.UnsavableStateError, match=r"offlax\.checkpoint\.NVMeStoreSave\(tier\)"
+  ):
     checkpointer.save(tmp_path / "ckpt", state)
     checkpointer.wait_until_finished()
   checkpointer.close()
