@@ -160,10 +160,10 @@ def rows_checkpoint(r: dict[str, Any]) -> list[Row]:
   labels = {
     "host_save": "host tier orbax save (orbax defaults)",
     "host_restore": "host tier orbax restore (orbax defaults)",
-    "fast_save": "host tier orbax save (offlax.checkpoint_handler)",
-    "fast_restore": "host tier orbax restore (offlax.checkpoint_handler)",
-    "direct_save": "host tier orbax save (offlax.HostStateSave)",
-    "direct_restore": "host tier orbax restore (offlax.HostStateRestore)",
+    "fast_save": "host tier orbax save (offlax.checkpoint.checkpoint_handler)",
+    "fast_restore": "host tier orbax restore (offlax.checkpoint.checkpoint_handler)",
+    "direct_save": "host tier orbax save (offlax.checkpoint.HostStateSave)",
+    "direct_restore": "host tier orbax restore (offlax.checkpoint.HostStateRestore)",
     "nvme_save": "NVMe store NVMeStoreSave",
     "nvme_restore": "NVMe store NVMeStoreRestore",
   }

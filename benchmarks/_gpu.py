@@ -115,7 +115,7 @@ def predicted_peak(offlax, step, params, state, *args, n_params=None):
   """
   from offlax._src import gpu_compile
 
-  if not offlax.gpu_compile_available():
+  if not offlax.extend.gpu_compile_available():
     return None, None
   specs = gpu_compile.state_specs
   try:

@@ -117,14 +117,16 @@ def host_state_checkpoint(offlax, optax, jax, n_params):
     (work / "raw.bin").unlink(missing_ok=True)
     with ocp.CheckpointManager(work / "ckpt") as mngr:
       start = time.perf_counter()
-      mngr.save(0, args=ocp.args.Composite(opt=offlax.HostStateSave(state, progress=False)))
+      mngr.save(
+        0, args=ocp.args.Composite(opt=offlax.checkpoint.HostStateSave(state, progress=False))
+      )
       mngr.wait_until_finished()
       os.sync()
       save_s = time.perf_counter() - start
       _disk.drop_page_cache(work / "ckpt")
       target = offlax.abstract_state(inner, params)
       start = time.perf_counter()
-      item = offlax.HostStateRestore(target, progress=False)
+      item = offlax.checkpoint.HostStateRestore(target, progress=False)
       restored = jax.block_until_ready(mngr.restore(0, args=ocp.args.Composite(opt=item)).opt)
       restore_s = time.perf_counter() - start
     pairs = zip(jax.tree.leaves(state), jax.tree.leaves(restored), strict=True)

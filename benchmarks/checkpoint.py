@@ -15,13 +15,15 @@ What is measured, in one run and on one filesystem (a fresh directory under `--d
    with the checkpoint's page cache dropped, it restores into `offlax.abstract_state(...)` (every
    leaf built directly in `pinned_host`): "restore". The first restore is checked against the
    saved state (equal values, same memory kinds). Three times (`--host-modes`): with orbax's
-   defaults (asynchronous, OCDBT, zstd), with `item_handlers=offlax.checkpoint_handler()` (no
-   zstd, no OCDBT), and with `offlax.HostStateSave` / `offlax.HostStateRestore` (raw files by
+   defaults (asynchronous, OCDBT, zstd), with
+   `item_handlers=offlax.checkpoint.checkpoint_handler()` (no zstd, no OCDBT), and with
+   `offlax.checkpoint.HostStateSave` / `offlax.checkpoint.HostStateRestore` (raw files by
    direct I/O, the save synchronous).
 3. The NVMe tier's store in a checkpoint: the same state written into an `NVMeTier` store
-   (`offlax.retier`), then `offlax.NVMeStoreSave(tier)` (a file copy, flushed) and
-   `offlax.NVMeStoreRestore(path)` into a new directory, page cache dropped before each. A copy
-   reads and writes every byte, so its raw equivalent is bytes / raw read + bytes / raw write.
+   (`offlax.checkpoint.retier`), then `offlax.checkpoint.NVMeStoreSave(tier)` (a file copy,
+   flushed) and `offlax.checkpoint.NVMeStoreRestore(path)` into a new directory, page cache
+   dropped before each. A copy reads and writes every byte, so its raw equivalent is
+   bytes / raw read + bytes / raw write.
 
 GB/s = Adam state bytes (8 per param; the on-disk size is reported too) / time, median of
 `--steps` rounds after `--warmup`, with min and max. Ratio to the raw disk: the raw disk's time for
@@ -199,9 +201,9 @@ def host_rounds(
   target = offlax.abstract_state(inner, params)
   checked = []
   if mode == "direct":
-    item = ocp.args.Composite(opt=offlax.HostStateSave(state, progress=False))
+    item = ocp.args.Composite(opt=offlax.checkpoint.HostStateSave(state, progress=False))
     load = lambda mngr: mngr.restore(  # noqa: E731
-      0, args=ocp.args.Composite(opt=offlax.HostStateRestore(target, progress=False))
+      0, args=ocp.args.Composite(opt=offlax.checkpoint.HostStateRestore(target, progress=False))
     )["opt"]
   else:
     item = ocp.args.StandardSave(state)
@@ -219,7 +221,7 @@ def host_rounds(
       save.blocking_s.append(blocking)
       save.disk_bytes.append(_disk.tree_bytes(round_dir))
 
-  handlers = offlax.checkpoint_handler() if mode == "fast" else None
+  handlers = offlax.checkpoint.checkpoint_handler() if mode == "fast" else None
   rounds(args, directory, body, (save, restore), handlers)
   return {f"{mode}_save": save, f"{mode}_restore": restore}
 
@@ -253,18 +255,18 @@ def nvme_rounds(
 
   def body(mngr: Any, round_dir: pathlib.Path, record: bool) -> None:
     _disk.drop_page_cache(store)
-    item = ocp.args.Composite(opt=offlax.NVMeStoreSave(tier))
+    item = ocp.args.Composite(opt=offlax.checkpoint.NVMeStoreSave(tier))
     save.timed(lambda: save_and_flush(mngr, item, round_dir), record)
     _disk.drop_page_cache(round_dir)
     restored = os.fspath(round_dir / "restored")
-    item = ocp.args.Composite(opt=offlax.NVMeStoreRestore(restored, progress=False))
+    item = ocp.args.Composite(opt=offlax.checkpoint.NVMeStoreRestore(restored, progress=False))
     restore.timed(lambda: mngr.restore(0, args=item), record)
     if record:
       save.disk_bytes.append(_disk.tree_bytes(round_dir / "ckpt"))
       restore.disk_bytes.append(_disk.tree_bytes(pathlib.Path(restored)))
 
   try:
-    offlax.retier(state.inner_state, inner, params, tier)  # writes the store
+    offlax.checkpoint.retier(inner, params, state.inner_state, tier)  # writes the store
     rounds(args, workdir / "nvme_ckpt", body, (save, restore))
   finally:
     tier.close()
@@ -384,8 +386,8 @@ def plot(result: dict[str, Any], path: pathlib.Path) -> None:
   ax.grid(axis="y", alpha=0.3)
   handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in ("tab:gray", *colors.values())]
   ax.legend(handles, ["raw disk", "host tier (orbax defaults)",
-                     "host tier (offlax.checkpoint_handler)",
-                     "host tier (offlax.HostStateSave, direct I/O)", "NVMe store (file copy)"],
+                     "host tier (checkpoint.checkpoint_handler)",
+                     "host tier (checkpoint.HostStateSave, direct I/O)", "NVMe store (file copy)"],
             fontsize=8, loc="upper right")  # fmt: skip
   fig.tight_layout()
   _common.save_png(fig, path)

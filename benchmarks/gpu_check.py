@@ -30,9 +30,9 @@ What the CPU cannot show, checked in one run of a few minutes on a GPU machine:
    (what the transfers can hide behind), and host compute's step in parts, with each of the
    native kernel's thread pools;
 11. the native host step on the CPU backend, all cores and one;
-12. `offlax.HostStateSave` / `HostStateRestore` of the host tier's state (its `pinned_host`
-   arrays copied out as their files are written): exact, memory kinds kept, GB/s against
-   the raw disk measured just before;
+12. `offlax.checkpoint.HostStateSave` / `HostStateRestore` of the host tier's state (its
+   `pinned_host` arrays copied out as their files are written): exact, memory kinds kept, GB/s
+   against the raw disk measured just before;
 13. `offlax.LayerStore`: layers' params, gradients and state on disk, the forward and
    backward pass on the GPU, the update on the CPU, against the same layers in device memory.
 

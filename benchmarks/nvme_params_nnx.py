@@ -82,7 +82,7 @@ def main(argv=None) -> dict[str, Any]:
   args = ap.parse_args(argv)
   import offlax
 
-  if not offlax.gpu_compile_available():
+  if not offlax.extend.gpu_compile_available():
     raise SystemExit("XLA's GPU compiler is not installed: pip install -e '.[gpu-compile]'")
   case = tunix_offload.CASES[args.model]
   full = tunix_offload.config(case).num_layers

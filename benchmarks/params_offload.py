@@ -84,7 +84,7 @@ def main(argv=None) -> dict[str, Any]:
   args = ap.parse_args(argv)
   import offlax
 
-  if not offlax.gpu_compile_available():
+  if not offlax.extend.gpu_compile_available():
     raise SystemExit("XLA's GPU compiler is not installed: pip install -e '.[gpu-compile]'")
   start = time.perf_counter()
   runs = []

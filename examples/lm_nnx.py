@@ -24,9 +24,9 @@ new params over the old on the host (the way a model too big for the device
 trains: see docs/params_off_device.md).
 
 Every `--ckpt-every` steps orbax saves the model and optimizer under
-`--dir/ckpt` (asynchronously; the NVMe tier's store with `offlax.NVMeStoreSave`;
+`--dir/ckpt` (asynchronously; the NVMe tier's store with `offlax.checkpoint.NVMeStoreSave`;
 with `--host-state-save` the host tiers' optimizer state with
-`offlax.HostStateSave`, raw files by direct I/O, before `save` returns);
+`offlax.checkpoint.HostStateSave`, raw files by direct I/O, before `save` returns);
 `--resume` continues from the latest one, after a kill at any moment: the
 store, which commits every step and may be ahead of the checkpoint, is
 replaced by the checkpoint's copy, and `NVMeTier(step=...)` checks that it is
@@ -131,7 +131,9 @@ def restore_store(mngr: ocp.CheckpointManager, step: int, directory: pathlib.Pat
   """
   store, restoring = directory / "store", directory / "store.restoring"
   shutil.rmtree(restoring, ignore_errors=True)
-  mngr.restore(step, args=ocp.args.Composite(opt=offlax.NVMeStoreRestore(str(restoring), False)))
+  mngr.restore(
+    step, args=ocp.args.Composite(opt=offlax.checkpoint.NVMeStoreRestore(str(restoring), False))
+  )
   shutil.rmtree(store, ignore_errors=True)
   os.rename(restoring, store)
 
@@ -154,7 +156,7 @@ def main(argv: list[str] | None = None) -> float:
   parser.add_argument(
     "--host-state-save",
     action="store_true",
-    help="save the host tiers' optimizer state with offlax.HostStateSave (direct I/O)",
+    help="save the host tiers' optimizer state with offlax.checkpoint.HostStateSave (direct I/O)",
   )
   parser.add_argument("--no-progress", action="store_true")
   args = parser.parse_args(argv)
@@ -170,7 +172,7 @@ def main(argv: list[str] | None = None) -> float:
       parser.error("--params-on-host needs an offlax tier (--tier host_compute is the one to use)")
     nnx.update(model.blocks, offlax.to_host(nnx.state(model.blocks)))
   # The NVMe tier's moments are in its store (committed every step), which orbax
-  # saves with offlax.NVMeStoreSave; the other tiers' state is a pytree of arrays.
+  # saves with offlax.checkpoint.NVMeStoreSave; the other tiers' state is a pytree of arrays.
   nvme = args.tier == "nvme"
   options = ocp.CheckpointManagerOptions(max_to_keep=2, enable_async_checkpointing=True)
   mngr = ocp.CheckpointManager((directory / "ckpt").absolute(), options=options)
@@ -207,7 +209,7 @@ def main(argv: list[str] | None = None) -> float:
       model_state = {"model": nnx.state(model), "step": optimizer.step[...]}
       if save:
         return ocp.args.Composite(
-          model=ocp.args.StandardSave(model_state), opt=offlax.NVMeStoreSave(tier)
+          model=ocp.args.StandardSave(model_state), opt=offlax.checkpoint.NVMeStoreSave(tier)
         )
       target = jax.tree.map(ocp.utils.to_shape_dtype_struct, model_state)
       return ocp.args.Composite(model=ocp.args.StandardRestore(target))
@@ -216,14 +218,14 @@ def main(argv: list[str] | None = None) -> float:
       if save:
         return ocp.args.Composite(
           model=ocp.args.StandardSave(model_state),
-          opt=offlax.HostStateSave(opt_state, progress=False),
+          opt=offlax.checkpoint.HostStateSave(opt_state, progress=False),
         )
       model_state, opt_state = jax.tree.map(
         ocp.utils.to_shape_dtype_struct, (model_state, opt_state)
       )
       return ocp.args.Composite(
         model=ocp.args.StandardRestore(model_state),
-        opt=offlax.HostStateRestore(opt_state, progress=False),
+        opt=offlax.checkpoint.HostStateRestore(opt_state, progress=False),
       )
     if save:
       return ocp.args.StandardSave(nnx.state((model, optimizer)))

@@ -95,8 +95,10 @@ def main(argv: list[str] | None = None) -> float:
   print(f"{args.steps} steps in {elapsed:.1f}s; committed step {int(opt_state.step)} in {path}")
   on_disk = [
     x
-    for x in jax.tree.leaves(opt_state.inner_state, is_leaf=lambda n: isinstance(n, offlax.OnDisk))
-    if isinstance(x, offlax.OnDisk)
+    for x in jax.tree.leaves(
+      opt_state.inner_state, is_leaf=lambda n: isinstance(n, offlax.extend.OnDisk)
+    )
+    if isinstance(x, offlax.extend.OnDisk)
   ]
   stored = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
   print(f"{len(on_disk)} state arrays on disk; the store holds {stored / 2**20:.1f} MiB")

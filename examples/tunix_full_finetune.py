@@ -137,7 +137,7 @@ def train(steps: int, learning_rate: float = 3e-3) -> list[float]:
   return losses
 
 
-def compile_step(config, target: str, tokens: int = 2048) -> offlax.CompiledMemory:
+def compile_step(config, target: str, tokens: int = 2048) -> offlax.extend.CompiledMemory:
   """The train step of `config`'s Qwen3, bf16, compiled for `target` from shapes."""
   from tunix.models.qwen3 import model as qwen3
 
@@ -166,7 +166,7 @@ def compile_step(config, target: str, tokens: int = 2048) -> offlax.CompiledMemo
   )  # fmt: skip
 
 
-def report(memory: offlax.CompiledMemory, layers: int, of_layers: int) -> str:
+def report(memory: offlax.extend.CompiledMemory, layers: int, of_layers: int) -> str:
   """The compiled step's memory, one figure a line, each saying what it counts (10^9-byte GB)."""
   n, d, h = memory.n_params, memory.device, memory.host
   key, _, card = memory.target.name.partition(" (")
@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> dict:
     import tunix  # noqa: F401
   except ImportError as e:
     raise SystemExit(f"{e}: install Tunix as docs/tunix_full_finetune.md#install shows") from e
-  if args.compile and not offlax.gpu_compile_available():
+  if args.compile and not offlax.extend.gpu_compile_available():
     raise SystemExit(
       "--compile needs XLA's GPU compiler: install it as docs/tunix_full_finetune.md#install shows"
     )

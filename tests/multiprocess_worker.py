@@ -103,11 +103,13 @@ for name, tier in {
     target = offlax.abstract_state(inner, params, tier)
     restored = mngr.restore(2, args=ocp.args.StandardRestore(target))
   results[name]["resumed_exact"], restored = exact_steps(step, restored, (2, 3))
-  # The same with offlax.HostStateSave: each process writes its own shards' files.
+  # The same with offlax.checkpoint.HostStateSave: each process writes its own shards' files.
   with ocp.CheckpointManager(path + "_direct") as mngr:
-    mngr.save(2, args=ocp.args.Composite(opt=offlax.HostStateSave(state, progress=False)))
+    mngr.save(
+      2, args=ocp.args.Composite(opt=offlax.checkpoint.HostStateSave(state, progress=False))
+    )
     mngr.wait_until_finished()
-    item = offlax.HostStateRestore(target, progress=False)
+    item = offlax.checkpoint.HostStateRestore(target, progress=False)
     direct = mngr.restore(2, args=ocp.args.Composite(opt=item)).opt
   results[name]["direct_resumed_exact"], _ = exact_steps(step, direct, (2, 3))
   results[name]["direct_files"] = sorted(os.listdir(os.path.join(path + "_direct", "2", "opt")))
@@ -128,11 +130,13 @@ got = {"exact": exact, "shards": sorted(tier.shards), "step": tier.store.step}
 # An orbax checkpoint of the store (each process copies its own shards), restored
 # to a new path, reopened there, and 2 more steps.
 with ocp.CheckpointManager(os.path.join(ckpt_dir, "nvme_ckpt")) as mngr:
-  mngr.save(2, args=ocp.args.Composite(opt=offlax.NVMeStoreSave(tier)))
+  mngr.save(2, args=ocp.args.Composite(opt=offlax.checkpoint.NVMeStoreSave(tier)))
   mngr.wait_until_finished()
   tier.close()
   restored = os.path.join(ckpt_dir, "nvme_restored")
-  mngr.restore(2, args=ocp.args.Composite(opt=offlax.NVMeStoreRestore(restored, progress=False)))
+  mngr.restore(
+    2, args=ocp.args.Composite(opt=offlax.checkpoint.NVMeStoreRestore(restored, progress=False))
+  )
 tier = offlax.NVMeTier(restored, resume=True, **options)
 tx = optax.chain(optax.clip_by_global_norm(1.0), offlax.offload(optax.adamw(1e-2), tier))
 state = tx.init(params)
@@ -141,14 +145,16 @@ resumed_exact, state = exact_steps(step, state, (2, 3))
 got.update(resumed_exact=resumed_exact, resumed_step=tier.store.step)
 got["dirs"] = sorted(d for d in os.listdir(restored) if d.startswith("shard_"))
 tier.close()
-# Resharded for other specs (offlax.reshard: each process reads every shard through
+# Resharded for other specs (offlax.checkpoint.reshard: each process reads every shard through
 # the shared directory and writes its own devices' stores), then one more step.
 new_params = {
   "w": global_array((32, 16), P(None, "data"), 0),
   "b": global_array((16,), P("data"), 1),
 }
 resharded = os.path.join(ckpt_dir, "nvme_resharded")
-got["reshard_step"] = offlax.reshard(restored, resharded, optax.adamw(1e-2), new_params, **options)
+got["reshard_step"] = offlax.checkpoint.reshard(
+  optax.adamw(1e-2), new_params, restored, resharded, **options
+)
 tier = offlax.NVMeTier(resharded, resume=True, **options)
 tx = optax.chain(optax.clip_by_global_norm(1.0), offlax.offload(optax.adamw(1e-2), tier))
 state = tx.init(new_params)

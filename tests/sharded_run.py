@@ -219,7 +219,7 @@ def run_nvme(axis_type, base):
   tier.close()
   # A crash between two shards' commits: one shard a step behind. Reopening
   # rolls the others back to its step, and training continues from there.
-  offlax.rollback(os.path.join(path, "shard_00005"), 2)
+  offlax.checkpoint.rollback(os.path.join(path, "shard_00005"), 2)
   tier = nvme_tier(path, resume=True)
   opt = tx(tier)
   state = opt.init(params)
@@ -243,7 +243,7 @@ def run_nvme(axis_type, base):
     try:
       tx(nvme_tier(path, resume=True)).init(where)
       errors[name] = "accepted"
-    except offlax.StoreMismatchError as e:
+    except offlax.errors.StoreMismatchError as e:
       errors[name] = str(e)
   big = {"w": jax.device_put(jnp.ones((256, 256)), NamedSharding(mesh, P("data")))}
   for name, (opt, where) in {
@@ -255,19 +255,19 @@ def run_nvme(axis_type, base):
     try:
       jax.jit(coupled.update)(where, coupled.init(where), where)
       errors[name] = "accepted"
-    except offlax.InvalidTierError as e:
+    except offlax.errors.InvalidTierError as e:
       errors[name] = str(e)
   try:  # a sharded store opened for params on no mesh
     offlax.offload(optax.adamw(1e-2), nvme_tier(path, resume=True)).init(
       jax.tree.map(np.asarray, params)
     )
     errors["no_mesh"] = "accepted"
-  except offlax.StoreMismatchError as e:
+  except offlax.errors.StoreMismatchError as e:
     errors["no_mesh"] = str(e)
   try:  # keep=1: a shard a step ahead after a crash could not go back
     offlax.offload(optax.adamw(1e-2), nvme_tier(os.path.join(base, "keep1"), keep=1)).init(params)
     errors["keep1"] = "accepted"
-  except offlax.InvalidTierError as e:
+  except offlax.errors.InvalidTierError as e:
     errors["keep1"] = str(e)
   # A step that failed on one shard was committed by the others: no snapshot of that.
   tier = nvme_tier(path, resume=True)
@@ -276,24 +276,26 @@ def run_nvme(axis_type, base):
   try:
     tier.snapshot(os.path.join(base, "snapshot"))
     errors["mixed_snapshot"] = "accepted"
-  except offlax.StoreError as e:
+  except offlax.errors.StoreError as e:
     errors["mixed_snapshot"] = str(e)
   tier.shards[5].store.manifest.step += 1
   tier.close()
   out["errors"] = errors
   # A plain optax state moved into a sharded store (`retier`) continues exactly.
   tier = nvme_tier(os.path.join(base, "retier"))
-  moved = offlax.retier(states[1][1], optax.adamw(1e-2), params, tier)
+  moved = offlax.checkpoint.retier(optax.adamw(1e-2), params, states[1][1], tier)
   u, _ = jax.jit(tx(tier).update)(grads[2], (states[1][0], moved), params)
   out["retier_exact"] = same(u, ref[2])
   tier.close()
-  # Resharded (offlax.reshard) for another mesh, other specs, or no mesh: the
+  # Resharded (offlax.checkpoint.reshard) for another mesh, other specs, or no mesh: the
   # step after it is exact there, sharded as those params.
   resharded = {}
   targets = {**elsewhere, "none": jax.tree.map(np.asarray, params)}
   for name, where in targets.items():
     dest = os.path.join(base, f"reshard_{name}")
-    step_of = offlax.reshard(path, dest, optax.adamw(1e-2), where, progress=False, fsync=False)
+    step_of = offlax.checkpoint.reshard(
+      optax.adamw(1e-2), where, path, dest, progress=False, fsync=False
+    )
     tier = nvme_tier(dest, resume=True)
     opt = tx(tier)
     state = opt.init(where)
@@ -353,7 +355,7 @@ def run_nvme(axis_type, base):
     want, ref_state = jax.jit(reads_dtypes.update)(g, ref_state, mixed)
     mixed_exact.append(same(u, want))
   out["mixed_dtypes_exact"] = mixed_exact
-  # The block of each mesh position, as offlax.reshard computes it, is JAX's.
+  # The block of each mesh position, as offlax.checkpoint.reshard computes it, is JAX's.
   sizes = dict(mesh.shape)
   bounds = lambda index: [s.indices(n) for s, n in zip(index, (64, 32), strict=True)]
   out["blocks_match"] = all(
@@ -365,7 +367,7 @@ def run_nvme(axis_type, base):
   # Rolled back from the sharded root: every shard's store.
   read_step = lambda i: Store(os.path.join(path, f"shard_{i:05d}"), fsync=False).read_metadata()
   before = sorted({read_step(i)["step"] for i in range(8)})
-  offlax.rollback(path, before[0] - 1)
+  offlax.checkpoint.rollback(path, before[0] - 1)
   out["root_rollback"] = {
     "before": before,
     "after": sorted({read_step(i)["step"] for i in range(8)}),

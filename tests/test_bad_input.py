@@ -45,7 +45,7 @@ TAKES_A_TRANSFORMATION = {
   "offload": lambda tx: offlax.offload(tx),
   "master_weights": lambda tx: offlax.master_weights(tx),
   "plan": lambda tx: offlax.plan(PARAMS, tx, device_bytes=2**30, host_bytes=2**30),
-  "retier": lambda tx: offlax.retier({}, tx, PARAMS, offlax.HostTier()),
+  "retier": lambda tx: offlax.checkpoint.retier(tx, PARAMS, {}, offlax.HostTier()),
   "abstract_state": lambda tx: offlax.abstract_state(tx, PARAMS),
 }
 
@@ -53,13 +53,15 @@ TAKES_A_TRANSFORMATION = {
 @pytest.mark.parametrize("bad", NOT_TRANSFORMATIONS)
 @pytest.mark.parametrize("fn", TAKES_A_TRANSFORMATION)
 def test_not_a_transformation(fn, bad):
-  with pytest.raises(offlax.TransformationTypeError, match=f"{fn}: .*optax GradientTransformation"):
+  with pytest.raises(
+    offlax.errors.TransformationTypeError, match=f"{fn}: .*optax GradientTransformation"
+  ):
     TAKES_A_TRANSFORMATION[fn](NOT_TRANSFORMATIONS[bad])
-  assert issubclass(offlax.TransformationTypeError, TypeError)
+  assert issubclass(offlax.errors.TransformationTypeError, TypeError)
 
 
 def test_uncalled_factory_gets_a_hint():
-  with pytest.raises(offlax.TransformationTypeError, match=r"not optax.adam"):
+  with pytest.raises(offlax.errors.TransformationTypeError, match=r"not optax.adam"):
     offlax.offload(optax.adam)
 
 
@@ -79,18 +81,18 @@ def test_uncalled_factory_gets_a_hint():
 )
 def test_nvme_tier_options_of_wrong_type(tmp_path, bad):
   kw = {"path": str(tmp_path), **bad}
-  with pytest.raises(offlax.InvalidTierError, match=next(iter(bad))):
+  with pytest.raises(offlax.errors.InvalidTierError, match=next(iter(bad))):
     offlax.NVMeTier(kw.pop("path"), **kw)
 
 
 def test_checkpoint_arguments_of_wrong_type():
   with pytest.raises(
-    offlax.InvalidTierError, match="NVMeStoreSave takes an NVMeTier, got HostTier"
+    offlax.errors.InvalidTierError, match="NVMeStoreSave takes an NVMeTier, got HostTier"
   ):
-    offlax.NVMeStoreSave(offlax.HostTier())
+    offlax.checkpoint.NVMeStoreSave(offlax.HostTier())
   for path in (None, "", 3):
-    with pytest.raises(offlax.InvalidTierError, match="NVMeStoreRestore.path"):
-      offlax.NVMeStoreRestore(path)
+    with pytest.raises(offlax.errors.InvalidTierError, match="NVMeStoreRestore.path"):
+      offlax.checkpoint.NVMeStoreRestore(path)
 
 
 # -- NaN and inf gradients: documented to propagate as in the inner optimizer ----
@@ -136,7 +138,8 @@ def test_update_that_changes_a_state_dtype(tmp_path, cache):
   state = tx.init(params)
   meta = (tmp_path / "offlax.json").read_bytes()
   with pytest.raises(
-    offlax.StoreMismatchError, match=r"state leaf .*mu\['w'\] as float32.*stores it as bfloat16"
+    offlax.errors.StoreMismatchError,
+    match=r"state leaf .*mu\['w'\] as float32.*stores it as bfloat16",
   ):
     jax.jit(tx.update)(params, state, params)
   tier.close()
@@ -160,7 +163,7 @@ def test_read_only_directory_without_root(tmp_path):
   """test_nvme.py mounts a read-only tmpfs, which needs root; this needs the opposite."""
   ro = tmp_path / "ro"
   ro.mkdir(mode=0o500)
-  with pytest.raises(offlax.StoreError, match=f"cannot open NVMe store {ro}"):
+  with pytest.raises(offlax.errors.StoreError, match=f"cannot open NVMe store {ro}"):
     offlax.offload(optax.adam(1e-3), _tier(ro / "run")).init(PARAMS)
 
 
@@ -274,7 +277,7 @@ def test_corrupted_metadata_catalogue(store_template, tmp_path, damage):
   bad = METADATA_DAMAGE[damage](meta)
   (path / "offlax.json").write_bytes(bad if isinstance(bad, bytes) else json.dumps(bad).encode())
   before = sorted(str(p) for p in path.rglob("*"))
-  with pytest.raises(offlax.StoreCorruptedError, match=rf"{path}/offlax.json"):
+  with pytest.raises(offlax.errors.StoreCorruptedError, match=rf"{path}/offlax.json"):
     offlax.offload(optax.adam(1e-3), _tier(path, resume=True)).init(PARAMS)
   assert sorted(str(p) for p in path.rglob("*")) == before  # nothing created or removed
 
@@ -283,7 +286,7 @@ def test_metadata_is_a_directory(store_template, tmp_path):
   path = _copy(store_template, tmp_path)
   (path / "offlax.json").unlink()
   (path / "offlax.json").mkdir()
-  with pytest.raises(offlax.StoreCorruptedError, match="cannot read"):
+  with pytest.raises(offlax.errors.StoreCorruptedError, match="cannot read"):
     offlax.offload(optax.adam(1e-3), _tier(path, resume=True)).init(PARAMS)
 
 
@@ -302,7 +305,7 @@ def test_corrupted_chunk_kinds(store_template, tmp_path, damage):
   record, chunk = _first_chunk(path)
   data = chunk.read_bytes()
   chunk.unlink()
-  error = offlax.StoreCorruptedError
+  error = offlax.errors.StoreCorruptedError
   if damage == "extend":
     chunk.write_bytes(data + b"\0" * 4)
   elif damage == "zero":  # zeroed pages, checksum included
@@ -310,7 +313,7 @@ def test_corrupted_chunk_kinds(store_template, tmp_path, damage):
   elif damage == "symlink":  # never followed (O_NOFOLLOW)
     (tmp_path / "elsewhere").write_bytes(data)
     chunk.symlink_to(tmp_path / "elsewhere")
-    error = offlax.StoreError
+    error = offlax.errors.StoreError
   else:  # opens, but has a directory's size
     chunk.mkdir()
   store = Store(str(path), fsync=False)
@@ -347,7 +350,7 @@ def test_init_after_a_crashed_init(store_template, tmp_path):
   """Arrays without offlax.json (killed during the first init) are no store: init starts over."""
   path = _copy(store_template, tmp_path)
   (path / "offlax.json").unlink()
-  with pytest.raises(offlax.StoreError, match="no offlax store"):
+  with pytest.raises(offlax.errors.StoreError, match="no offlax store"):
     offlax.offload(optax.adam(1e-3), _tier(path, resume=True)).init(PARAMS)
   tier = _tier(path)
   state = offlax.offload(optax.adam(1e-3), tier).init(PARAMS)
@@ -360,7 +363,7 @@ def test_second_writer_in_the_same_process(store_template, tmp_path):
   path = _copy(store_template, tmp_path)
   first = _tier(path, resume=True)
   offlax.offload(optax.adam(1e-3), first).init(PARAMS)
-  with pytest.raises(offlax.StoreLockedError, match=str(path)):
+  with pytest.raises(offlax.errors.StoreLockedError, match=str(path)):
     offlax.offload(optax.adam(1e-3), _tier(path, resume=True)).init(PARAMS)
   first.close()
   second = _tier(path, resume=True)  # released by close

@@ -72,7 +72,7 @@ def test_restored_host_arrays_are_typed_as_device_arrays(tmp_path):
   tx = offlax.offload(optax.sgd(0.1, momentum=0.9))
   state = tx.init(params)
   bad = jax.tree.map(lambda x: raw["x"] if x.ndim else x, state)
-  with pytest.raises(offlax.MemoryKindError, match=r"state leaf .*trace.* offlax.placed"):
+  with pytest.raises(offlax.errors.MemoryKindError, match=r"state leaf .*trace.* offlax.placed"):
     tx.update(params, bad, params)
 
 
@@ -108,12 +108,12 @@ def test_abstract_state_is_placed_like_init():
   # The offload transformation itself stands for its inner transformation and tier.
   assert offlax.abstract_state(tx, params) == abstract
   assert offlax.abstract_state(tx, params, offlax.HostTier(fraction=0.5)) == abstract  # equal
-  with pytest.raises(offlax.InvalidTierError, match="different tier"):
+  with pytest.raises(offlax.errors.InvalidTierError, match="different tier"):
     offlax.abstract_state(tx, params, offlax.HostTier())
 
 
 def test_abstract_state_refuses_the_nvme_tier(tmp_path):
-  with pytest.raises(offlax.InvalidTierError, match="NVMeTier"):
+  with pytest.raises(offlax.errors.InvalidTierError, match="NVMeTier"):
     offlax.abstract_state(optax.adam(1e-3), _params(), offlax.NVMeTier(str(tmp_path)))
 
 
@@ -131,12 +131,12 @@ def test_host_tier_checkpoint_into_an_nvme_store_and_back(tmp_path):
 
   # host-tier checkpoint -> a new NVMe store, two steps there
   tier = offlax.NVMeTier(str(tmp_path / "store"), chunk_bytes=3000, cache_bytes=0, progress=False)
-  on_disk = offlax.retier(restored.inner_state, inner, params, tier)
+  on_disk = offlax.checkpoint.retier(inner, params, restored.inner_state, tier)
   assert not any(x.ndim for x in jax.tree.leaves(on_disk))  # every array in the store
   nvme = offlax.offload(inner, tier)
   p5, s5 = _steps(nvme, p3, on_disk, 3, 5)
   # ... and back to the host tier for the last two
-  back = offlax.retier(tier.read_state(s5), inner, params, offlax.HostTier())
+  back = offlax.checkpoint.retier(inner, params, tier.read_state(s5), offlax.HostTier())
   tier.close()
   got, state = _steps(host, p5, back, 5, 7)
   assert_trees_equal(got, want)
@@ -145,14 +145,16 @@ def test_host_tier_checkpoint_into_an_nvme_store_and_back(tmp_path):
 
 def test_retier_refuses_another_optimizers_state(tmp_path):
   params = _params()
-  with pytest.raises(offlax.TreeMismatchError, match="not one of this optimizer.*structure"):
-    offlax.retier(optax.sgd(0.1, momentum=0.9).init(params), optax.adam(1e-3), params,
-                  offlax.HostTier())  # fmt: skip
+  with pytest.raises(offlax.errors.TreeMismatchError, match="not one of this optimizer.*structure"):
+    offlax.checkpoint.retier(optax.adam(1e-3), params, optax.sgd(0.1, momentum=0.9).init(params),
+                             offlax.HostTier())  # fmt: skip
   other = dict(params, temperature=jax.numpy.ones(2))
   with pytest.raises(
-    offlax.TreeMismatchError, match=r"leaf \[0\]\.mu\['temperature'\] is float32\[2\]"
+    offlax.errors.TreeMismatchError, match=r"leaf \[0\]\.mu\['temperature'\] is float32\[2\]"
   ):
-    offlax.retier(optax.adam(1e-3).init(other), optax.adam(1e-3), params, offlax.HostTier())
+    offlax.checkpoint.retier(
+      optax.adam(1e-3), params, optax.adam(1e-3).init(other), offlax.HostTier()
+    )
 
 
 @pytest.mark.slow  # docs/checkpoints.md's blocks run it by default
@@ -166,7 +168,10 @@ def test_nvme_store_in_an_orbax_checkpoint(tmp_path):
   manager_options = ocp.CheckpointManagerOptions(enable_async_checkpointing=True)
   with ocp.CheckpointManager(tmp_path / "ckpt", options=manager_options) as mngr:
     mngr.save(
-      3, args=ocp.args.Composite(params=ocp.args.StandardSave(p3), opt=offlax.NVMeStoreSave(tier))
+      3,
+      args=ocp.args.Composite(
+        params=ocp.args.StandardSave(p3), opt=offlax.checkpoint.NVMeStoreSave(tier)
+      ),
     )
     _steps(tx, p3, s3, 3, 5)  # the store moves on; the checkpoint keeps step 3
     mngr.wait_until_finished()
@@ -175,7 +180,7 @@ def test_nvme_store_in_an_orbax_checkpoint(tmp_path):
       3,
       args=ocp.args.Composite(
         params=ocp.args.StandardRestore(jax.tree.map(ocp.utils.to_shape_dtype_struct, p3)),
-        opt=offlax.NVMeStoreRestore(str(tmp_path / "restored"), progress=False),
+        opt=offlax.checkpoint.NVMeStoreRestore(str(tmp_path / "restored"), progress=False),
       ),
     )
   assert restored.opt == 3, f"the checkpoint holds store step {restored.opt}, expected 3"
@@ -184,5 +189,5 @@ def test_nvme_store_in_an_orbax_checkpoint(tmp_path):
   got, _ = _steps(tx, restored.params, tx.init(params), 3, 5)
   tier.close()
   assert_trees_equal(got, want)
-  with pytest.raises(offlax.StoreExistsError, match="already holds"):
+  with pytest.raises(offlax.errors.StoreExistsError, match="already holds"):
     offlax._src.nvme.copies.copy_store(str(tmp_path / "store"), str(tmp_path / "restored"))

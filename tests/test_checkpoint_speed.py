@@ -1,4 +1,4 @@
-"""Checkpoints at disk speed: `offlax.checkpoint_handler` and the direct-I/O copy of NVMe stores."""
+"""Checkpoints at disk speed: `checkpoint.checkpoint_handler`, the NVMe stores' direct-I/O copy."""
 
 import hashlib
 import json
@@ -44,7 +44,9 @@ def _array_metadata(directory):
 
 def test_handler_round_trip_is_bit_exact_and_uncompressed(tmp_path):
   inner, params, state = _state()
-  with ocp.CheckpointManager(tmp_path / "fast", item_handlers=offlax.checkpoint_handler()) as m:
+  with ocp.CheckpointManager(
+    tmp_path / "fast", item_handlers=offlax.checkpoint.checkpoint_handler()
+  ) as m:
     m.save(2, args=ocp.args.StandardSave(state))
     m.wait_until_finished()
     restored = m.restore(2, args=ocp.args.StandardRestore(offlax.abstract_state(inner, params)))
@@ -64,13 +66,13 @@ def test_handler_round_trip_is_bit_exact_and_uncompressed(tmp_path):
 def test_handler_options_reach_the_disk(tmp_path):
   """The same check sees orbax's defaults when they are asked for: it can fail."""
   _, _, state = _state()
-  handler = offlax.checkpoint_handler(compression=True, ocdbt=True)
+  handler = offlax.checkpoint.checkpoint_handler(compression=True, ocdbt=True)
   with ocp.CheckpointManager(tmp_path, item_handlers=handler) as m:
     m.save(0, args=ocp.args.StandardSave(state))
     m.wait_until_finished()
   assert list(tmp_path.rglob("manifest.ocdbt"))
   assert not _array_metadata(tmp_path)  # inside OCDBT, not as files
-  handler = offlax.checkpoint_handler(compression=True)
+  handler = offlax.checkpoint.checkpoint_handler(compression=True)
   with ocp.CheckpointManager(tmp_path / "zstd", item_handlers=handler) as m:
     m.save(0, args=ocp.args.StandardSave(state))
     m.wait_until_finished()
@@ -83,8 +85,8 @@ def test_handler_options_reach_the_disk(tmp_path):
   [{"compression": 1}, {"ocdbt": "no"}, {"save_concurrent_gb": 0}, {"restore_concurrent_gb": 1.5}],
 )
 def test_handler_refuses_bad_options(options):
-  with pytest.raises(offlax.InvalidOptionError, match=next(iter(options))):
-    offlax.checkpoint_handler(**options)
+  with pytest.raises(offlax.errors.InvalidOptionError, match=next(iter(options))):
+    offlax.checkpoint.checkpoint_handler(**options)
 
 
 def _digest(path):

@@ -15,45 +15,47 @@ def tx():
 
 
 def test_error_hierarchy():
-  assert issubclass(offlax.InvalidTierError, offlax.OffloadError)
-  assert issubclass(offlax.InvalidTierError, ValueError)
-  assert issubclass(offlax.InvalidOptionError, offlax.OffloadError)
-  assert issubclass(offlax.InvalidOptionError, ValueError)
-  assert issubclass(offlax.MemoryKindError, ValueError)
-  assert issubclass(offlax.TreeMismatchError, ValueError)
-  assert issubclass(offlax.LeafTypeError, TypeError)
+  assert issubclass(offlax.errors.InvalidTierError, offlax.errors.OffloadError)
+  assert issubclass(offlax.errors.InvalidTierError, ValueError)
+  assert issubclass(offlax.errors.InvalidOptionError, offlax.errors.OffloadError)
+  assert issubclass(offlax.errors.InvalidOptionError, ValueError)
+  assert issubclass(offlax.errors.MemoryKindError, ValueError)
+  assert issubclass(offlax.errors.TreeMismatchError, ValueError)
+  assert issubclass(offlax.errors.LeafTypeError, TypeError)
 
 
 @pytest.mark.parametrize("chunk", [0, -1])
 def test_chunk_bytes_must_be_positive(chunk):
-  with pytest.raises(offlax.InvalidTierError, match=f"chunk_bytes must be > 0 bytes, got {chunk}"):
+  with pytest.raises(
+    offlax.errors.InvalidTierError, match=f"chunk_bytes must be > 0 bytes, got {chunk}"
+  ):
     offlax.HostTier(chunk_bytes=chunk)
 
 
 @pytest.mark.parametrize("chunk", [1.5, "64MB", True, None])
 def test_chunk_bytes_must_be_an_int(chunk):
-  with pytest.raises(offlax.InvalidTierError, match="chunk_bytes must be an int"):
+  with pytest.raises(offlax.errors.InvalidTierError, match="chunk_bytes must be an int"):
     offlax.HostTier(chunk_bytes=chunk)
 
 
 def test_min_offload_bytes_must_be_non_negative():
-  with pytest.raises(offlax.InvalidTierError, match="min_offload_bytes must be >= 0"):
+  with pytest.raises(offlax.errors.InvalidTierError, match="min_offload_bytes must be >= 0"):
     offlax.HostTier(min_offload_bytes=-5)
 
 
 @pytest.mark.parametrize("kind", ["hbm", "device", "unpinned_host", ""])
 def test_unknown_memory_kind(kind):
-  with pytest.raises(offlax.MemoryKindError, match=repr(kind)):
+  with pytest.raises(offlax.errors.MemoryKindError, match=repr(kind)):
     offlax.HostTier(memory_kind=kind)
 
 
 def test_tier_and_options_together():
-  with pytest.raises(offlax.InvalidTierError, match="chunk_bytes"):
+  with pytest.raises(offlax.errors.InvalidTierError, match="chunk_bytes"):
     offlax.offload(optax.adam(1e-3), offlax.HostTier(), chunk_bytes=10)
 
 
 def test_tier_of_wrong_type():
-  with pytest.raises(offlax.InvalidTierError, match="str"):
+  with pytest.raises(offlax.errors.InvalidTierError, match="str"):
     offlax.offload(optax.adam(1e-3), "host")
 
 
@@ -76,7 +78,7 @@ class _DeviceWithoutHostMemory:
 
 
 def test_device_without_pinned_host():
-  with pytest.raises(offlax.MemoryKindError, match=r"FakeTPU_0 has no 'pinned_host' memory"):
+  with pytest.raises(offlax.errors.MemoryKindError, match=r"FakeTPU_0 has no 'pinned_host' memory"):
     offlax.HostTier().check_devices([_DeviceWithoutHostMemory()])
   offlax.HostTier().check_devices(jax.devices())  # the CPU offers it
 
@@ -86,20 +88,22 @@ def test_device_without_pinned_host():
 )
 def test_non_array_param_leaf(tx, leaf, kind):
   params = {"dense": {"w": jnp.ones(3), "act": leaf}}
-  with pytest.raises(offlax.LeafTypeError, match=rf"params leaf \['dense'\]\['act'\] is a {kind}"):
+  with pytest.raises(
+    offlax.errors.LeafTypeError, match=rf"params leaf \['dense'\]\['act'\] is a {kind}"
+  ):
     tx.init(params)
 
 
 def test_non_array_update_leaf(tx):
   state = tx.init({"w": jnp.ones(3)})
-  with pytest.raises(offlax.LeafTypeError, match=r"updates leaf \['w'\] is a str"):
+  with pytest.raises(offlax.errors.LeafTypeError, match=r"updates leaf \['w'\] is a str"):
     tx.update({"w": "oops"}, state)
 
 
 def test_updates_with_other_keys(tx):
   state = tx.init({"w": jnp.ones(3), "b": jnp.ones(2)})
   with pytest.raises(
-    offlax.TreeMismatchError, match=r"missing leaves \['w'\]; unexpected leaves \['v'\]"
+    offlax.errors.TreeMismatchError, match=r"missing leaves \['w'\]; unexpected leaves \['v'\]"
   ):
     tx.update({"v": jnp.ones(3), "b": jnp.ones(2)}, state)
 
@@ -107,33 +111,35 @@ def test_updates_with_other_keys(tx):
 def test_updates_with_other_container(tx):
   state = tx.init({"w": jnp.ones(3)})
   with pytest.raises(
-    offlax.TreeMismatchError, match=r"missing leaves \['w'\]; unexpected leaves \[0\]"
+    offlax.errors.TreeMismatchError, match=r"missing leaves \['w'\]; unexpected leaves \[0\]"
   ):
     tx.update([jnp.ones(3)], state)
 
 
 def test_updates_with_same_paths_other_nodes(tx):
   state = tx.init({"w": (jnp.ones(3),)})
-  with pytest.raises(offlax.TreeMismatchError, match="expected structure"):
+  with pytest.raises(offlax.errors.TreeMismatchError, match="expected structure"):
     tx.update({"w": [jnp.ones(3)]}, state)
 
 
 def test_updates_with_other_shape(tx):
   state = tx.init({"w": jnp.ones((3, 4))})
   with pytest.raises(
-    offlax.TreeMismatchError, match=r"updates leaf \['w'\] has shape \(4, 3\); .* \(3, 4\)"
+    offlax.errors.TreeMismatchError, match=r"updates leaf \['w'\] has shape \(4, 3\); .* \(3, 4\)"
   ):
     jax.jit(tx.update)({"w": jnp.ones((4, 3))}, state)
 
 
 def test_params_with_other_structure(tx):
   state = tx.init({"w": jnp.ones(3)})
-  with pytest.raises(offlax.TreeMismatchError, match="params do not have the structure"):
+  with pytest.raises(offlax.errors.TreeMismatchError, match="params do not have the structure"):
     tx.update({"w": jnp.ones(3)}, state, {"w": jnp.ones(3), "extra": jnp.ones(1)})
 
 
 def test_state_of_another_transformation(tx):
-  with pytest.raises(offlax.TreeMismatchError, match="expects the OffloadState returned by init"):
+  with pytest.raises(
+    offlax.errors.TreeMismatchError, match="expects the OffloadState returned by init"
+  ):
     tx.update({"w": jnp.ones(3)}, optax.adam(1e-3).init({"w": jnp.ones(3)}))
 
 
@@ -153,7 +159,9 @@ def test_nan_gradients_propagate_like_optax():
 
 
 def test_an_unknown_offload_option_names_offload_it_and_the_options():
-  with pytest.raises(offlax.InvalidOptionError, match=r"offload.*\['chunk_size'\].*chunk_bytes"):
+  with pytest.raises(
+    offlax.errors.InvalidOptionError, match=r"offload.*\['chunk_size'\].*chunk_bytes"
+  ):
     offlax.offload(optax.adamw(1e-3), chunk_size=1024)
   with pytest.raises(TypeError):  # what Python raises for an unknown keyword
     offlax.offload(optax.adamw(1e-3), chunk_size=1024)
@@ -164,10 +172,10 @@ def test_an_nvme_tier_in_a_folder_of_other_files_is_refused_and_writes_nothing(t
   (tmp_path / "notes.txt").write_text("mine")
   params = {"w": jnp.ones(4)}
   tx = offlax.offload(optax.adam(1e-3), offlax.NVMeTier(str(tmp_path), progress=False))
-  with pytest.raises(offlax.NotAStoreError, match=r"1 other file.*notes\.txt.*offlax-state"):
+  with pytest.raises(offlax.errors.NotAStoreError, match=r"1 other file.*notes\.txt.*offlax-state"):
     tx.init(params)
-  assert issubclass(offlax.NotAStoreError, offlax.StoreError)
-  assert issubclass(offlax.NotAStoreError, FileExistsError)
+  assert issubclass(offlax.errors.NotAStoreError, offlax.errors.StoreError)
+  assert issubclass(offlax.errors.NotAStoreError, FileExistsError)
   assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
   # An empty folder, and one holding a store, are a store's.
   empty = tmp_path / "state"

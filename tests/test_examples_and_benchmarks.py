@@ -118,7 +118,7 @@ def test_nvme_params_nnx_example_runs_to_its_total_and_its_loss_falls(tmp_path, 
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not offlax.gpu_compile_available(), reason="needs offlax[gpu-compile]")
+@pytest.mark.skipif(not offlax.extend.gpu_compile_available(), reason="needs offlax[gpu-compile]")
 def test_nvme_params_nnx_benchmark_runs(tmp_path):
   pytest.importorskip("tunix")
   bench = _load("benchmarks/nvme_params_nnx.py")
@@ -415,7 +415,7 @@ def test_multi_device_example_with_the_nvme_tier(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not offlax.gpu_compile_available(), reason="needs offlax[gpu-compile]")
+@pytest.mark.skipif(not offlax.extend.gpu_compile_available(), reason="needs offlax[gpu-compile]")
 def test_gpu_memory_benchmark_runs(tmp_path):
   result = _load("benchmarks/gpu_memory.py").main(["--sizes-b", "0.005", "--out", str(tmp_path)])
   assert (tmp_path / "gpu_memory.png").stat().st_size > 10_000
@@ -434,7 +434,7 @@ def test_gpu_memory_benchmark_runs(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not offlax.gpu_compile_available(), reason="needs offlax[gpu-compile]")
+@pytest.mark.skipif(not offlax.extend.gpu_compile_available(), reason="needs offlax[gpu-compile]")
 def test_params_offload_benchmark_runs(tmp_path):
   result = _load("benchmarks/params_offload.py").main(["--model", "tiny", "--out", str(tmp_path)])
   assert (tmp_path / "params_offload.png").stat().st_size > 10_000
@@ -469,7 +469,7 @@ def test_tunix_full_finetune_example(capsys):
 
 
 @pytest.mark.slow  # Tunix's models: minutes
-@pytest.mark.skipif(not offlax.gpu_compile_available(), reason="needs offlax[gpu-compile]")
+@pytest.mark.skipif(not offlax.extend.gpu_compile_available(), reason="needs offlax[gpu-compile]")
 def test_tunix_full_finetune_example_compiles_as_the_benchmark():
   """`--compile`: the benchmark's device peak (not 2 GB more for one-hot labels), every line
   labelled, and CUDA's "no drivers" notice (four at jax's start) at most once."""

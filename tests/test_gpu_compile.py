@@ -19,7 +19,7 @@ from offlax._src.planner import parse_bytes
 from offlax._src.transform import OffloadTransformation
 
 pytestmark = pytest.mark.skipif(
-  not offlax.gpu_compile_available(), reason="needs offlax[gpu-compile] (jax-cuda12-plugin)"
+  not offlax.extend.gpu_compile_available(), reason="needs offlax[gpu-compile] (jax-cuda12-plugin)"
 )
 
 CHUNK = 2**20  # 1 MiB slices: the leaves below are cut into several pieces
@@ -79,7 +79,7 @@ def test_targets_and_overrides():
     assert m.target.name.startswith(name)
   m = offlax.compile_for_gpu(lambda x: x + 1, jnp.ones(8), target="h100", device_memory_size=10**9)
   assert m.target.device_memory_size == 10**9
-  with pytest.raises(offlax.InvalidTargetError, match="unknown target 'h300'"):
+  with pytest.raises(offlax.errors.InvalidTargetError, match="unknown target 'h300'"):
     offlax.compile_for_gpu(lambda x: x, jnp.ones(8), target="h300")
 
 
@@ -275,7 +275,7 @@ def test_apply_updates_on_host_params_converts_nothing(monkeypatch):
   monkeypatch.setattr(apply_lib, "APPLY_CHUNK_BYTES", 2**20)
   host = gpu_compile.one_device("pinned_host")
   p = jax.ShapeDtypeStruct((1000, 1024), jnp.float32, sharding=host)  # 3 slices and a tail
-  step = jax.jit(offlax.apply_updates, donate_argnums=0)
+  step = jax.jit(offlax.extend.apply_updates, donate_argnums=0)
   m = offlax.compile_for_gpu(step, {"w": p}, {"w": p}, target="l4")  # updates in host memory
   assert m.host_compute == () and "while" in m.hlo
   assert m.host["temp"] <= 2 * 2**20  # slices, not a second copy of the params

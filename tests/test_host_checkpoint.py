@@ -1,4 +1,4 @@
-"""`offlax.HostStateSave` / `HostStateRestore`: host-tier state as raw files by direct I/O."""
+"""`offlax.checkpoint.HostStateSave` and `HostStateRestore`: host-tier state as raw files."""
 
 import json
 import os
@@ -50,10 +50,18 @@ def test_round_trip_resumes_training_bit_exactly(tmp_path):
   inner, params, tx, step = _setup()
   params, state = _train(params, tx.init(params), step, range(2))
   # Any pytree of arrays: the params (in device memory) too, restored into live arrays.
-  _save(tmp_path, 2, model=offlax.HostStateSave(params), opt=offlax.HostStateSave(state))
+  _save(
+    tmp_path,
+    2,
+    model=offlax.checkpoint.HostStateSave(params),
+    opt=offlax.checkpoint.HostStateSave(state),
+  )
   target = offlax.abstract_state(inner, params)
   restored = _restore(
-    tmp_path, 2, model=offlax.HostStateRestore(params), opt=offlax.HostStateRestore(target)
+    tmp_path,
+    2,
+    model=offlax.checkpoint.HostStateRestore(params),
+    opt=offlax.checkpoint.HostStateRestore(target),
   )
   assert_trees_equal(restored.model, params)
   assert_trees_equal(restored.opt, state)
@@ -80,34 +88,40 @@ def test_round_trip_resumes_training_bit_exactly(tmp_path):
 def test_corrupted_files_are_refused_naming_the_file(tmp_path):
   inner, params, tx, step = _setup()
   _, state = _train(params, tx.init(params), step, range(1))
-  _save(tmp_path, 1, opt=offlax.HostStateSave(state, progress=False))
+  _save(tmp_path, 1, opt=offlax.checkpoint.HostStateSave(state, progress=False))
   target = offlax.abstract_state(inner, params)
   biggest = max((tmp_path / "1" / "opt").glob("*.0"), key=lambda p: p.stat().st_size)
   data = bytearray(biggest.read_bytes())
   data[len(data) // 2] ^= 1
   biggest.write_bytes(bytes(data))
-  with pytest.raises(offlax.StoreCorruptedError, match=f"{biggest.name}.*checksum"):
-    _restore(tmp_path, 1, opt=offlax.HostStateRestore(target))
+  with pytest.raises(offlax.errors.StoreCorruptedError, match=f"{biggest.name}.*checksum"):
+    _restore(tmp_path, 1, opt=offlax.checkpoint.HostStateRestore(target))
   biggest.write_bytes(bytes(data[:-5]))
-  with pytest.raises(offlax.StoreCorruptedError, match=f"{biggest.name} holds {len(data) - 5}"):
-    _restore(tmp_path, 1, opt=offlax.HostStateRestore(target))
+  with pytest.raises(
+    offlax.errors.StoreCorruptedError, match=f"{biggest.name} holds {len(data) - 5}"
+  ):
+    _restore(tmp_path, 1, opt=offlax.checkpoint.HostStateRestore(target))
 
 
 def test_bad_targets_and_states_are_refused(tmp_path):
   inner, params, tx, _ = _setup()
   state = tx.init(params)
-  _save(tmp_path, 0, opt=offlax.HostStateSave(state, progress=False))
+  _save(tmp_path, 0, opt=offlax.checkpoint.HostStateSave(state, progress=False))
   other = dict(params, embed=jnp.zeros((3, 3)))
-  with pytest.raises(offlax.TreeMismatchError, match=r"\['embed'\].*float32\[3, 3\].*holds"):
-    _restore(tmp_path, 0, opt=offlax.HostStateRestore(offlax.abstract_state(inner, other)))
-  with pytest.raises(offlax.TreeMismatchError, match=r"leaf 0 of the target is .count int32"):
-    _restore(tmp_path, 0, opt=offlax.HostStateRestore(state.inner_state[0]))
-  with pytest.raises(offlax.InvalidTargetError, match="abstract_state"):
-    offlax.HostStateRestore(None)
-  with pytest.raises(offlax.LeafTypeError, match=r"\['lr'\] is a str"):
-    _save(tmp_path / "bad", 0, opt=offlax.HostStateSave({"lr": "high"}))
-  with pytest.raises(offlax.LeafTypeError, match=r"\['rng'\] is a PRNG key"):
-    _save(tmp_path / "bad", 1, opt=offlax.HostStateSave({"rng": jax.random.key(0)}))
+  with pytest.raises(offlax.errors.TreeMismatchError, match=r"\['embed'\].*float32\[3, 3\].*holds"):
+    _restore(
+      tmp_path, 0, opt=offlax.checkpoint.HostStateRestore(offlax.abstract_state(inner, other))
+    )
+  with pytest.raises(
+    offlax.errors.TreeMismatchError, match=r"leaf 0 of the target is .count int32"
+  ):
+    _restore(tmp_path, 0, opt=offlax.checkpoint.HostStateRestore(state.inner_state[0]))
+  with pytest.raises(offlax.errors.InvalidTargetError, match="abstract_state"):
+    offlax.checkpoint.HostStateRestore(None)
+  with pytest.raises(offlax.errors.LeafTypeError, match=r"\['lr'\] is a str"):
+    _save(tmp_path / "bad", 0, opt=offlax.checkpoint.HostStateSave({"lr": "high"}))
+  with pytest.raises(offlax.errors.LeafTypeError, match=r"\['rng'\] is a PRNG key"):
+    _save(tmp_path / "bad", 1, opt=offlax.checkpoint.HostStateSave({"rng": jax.random.key(0)}))
 
 
 def test_restores_into_another_sharding(tmp_path):
@@ -124,7 +138,7 @@ def test_restores_into_another_sharding(tmp_path):
               "v": jax.device_put(value.astype(jnp.bfloat16), host(mesh22, P("a", "b"))),
               "r": jax.device_put(value, host(mesh4, P()))}}
     with ocp.CheckpointManager({str(tmp_path)!r}) as m:
-      m.save(0, args=ocp.args.Composite(opt=offlax.HostStateSave(state, progress=False)))
+      m.save(0, args=ocp.args.Composite(opt=offlax.checkpoint.HostStateSave(state, progress=False)))
       m.wait_until_finished()
       for m_sharding, v_sharding in [
           (host(mesh22, P("b", "a")), host(mesh4, P(None, "x"))),
@@ -133,7 +147,8 @@ def test_restores_into_another_sharding(tmp_path):
         target = {{"m": jax.ShapeDtypeStruct((8, 12), jnp.float32, sharding=m_sharding),
                    "v": jax.ShapeDtypeStruct((8, 12), jnp.bfloat16, sharding=v_sharding),
                    "r": jax.ShapeDtypeStruct((8, 12), jnp.float32, sharding=host(mesh22, P()))}}
-        got = m.restore(0, args=ocp.args.Composite(opt=offlax.HostStateRestore(target)))["opt"]
+        item = offlax.checkpoint.HostStateRestore(target)
+        got = m.restore(0, args=ocp.args.Composite(opt=item))["opt"]
         assert np.array_equal(np.asarray(got["m"]), value)
         assert np.array_equal(np.asarray(got["r"]), value)
         assert np.array_equal(np.asarray(got["v"]), value.astype(jnp.bfloat16))
@@ -177,16 +192,18 @@ def test_array_files_round_trip(tmp_path, monkeypatch, direct, size):
   got = dict(array_files.read_files(reads))
   assert got[0].dtype == a.dtype and np.array_equal(got[0], a)
   assert got[1].dtype == b.dtype and np.array_equal(got[1].view(np.uint16), b.view(np.uint16))
-  with pytest.raises(offlax.StoreError, match="File exists"):  # never over an existing file
+  with pytest.raises(offlax.errors.StoreError, match="File exists"):  # never over an existing file
     array_files.write_files(items[:1])
 
 
 def test_progress_bars_in_bytes(tmp_path, capsys, bars_at_once):
   inner, params, tx, _ = _setup()
   state = tx.init(params)
-  _save(tmp_path, 0, opt=offlax.HostStateSave(state))
+  _save(tmp_path, 0, opt=offlax.checkpoint.HostStateSave(state))
   assert "offlax: saving host state" in capsys.readouterr().err
-  _restore(tmp_path, 0, opt=offlax.HostStateRestore(offlax.abstract_state(inner, params)))
+  _restore(
+    tmp_path, 0, opt=offlax.checkpoint.HostStateRestore(offlax.abstract_state(inner, params))
+  )
   err = capsys.readouterr().err
   assert "offlax: restoring host state" in err and "B/s" in err
 
@@ -194,8 +211,8 @@ def test_progress_bars_in_bytes(tmp_path, capsys, bars_at_once):
 def test_inspect_checks_the_files_and_their_checksums(tmp_path):
   inner, params, tx, step = _setup()
   _, state = _train(params, tx.init(params), step, range(1))
-  _save(tmp_path, 1, opt=offlax.HostStateSave(state, progress=False))
-  [report] = offlax.inspect_store(tmp_path, verify=True, progress=False)
+  _save(tmp_path, 1, opt=offlax.checkpoint.HostStateSave(state, progress=False))
+  [report] = offlax.checkpoint.inspect_store(tmp_path, verify=True, progress=False)
   assert report.ok and report.kind == "host_state", report.format()
   paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(state)]
   assert [leaf.path for leaf in report.leaves] == paths
@@ -206,11 +223,11 @@ def test_inspect_checks_the_files_and_their_checksums(tmp_path):
   data = bytearray(biggest.read_bytes())
   data[7] ^= 1
   biggest.write_bytes(bytes(data))
-  [report] = offlax.inspect_store(item, verify=False, progress=False)
+  [report] = offlax.checkpoint.inspect_store(item, verify=False, progress=False)
   assert report.ok  # sizes only: the flipped byte needs --verify
-  [report] = offlax.inspect_store(item, verify=True, progress=False)
+  [report] = offlax.checkpoint.inspect_store(item, verify=True, progress=False)
   bad = [leaf for leaf in report.leaves if leaf.status == "BAD"]
   assert len(bad) == 1 and "checksum" in report.problems[0] and bad[0].path in report.problems[0]
   (item / "0.0").unlink()
-  [report] = offlax.inspect_store(item, progress=False)
+  [report] = offlax.checkpoint.inspect_store(item, progress=False)
   assert report.leaves[0].status == "MISSING" and "0.0" in report.format()

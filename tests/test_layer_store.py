@@ -186,7 +186,7 @@ def test_bad_input(tmp_path):
 
 
 @pytest.mark.skipif(
-  not offlax.gpu_compile_available(), reason="needs offlax[gpu-compile] (jax-cuda12-plugin)"
+  not offlax.extend.gpu_compile_available(), reason="needs offlax[gpu-compile] (jax-cuda12-plugin)"
 )
 def test_compiles_for_gpu_with_flat_device_memory(tmp_path):
   """The reads and gradient writes lower as XLA:GPU's Python callbacks; more layers, same peak."""
@@ -203,7 +203,7 @@ def test_compiles_for_gpu_with_flat_device_memory(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.skipif(
-  not offlax.gpu_compile_available(), reason="needs offlax[gpu-compile] (jax-cuda12-plugin)"
+  not offlax.extend.gpu_compile_available(), reason="needs offlax[gpu-compile] (jax-cuda12-plugin)"
 )
 def test_a_llama_with_its_layers_on_disk_compiles_flat(tmp_path):
   """Llama's step with its layers in a sparse store: no host buffer grows with the layers."""

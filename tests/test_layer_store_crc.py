@@ -96,12 +96,12 @@ def test_a_flipped_params_slot_is_refused_by_every_read(tmp_path):
   with offlax.LayerStore.open(path, LIKE, optimizer=TX, progress=False) as store:
     assert store.step == 2  # opening checks sizes: the damage shows on the read
     np.testing.assert_array_equal(store.read_layer(1)[1], store.read_layer(1)[1])  # others read
-    with pytest.raises(offlax.StoreCorruptedError) as e:
+    with pytest.raises(offlax.errors.StoreCorruptedError) as e:
       store.read_params()
     assert_names(str(e.value), name, "['w']", 2, 2)
     assert f"LayerStore.open({path!r}, like, optimizer=..., step=1)" in str(e.value)
     assert f"python -m offlax rollback {path} --to 1" in str(e.value)
-    with pytest.raises(offlax.StoreCorruptedError, match="layer 2 of params leaf"):
+    with pytest.raises(offlax.errors.StoreCorruptedError, match="layer 2 of params leaf"):
       store.read_layer(2)
     # Inside a jitted step the read is a host callback: JAX raises its runtime error,
     # carrying the offlax error's type and message.
@@ -109,7 +109,7 @@ def test_a_flipped_params_slot_is_refused_by_every_read(tmp_path):
       with pytest.raises(Exception, match="StoreCorruptedError") as e:
         jax.block_until_ready(step_fn(store.source(), x(2)))
       assert_names(str(e.value), name, "['w']", 2, 2)
-    with pytest.raises(offlax.StoreCorruptedError) as e:
+    with pytest.raises(offlax.errors.StoreCorruptedError) as e:
       store.update(rest={"e": jnp.zeros(3)})
     assert_names(str(e.value), name, "['w']", 2, 2)
     assert store.step == 2 and [s for s, _ in store.kept] == [2, 1]
@@ -128,12 +128,12 @@ def test_a_flipped_state_slot_is_refused_and_nothing_commits(tmp_path):
   with offlax.LayerStore.open(path, LIKE, optimizer=TX, progress=False) as store:
     leaf = store.state_records[2]["path"]
     store.read_params()  # the params are whole
-    with pytest.raises(offlax.StoreCorruptedError) as e:
+    with pytest.raises(offlax.errors.StoreCorruptedError) as e:
       store.read_state()
     assert_names(str(e.value), name, leaf, 0, 2)
     assert "keeps no step before step 2" in str(e.value)  # keep=1: nothing to go back to
     grad(store.source(), x(2))
-    with pytest.raises(offlax.StoreCorruptedError) as e:
+    with pytest.raises(offlax.errors.StoreCorruptedError) as e:
       store.update()
     assert_names(str(e.value), name, leaf, 0, 2)
     assert store.step == 2
@@ -151,7 +151,7 @@ def test_a_gradient_changed_on_disk_is_refused_by_update(tmp_path):
     data[3 * store.records[1]["slot"]] ^= 1
     name.write_bytes(bytes(data))
     before = files_of(path, steps=(0,))
-    with pytest.raises(offlax.StoreCorruptedError, match="layer 3 of the gradient of leaf"):
+    with pytest.raises(offlax.errors.StoreCorruptedError, match="layer 3 of the gradient of leaf"):
       store.update()
     assert store.step == 0 and files_of(path, steps=(0,)) == before
     grad(store.source(), x())  # the backward pass writes them again
@@ -175,7 +175,7 @@ def test_onload_params_checks_the_layers_it_reads(tmp_path):
   with store:
     offlax.offload_params(model, store=store)
     name = flip(path, 0, "params", 1, 3)  # ['kernel'] of layer 3 (leaves: bias, kernel)
-    with pytest.raises(offlax.StoreCorruptedError) as e:
+    with pytest.raises(offlax.errors.StoreCorruptedError) as e:
       offlax.onload_params(model)
     assert_names(str(e.value), name, "['kernel']", 3, 0)
 
@@ -282,5 +282,5 @@ def test_the_example_refuses_to_resume_from_a_flipped_byte(tmp_path):
   assert out.returncode != 0
   assert "StoreCorruptedError" in out.stderr and f"{name}: layer 0 of params leaf" in out.stderr
   assert "in step 1 does not match its checksum" in out.stderr, out.stderr[-3000:]
-  [report] = offlax.inspect_store(str(tmp_path / "layers"), verify=True, progress=False)
+  [report] = offlax.checkpoint.inspect_store(str(tmp_path / "layers"), verify=True, progress=False)
   assert report.step == 1 and report.mismatches == 1  # nothing trained on it, nothing committed

@@ -240,7 +240,7 @@ def test_stack_layers(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.skipif(
-  not offlax.gpu_compile_available(), reason="needs offlax[gpu-compile] (jax-cuda12-plugin)"
+  not offlax.extend.gpu_compile_available(), reason="needs offlax[gpu-compile] (jax-cuda12-plugin)"
 )
 def test_compiles_for_gpu_with_flat_device_and_host_memory(tmp_path):
   """Each layer read after the one before (forward) or after (backward): more layers, same peak.

@@ -86,7 +86,7 @@ def reference(steps, name):
 
 
 def is_stored(layers):
-  return all(isinstance(layer.lin.kernel, offlax.StoredParam) for layer in layers)
+  return all(isinstance(layer.lin.kernel, offlax.extend.StoredParam) for layer in layers)
 
 
 @pytest.mark.parametrize("name", ["encoder", "decoder"])
@@ -116,7 +116,7 @@ def test_store_attaches_to_the_list_it_was_made_from(tmp_path, name):
         losses.append(float(step(model, optimizer, batch(i))))
         s.update()
     assert losses == want_losses
-    assert not [w for w in seen if w.category is offlax.GradientsOverwrittenWarning]
+    assert not [w for w in seen if w.category is offlax.errors.GradientsOverwrittenWarning]
     for a, b in zip(jax.tree.leaves(s.read_params()), jax.tree.leaves(want), strict=True):
       np.testing.assert_array_equal(a, np.asarray(b))
 
@@ -301,23 +301,23 @@ def test_a_forgotten_update_warns(tmp_path):
       for _ in range(2):  # accumulating microbatches: no warning
         _scan_grads(store, x, accumulate=True)
       store.update()
-    assert not [w for w in seen if w.category is offlax.GradientsOverwrittenWarning]
+    assert not [w for w in seen if w.category is offlax.errors.GradientsOverwrittenWarning]
     with pytest.warns(
-      offlax.GradientsOverwrittenWarning,
+      offlax.errors.GradientsOverwrittenWarning,
       match=r"overwrote layer 1's gradients before update\(\) used them; the store is still at "
       r"step 3. Call store.update\(\) after each step's backward pass",
     ) as seen:
       for _ in range(3):  # three steps, no update
         _scan_grads(store, x)
     assert store.step == 3
-    assert len([w for w in seen if w.category is offlax.GradientsOverwrittenWarning]) == 2
+    assert len([w for w in seen if w.category is offlax.errors.GradientsOverwrittenWarning]) == 2
   # A store without an optimizer has no update to forget.
   with offlax.LayerStore.create(str(tmp_path / "p"), layers, progress=False) as store:
     with warnings.catch_warnings(record=True) as seen:
       warnings.simplefilter("always")
       for _ in range(2):
         _scan_grads(store, x)
-    assert not [w for w in seen if w.category is offlax.GradientsOverwrittenWarning]
+    assert not [w for w in seen if w.category is offlax.errors.GradientsOverwrittenWarning]
 
 
 def test_a_forgotten_update_warns_for_an_nnx_model(tmp_path):
@@ -328,7 +328,7 @@ def test_a_forgotten_update_warns_for_an_nnx_model(tmp_path):
   ) as store:  # fmt: skip
     offlax.offload_params(model, store=store)
     step = nnx.jit(nnx.grad(lambda m, x: m(x)))
-    with pytest.warns(offlax.GradientsOverwrittenWarning, match="still at step 0"):
+    with pytest.warns(offlax.errors.GradientsOverwrittenWarning, match="still at step 0"):
       for i in range(2):
         step(model, jnp.ones((2, D)) * i)
       store.flush_grads()

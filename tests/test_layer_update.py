@@ -206,7 +206,7 @@ def test_the_rest_of_the_model_commits_with_the_layers(tmp_path):
   data = bytearray(name.read_bytes())
   data[100] ^= 1
   name.write_bytes(bytes(data))
-  [report] = offlax.inspect_store(path, verify=True, progress=False)
+  [report] = offlax.checkpoint.inspect_store(path, verify=True, progress=False)
   assert report.problems == [f"step 2: {name}: rest leaf ['embed'] does not match its checksum"]
   with offlax.LayerStore.open(path, like, optimizer=tx, step=2) as store:
     with pytest.raises(errors.StoreCorruptedError, match=r"leaf \['embed'\] of step 2 does not"):
@@ -329,7 +329,7 @@ def test_inspect_verifies_a_layer_store(tmp_path):
     for step in range(2):
       grad(store.source(), batch(step))
       store.update()
-  [report] = offlax.inspect_store(path, verify=True, progress=False)
+  [report] = offlax.checkpoint.inspect_store(path, verify=True, progress=False)
   assert report.ok and report.kind == "layers", report.format()
   assert report.step == 2 and report.kept == [2, 1] and report.generations == 3
   assert {leaf.path for leaf in report.leaves} >= {"params ['w']", "state [0].mu['w']"}
@@ -339,9 +339,9 @@ def test_inspect_verifies_a_layer_store(tmp_path):
   data = bytearray(name.read_bytes())
   data[3 * store.records[1]["slot"] + 5] ^= 1  # one bit of layer 3
   name.write_bytes(bytes(data))
-  [report] = offlax.inspect_store(path, verify=False, progress=False)
+  [report] = offlax.checkpoint.inspect_store(path, verify=False, progress=False)
   assert report.ok  # sizes only
-  [report] = offlax.inspect_store(path, verify=True, progress=False)
+  [report] = offlax.checkpoint.inspect_store(path, verify=True, progress=False)
   assert report.problems == [f"step 2: {name}: layer 3 of ['w'] does not match its checksum"]
   os.truncate(tmp_path / "s" / "grads" / "0.bin", 10)
   out = subprocess.run([sys.executable, "-m", "offlax", "inspect", path], capture_output=True,

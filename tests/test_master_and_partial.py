@@ -78,9 +78,9 @@ def test_offloaded_master_weights_equal_plain(mode):
 def test_master_weights_needs_params():
   tx = offlax.master_weights(optax.sgd(1.0))
   params = {"w": jnp.ones(2, jnp.bfloat16)}
-  with pytest.raises(offlax.TreeMismatchError, match="needs params"):
+  with pytest.raises(offlax.errors.TreeMismatchError, match="needs params"):
     tx.update(params, tx.init(params))
-  with pytest.raises(offlax.InvalidTierError, match="floating point"):
+  with pytest.raises(offlax.errors.InvalidTierError, match="floating point"):
     offlax.master_weights(optax.sgd(1.0), dtype=jnp.int32)
 
 
@@ -123,7 +123,7 @@ def test_partial_offload_by_selector(mode):
 
 @pytest.mark.parametrize("bad", [dict(fraction=1.5), dict(fraction="half"), dict(select="(")])
 def test_partial_offload_bad_options(bad):
-  with pytest.raises(offlax.InvalidTierError, match=re.escape(next(iter(bad)))):
+  with pytest.raises(offlax.errors.InvalidTierError, match=re.escape(next(iter(bad)))):
     offlax.HostTier(**bad)
 
 

@@ -50,7 +50,7 @@ def test_two_processes_train_and_checkpoint(tmp_path):
       # Bit for bit with plain optax on the same 2-process mesh, before and after
       # an orbax save and restore written by both processes.
       assert got["exact"] and got["resumed_exact"], (name, got)
-      # offlax.HostStateSave too: each process wrote its checksums, process 0 the layout.
+      # offlax.checkpoint.HostStateSave too: each process wrote its checksums, process 0 the layout.
       assert got["direct_resumed_exact"], (name, got)
       assert {"crc32c.0.json", "crc32c.1.json", "host_state.json"} <= set(got["direct_files"])
       assert got["kinds"] == got["restored_kinds"] == ["pinned_host"]
@@ -67,6 +67,6 @@ def test_two_processes_train_and_checkpoint(tmp_path):
     assert nvme["shards"] == [2 * r["process"], 2 * r["process"] + 1]
     # Each restored its own shards into one directory (listed after a collective).
     assert nvme["dirs"] == [f"shard_0000{i}" for i in range(4)]
-    # offlax.reshard for other specs, run by both: the next step is plain optax's.
+    # offlax.checkpoint.reshard for other specs, run by both: the next step is plain optax's.
     assert nvme["reshard_step"] == 4 and nvme["resharded_exact"], nvme
     assert nvme["resharded_shards"] == nvme["shards"]

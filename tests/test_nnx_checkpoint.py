@@ -3,7 +3,7 @@
 `nnx.state(optimizer)` of an NVMe-tier optimizer keeps an `OnDiskVariable` for
 each array in the store, so every orbax pytree save of it (`StandardSave`,
 `PyTreeSave`, either inside a `Composite`, of `nnx.split`'s state) raises
-`UnsavableStateError` naming `offlax.NVMeStoreSave`, rather than save the
+`UnsavableStateError` naming `offlax.checkpoint.NVMeStoreSave`, rather than save the
 state without its moments. A state restored beside a store that lacks its step
 says so.
 """
@@ -43,7 +43,9 @@ def _step(model, optimizer):
 
 def _on_disk(state):
   return [
-    (path, v) for path, v in nnx.to_flat_state(state) if isinstance(nnx.as_pure(v), offlax.OnDisk)
+    (path, v)
+    for path, v in nnx.to_flat_state(state)
+    if isinstance(nnx.as_pure(v), offlax.extend.OnDisk)
   ]
 
 
@@ -199,7 +201,9 @@ def trained(tmp_path_factory):
 def test_every_orbax_save_of_nnx_nvme_state_is_refused_naming_nvme_store_save(
   tmp_path, trained, save
 ):
-  with pytest.raises(offlax.UnsavableStateError, match=r"offlax\.NVMeStoreSave\(tier\)"):
+  with pytest.raises(
+    offlax.errors.UnsavableStateError, match=r"offlax\.checkpoint\.NVMeStoreSave\(tier\)"
+  ):
     SAVES[save](tmp_path, *trained)
 
 
@@ -212,7 +216,9 @@ def test_nnx_model_and_store_saved_with_nvme_store_save_resume_exactly(tmp_path)
     items = {"model": nnx.state(model), "step": optimizer.step[...]}
     mngr.save(
       2,
-      args=ocp.args.Composite(model=ocp.args.StandardSave(items), opt=offlax.NVMeStoreSave(tier)),
+      args=ocp.args.Composite(
+        model=ocp.args.StandardSave(items), opt=offlax.checkpoint.NVMeStoreSave(tier)
+      ),
     )
     mngr.wait_until_finished()
     for _ in range(2):  # the run goes on past its checkpoint
@@ -225,7 +231,7 @@ def test_nnx_model_and_store_saved_with_nvme_store_save_resume_exactly(tmp_path)
       2,
       args=ocp.args.Composite(
         model=ocp.args.StandardRestore(target),
-        opt=offlax.NVMeStoreRestore(str(tmp_path / "restored"), progress=False),
+        opt=offlax.checkpoint.NVMeStoreRestore(str(tmp_path / "restored"), progress=False),
       ),
     )
   nnx.update(fresh, restored.model["model"])
@@ -264,6 +270,6 @@ def test_a_state_restored_beside_a_store_without_its_step_says_the_store_is_miss
   assert "this state is from step 3" in message
   assert "(a new store) has committed only step 0" in message
   assert "the arrays of step 3 are not in this store" in message
-  assert "offlax.NVMeStoreSave(tier)" in message
+  assert "offlax.checkpoint.NVMeStoreSave(tier)" in message
   assert "resume=True, step=" not in message  # the rollback advice does not apply
   tier.close()

@@ -87,7 +87,7 @@ def test_state_placement(tmp_path):
   state = offlax.offload(optax.adam(1e-3), tier).init(params)
   mu = optax.tree_utils.tree_get(state, "mu")
   big = mu["layers"][0]["mlp"]["kernel"]
-  assert isinstance(big, offlax.OnDisk) and big.shape == (16, 64)
+  assert isinstance(big, offlax.extend.OnDisk) and big.shape == (16, 64)
   assert optax.tree_utils.tree_get(state, "count").sharding.memory_kind == "device"
   cached = [x for x in jax.tree.leaves(state.inner_state) if x.ndim]
   assert cached and sum(x.nbytes for x in cached) <= 300
@@ -114,7 +114,7 @@ def test_resume_continues_bit_exactly(tmp_path, caplog):
   mid_params, _ = _train(tx, params, 3)
   tier.close()
 
-  with pytest.raises(offlax.StoreExistsError, match="resume=True"):
+  with pytest.raises(offlax.errors.StoreExistsError, match="resume=True"):
     offlax.offload(inner, _tier(tmp_path)).init(params)
 
   tier = _tier(tmp_path, resume=True)
@@ -139,18 +139,18 @@ def test_resume_refuses_other_optimizer_or_tree(tmp_path):
   tier = _tier(tmp_path)
   offlax.offload(optax.adam(1e-3), tier).init(params)
   tier.close()
-  with pytest.raises(offlax.StoreMismatchError, match="state arrays"):
+  with pytest.raises(offlax.errors.StoreMismatchError, match="state arrays"):
     offlax.offload(optax.sgd(1e-3, momentum=0.9), _tier(tmp_path, resume=True)).init(params)
   other = {**params, "temperature": jnp.zeros(3)}
-  with pytest.raises(offlax.StoreMismatchError, match=r"\['temperature'\]"):
+  with pytest.raises(offlax.errors.StoreMismatchError, match=r"\['temperature'\]"):
     offlax.offload(optax.adam(1e-3), _tier(tmp_path, resume=True)).init(other)
   bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
-  with pytest.raises(offlax.StoreMismatchError, match="bfloat16"):
+  with pytest.raises(offlax.errors.StoreMismatchError, match="bfloat16"):
     offlax.offload(optax.adam(1e-3), _tier(tmp_path, resume=True)).init(bf16)
 
 
 def test_resume_without_store(tmp_path):
-  with pytest.raises(offlax.StoreError, match="no offlax store"):
+  with pytest.raises(offlax.errors.StoreError, match="no offlax store"):
     offlax.offload(optax.adam(1e-3), _tier(tmp_path, resume=True)).init(_float_params())
 
 
@@ -169,20 +169,20 @@ def test_stale_state_is_refused(tmp_path):
 
 def test_init_under_jit_is_refused(tmp_path):
   tx = offlax.offload(optax.adam(1e-3), _tier(tmp_path))
-  with pytest.raises(offlax.InvalidTierError, match="must run eagerly"):
+  with pytest.raises(offlax.errors.InvalidTierError, match="must run eagerly"):
     jax.eval_shape(tx.init, {"w": jax.ShapeDtypeStruct((3,), jnp.float32)})
   assert not (tmp_path / "offlax.json").exists()
 
 
 def test_path_is_a_file(tmp_path):
   (tmp_path / "f").write_text("x")
-  with pytest.raises(offlax.StoreError, match="not a directory"):
+  with pytest.raises(offlax.errors.StoreError, match="not a directory"):
     offlax.offload(optax.adam(1e-3), _tier(tmp_path / "f")).init(_float_params())
 
 
 @pytest.mark.parametrize("bad", [dict(cache_bytes=-1), dict(readahead=0), dict(chunk_bytes=0)])
 def test_bad_options(tmp_path, bad):
-  with pytest.raises(offlax.InvalidTierError):
+  with pytest.raises(offlax.errors.InvalidTierError):
     _tier(tmp_path, **bad)
 
 
@@ -210,7 +210,7 @@ def test_io_threads_make_one_pool_whatever_the_callers(monkeypatch):
     c.join()
   threads.close()
   assert len(made) == 1 and [f.result() for f in futures] == [1] * 8
-  with pytest.raises(offlax.StoreError, match="closed"):
+  with pytest.raises(offlax.errors.StoreError, match="closed"):
     threads.submit(lambda: 1)
 
 
@@ -234,7 +234,7 @@ def test_second_writer_is_locked_out(tmp_path):
     tier = offlax.NVMeTier({str(tmp_path)!r}, resume=True, progress=False)
     try:
       offlax.offload(optax.adam(1e-3), tier).init({{"w": jnp.ones(3)}})
-    except offlax.StoreLockedError as e:
+    except offlax.errors.StoreLockedError as e:
       print("LOCKED", e)
     """
   )
@@ -249,7 +249,7 @@ def test_lock_is_not_a_symlink_trap(tmp_path):
   store = tmp_path / "store"
   store.mkdir()
   os.symlink(target, store / ".lock")
-  with pytest.raises(offlax.StoreError, match="cannot open"):
+  with pytest.raises(offlax.errors.StoreError, match="cannot open"):
     offlax.offload(optax.adam(1e-3), _tier(store)).init(_float_params())
   assert target.read_text() == "keep me"
 
@@ -286,7 +286,7 @@ def test_corrupted_chunk_is_detected(tmp_path, damage):
   store = Store(str(tmp_path), fsync=False)
   store.read_metadata()
   size = int(np.prod(record["shape"]))
-  with pytest.raises(offlax.StoreCorruptedError, match=re.escape(record["path"])):
+  with pytest.raises(offlax.errors.StoreCorruptedError, match=re.escape(record["path"])):
     store.result(store.read(record["index"], 0, size))
 
 
@@ -298,10 +298,10 @@ def test_corrupted_metadata(tmp_path):
   meta = tmp_path / "offlax.json"
   text = meta.read_text()
   meta.write_text(text[: len(text) // 2])
-  with pytest.raises(offlax.StoreCorruptedError, match="offlax.json"):
+  with pytest.raises(offlax.errors.StoreCorruptedError, match="offlax.json"):
     offlax.offload(optax.adam(1e-3), _tier(tmp_path, resume=True)).init(params)
   meta.write_text(json.dumps({**json.loads(text), "format_version": 99}))
-  with pytest.raises(offlax.StoreCorruptedError, match="format_version 99"):
+  with pytest.raises(offlax.errors.StoreCorruptedError, match="format_version 99"):
     offlax.offload(optax.adam(1e-3), _tier(tmp_path, resume=True)).init(params)
 
 
@@ -365,7 +365,7 @@ def test_read_only_directory(tmp_path):
   mnt = tmp_path / "ro"
   _mount_tmpfs(mnt, "size=1m,ro")
   try:
-    with pytest.raises(offlax.StoreError, match="cannot open NVMe store"):
+    with pytest.raises(offlax.errors.StoreError, match="cannot open NVMe store"):
       offlax.offload(optax.adam(1e-3), offlax.NVMeTier(str(mnt / "run"), progress=False)).init(
         {"w": jnp.ones(4)}
       )
@@ -385,7 +385,7 @@ def test_failed_step_then_a_different_step(tmp_path, monkeypatch):
   def flaky(self, index, start, value):
     calls.append(index)
     if len(calls) == 3:
-      raise offlax.StoreError("injected write failure")
+      raise offlax.errors.StoreError("injected write failure")
     return write(self, index, start, value)
 
   monkeypatch.setattr(Store, "write", flaky)
@@ -430,7 +430,7 @@ def test_direct_io(tmp_path, monkeypatch):
   chunk.write_bytes(bytes(data))
   store = Store(str(tmp_path), fsync=False)
   store.read_metadata()
-  with pytest.raises(offlax.StoreCorruptedError, match=r"checksum mismatch"):
+  with pytest.raises(offlax.errors.StoreCorruptedError, match=r"checksum mismatch"):
     store.result(store.read(record["index"], 0, 4096))
 
 

@@ -54,7 +54,7 @@ CHILD = textwrap.dedent(
     if mngr is not None:
       committed = int(state.step)  # waits for the step's commit
       if committed not in mngr.all_steps():
-        mngr.save(committed, args=ocp.args.Composite(opt=offlax.NVMeStoreSave(tier)))
+        mngr.save(committed, args=ocp.args.Composite(opt=offlax.checkpoint.NVMeStoreSave(tier)))
     if i == start + 1:  # the second call compiles again (committed scalars)
       jax.block_until_ready(state)
       print("ready", start, flush=True)  # compiled: kills now land in steps
@@ -161,11 +161,13 @@ def _check_checkpoints(directory, path, reference) -> tuple[int, int]:
     steps = sorted(mngr.all_steps())
     for label in steps:
       shutil.rmtree(restored_path, ignore_errors=True)
-      args = ocp.args.Composite(opt=offlax.NVMeStoreRestore(restored_path, progress=False))
+      args = ocp.args.Composite(
+        opt=offlax.checkpoint.NVMeStoreRestore(restored_path, progress=False)
+      )
       try:
         step = mngr.restore(label, args=args).opt
         stored, stored_step = _stored(restored_path, reference(0))
-      except (offlax.StoreError, offlax.StoreCorruptedError) as e:
+      except (offlax.errors.StoreError, offlax.errors.StoreCorruptedError) as e:
         assert label in steps[: len(steps) - KEEP], f"checkpoint {label} of {steps}: {e}"
         refused += 1
         continue

@@ -75,10 +75,10 @@ def test_host_tier_stats_match_the_state_sizes():
 
 
 def test_stats_refuses_what_is_not_an_offload_state():
-  with pytest.raises(offlax.TreeMismatchError, match="OffloadState"):
+  with pytest.raises(offlax.errors.TreeMismatchError, match="OffloadState"):
     offlax.stats(optax.adam(1e-3).init(PARAMS), offlax.HostTier())
   state = offlax.offload(optax.adam(1e-3)).init(PARAMS)
-  with pytest.raises(offlax.InvalidTierError, match="HostTier or NVMeTier"):
+  with pytest.raises(offlax.errors.InvalidTierError, match="HostTier or NVMeTier"):
     offlax.stats(state, "host")
 
 
@@ -125,17 +125,21 @@ def test_stall_warning_after_io_bound_steps(tmp_path, monkeypatch):
     warnings.simplefilter("always")
     _, state = _train(tx, params, 2)
     jax.effects_barrier()
-    assert not [w for w in caught if issubclass(w.category, offlax.PerformanceWarning)]
+    assert not [w for w in caught if issubclass(w.category, offlax.errors.PerformanceWarning)]
     _train(tx, params, 3, state, first=2)
     jax.effects_barrier()
-  stalls = [str(w.message) for w in caught if issubclass(w.category, offlax.PerformanceWarning)]
+  stalls = [
+    str(w.message) for w in caught if issubclass(w.category, offlax.errors.PerformanceWarning)
+  ]
   assert len(stalls) == 1 and "waited on the disk" in stalls[0] and "cache_bytes" in stalls[0]
   tier.close()
 
 
 def test_cache_warning_names_the_size_that_would_help(tmp_path):
   params = {"a": jnp.ones(2**19), "b": jnp.ones(2**19)}  # Adam: 4 arrays of 2 MiB
-  with pytest.warns(offlax.PerformanceWarning, match=r"cache_bytes=1572864\) holds only 4 B"):
+  with pytest.warns(
+    offlax.errors.PerformanceWarning, match=r"cache_bytes=1572864\) holds only 4 B"
+  ):
     tier = offlax.NVMeTier(str(tmp_path), cache_bytes=3 * 2**19, progress=False, fsync=False)
     offlax.offload(optax.adam(1e-3), tier).init(params)
   tier.close()
@@ -143,7 +147,7 @@ def test_cache_warning_names_the_size_that_would_help(tmp_path):
 
 def test_pinned_pool_warning(monkeypatch):
   monkeypatch.setenv(telemetry.PINNED_LIMIT_ENV, "1")
-  with pytest.warns(offlax.PerformanceWarning, match="XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=2"):
+  with pytest.warns(offlax.errors.PerformanceWarning, match="XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=2"):
     telemetry.check_pinned(int(0.95 * 2**30), "gpu")
   with warnings.catch_warnings():
     warnings.simplefilter("error")
@@ -154,7 +158,9 @@ def test_pinned_pool_warning(monkeypatch):
 def test_uncommitted_params_warning_on_a_gpu():
   loose = {"w": jnp.ones(3), "b": jnp.zeros(2)}
   assert not loose["w"].committed
-  with pytest.warns(offlax.PerformanceWarning, match=r"params \['b'\], \['w'\] are not committed"):
+  with pytest.warns(
+    offlax.errors.PerformanceWarning, match=r"params \['b'\], \['w'\] are not committed"
+  ):
     telemetry.check_committed(loose, "gpu")
   with warnings.catch_warnings():
     warnings.simplefilter("error")
@@ -169,7 +175,9 @@ def test_hugepage_hint(mode, tmp_path, monkeypatch):
   monkeypatch.setattr(telemetry, "_THP", str(thp))
   monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
   if "[madvise]" in mode:
-    with pytest.warns(offlax.PerformanceWarning, match="glibc.malloc.hugetlb=1 in GLIBC_TUNABLES"):
+    with pytest.warns(
+      offlax.errors.PerformanceWarning, match="glibc.malloc.hugetlb=1 in GLIBC_TUNABLES"
+    ):
       telemetry.check_hugepages(2**31, "cpu", native=False)
   with warnings.catch_warnings():
     warnings.simplefilter("error")
@@ -184,13 +192,13 @@ def test_hugepage_hint(mode, tmp_path, monkeypatch):
 
 def test_slice_size_warnings():
   params = {"w": jnp.ones((512, 512))}  # Adam state 2 MiB
-  with pytest.warns(offlax.PerformanceWarning, match="512 slices"):
+  with pytest.warns(offlax.errors.PerformanceWarning, match="512 slices"):
     offlax.offload(optax.adam(1e-3), chunk_bytes=4096).init(params)
   with warnings.catch_warnings():
     warnings.simplefilter("error")  # the defaults never warn
     offlax.offload(optax.adam(1e-3)).init(params)
     offlax.offload(optax.adam(1e-3), chunk_bytes=2**18).init(params)
-  with pytest.warns(offlax.PerformanceWarning, match="device memory"):
+  with pytest.warns(offlax.errors.PerformanceWarning, match="device memory"):
     telemetry.check_chunk(2**31, 2**26, 2**36)
 
 
@@ -216,7 +224,7 @@ def _chunk(path, leaf_path, step=None):
 @pytest.mark.slow  # test_usage.py's directory case runs inspect by default
 def test_inspect_healthy_and_corrupted_store(tmp_path):
   _store(tmp_path)
-  [report] = offlax.inspect_store(tmp_path, verify=True, progress=False)
+  [report] = offlax.checkpoint.inspect_store(tmp_path, verify=True, progress=False)
   assert report.ok and report.step == 3 and report.kept == [3, 2] and report.generations == 3
   assert all(leaf.status == "verified" for leaf in report.leaves)
   assert "namedtuple[ScaleByAdamState]" in report.structure
@@ -259,11 +267,11 @@ def test_inspect_an_orbax_checkpoint(tmp_path):
     mngr.save(
       2,
       args=ocp.args.Composite(
-        host=ocp.args.StandardSave(host_state), opt=offlax.NVMeStoreSave(tier)
+        host=ocp.args.StandardSave(host_state), opt=offlax.checkpoint.NVMeStoreSave(tier)
       ),
     )
   tier.close()
-  reports = offlax.inspect_store(tmp_path / "ckpt", verify=True, progress=False)
+  reports = offlax.checkpoint.inspect_store(tmp_path / "ckpt", verify=True, progress=False)
   assert [(r.kind, os.path.basename(r.path)) for r in reports] == [
     ("orbax", "host"),
     ("nvme", "opt"),
@@ -274,8 +282,8 @@ def test_inspect_an_orbax_checkpoint(tmp_path):
   assert all(leaf.status == "verified" for leaf in host.leaves)
   out = _cli("inspect", str(tmp_path / "ckpt" / "2"))
   assert out.returncode == 0 and "orbax store" in out.stdout and "nvme store" in out.stdout
-  with pytest.raises(offlax.StoreError, match="no offlax store"):
-    offlax.inspect_store(tmp_path / "store" / "gen0")
+  with pytest.raises(offlax.errors.StoreError, match="no offlax store"):
+    offlax.checkpoint.inspect_store(tmp_path / "store" / "gen0")
 
 
 # -- rollback ------------------------------------------------------------------
@@ -294,12 +302,12 @@ def test_rollback_then_resume_equals_the_reference(tmp_path):
   mid, state = _train(tx, params, 3)
   assert_trees_equal(mid, want_mid)
   _train(tx, mid, 2, state, first=3)  # steps 4 and 5: to be thrown away
-  with pytest.raises(offlax.StoreLockedError):
-    offlax.rollback(tmp_path, 3)  # the trainer holds it
+  with pytest.raises(offlax.errors.StoreLockedError):
+    offlax.checkpoint.rollback(tmp_path, 3)  # the trainer holds it
   tier.close()
 
-  with pytest.raises(offlax.StepNotKeptError, match=r"keeps steps \[3, 4, 5\]"):
-    offlax.rollback(tmp_path, 2)
+  with pytest.raises(offlax.errors.StepNotKeptError, match=r"keeps steps \[3, 4, 5\]"):
+    offlax.checkpoint.rollback(tmp_path, 2)
   out = _cli("rollback", str(tmp_path), "--to", "2")
   assert out.returncode == 1 and "does not keep step 2" in out.stderr
   out = _cli("rollback", str(tmp_path), "--to", "3")
@@ -321,11 +329,11 @@ def test_rollback_refuses_a_damaged_step_and_keeps_the_store(tmp_path):
   chunk = _chunk(tmp_path, "[0].mu['layers'][0]['mlp']['kernel']", step=2)
   chunk.unlink()
   before = (tmp_path / "offlax.json").read_text()
-  with pytest.raises(offlax.StoreCorruptedError, match="step 2 is damaged"):
-    offlax.rollback(tmp_path, 2)
+  with pytest.raises(offlax.errors.StoreCorruptedError, match="step 2 is damaged"):
+    offlax.checkpoint.rollback(tmp_path, 2)
   assert (tmp_path / "offlax.json").read_text() == before
-  with pytest.raises(offlax.StoreError, match="no offlax store"):
-    offlax.rollback(tmp_path / "nowhere", 1)
+  with pytest.raises(offlax.errors.StoreError, match="no offlax store"):
+    offlax.checkpoint.rollback(tmp_path / "nowhere", 1)
 
 
 @pytest.mark.slow
@@ -334,11 +342,11 @@ def test_keep_is_fixed_and_old_stores_open(tmp_path):
   store = Store(str(tmp_path / "one"), fsync=False)
   store.read_metadata()
   assert store.kept == [(3, store.generation)] and store.generations == 2
-  with pytest.raises(offlax.StoreMismatchError, match="keep=1"):
+  with pytest.raises(offlax.errors.StoreMismatchError, match="keep=1"):
     offlax.offload(
       optax.adam(1e-3), offlax.NVMeTier(str(tmp_path / "one"), resume=True, keep=2, progress=False)
     ).init(_float_params())
-  with pytest.raises(offlax.InvalidTierError, match="keep must be an int >= 1"):
+  with pytest.raises(offlax.errors.InvalidTierError, match="keep must be an int >= 1"):
     offlax.NVMeTier(str(tmp_path), keep=0)
 
   # A store of format version 2 (two generations, no list of kept steps) resumes.

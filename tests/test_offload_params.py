@@ -206,7 +206,7 @@ def test_onload_params_is_the_inverse():
   assert kinds(nnx.state(model, nnx.Param)) == {"device"}
   assert type(model.layers[0]) is Block
   assert nnx.graphdef(model) == nnx.graphdef(want)
-  with pytest.raises(offlax.InvalidOptionError, match="not given to offload_params"):
+  with pytest.raises(offlax.errors.InvalidOptionError, match="not given to offload_params"):
     offlax.onload_params(model)
 
 
@@ -220,9 +220,9 @@ def test_an_abstract_model_gets_host_specs():
 
 def test_bad_input():
   model = offlax.offload_params(MLP(nnx.Rngs(0)))
-  with pytest.raises(offlax.InvalidOptionError, match=r"already offloaded.*model\.a"):
+  with pytest.raises(offlax.errors.InvalidOptionError, match=r"already offloaded.*model\.a"):
     offlax.offload_params(model)
-  with pytest.raises(offlax.InvalidOptionError, match="expected a Flax NNX module"):
+  with pytest.raises(offlax.errors.InvalidOptionError, match="expected a Flax NNX module"):
     offlax.offload_params({"w": jnp.ones(3)})
 
   class Outside(nnx.Module):
@@ -235,7 +235,7 @@ def test_bad_input():
       return x @ self.a.kernel[...]
 
   model = offlax.offload_params(Outside(nnx.Rngs(0)))
-  with pytest.raises(offlax.MemoryKindError, match=r"model\.a"):
+  with pytest.raises(offlax.errors.MemoryKindError, match=r"model\.a"):
     nnx.jit(lambda m: m(jnp.ones((1, D))))(model)
 
 
@@ -297,7 +297,7 @@ def test_multi_steps_accumulates_in_host_memory(grads_in):
 
 @pytest.mark.slow  # two unrolled compiles: 40 s on an idle 2-core machine
 @pytest.mark.skipif(
-  not offlax.gpu_compile_available(), reason="needs offlax[gpu-compile] (jax-cuda12-plugin)"
+  not offlax.extend.gpu_compile_available(), reason="needs offlax[gpu-compile] (jax-cuda12-plugin)"
 )
 def test_compiled_step_keeps_device_memory_flat_in_depth():
   """Tunix's Qwen3 (tiny dims, wide MLP), whole step compiled by XLA's GPU compiler.

@@ -4,7 +4,7 @@ Params in host memory need their optimizer inside `offlax.offload`: with host
 compute (the documented way) or streamed through the device, both bit for bit
 with plain optax on the device, a clip by the global norm included. Plain optax
 in `nnx.Optimizer` fails in JAX with a memory-kind error; offlax's hooks turn
-it into `offlax.MemoryKindError` naming the param and the fix.
+it into `offlax.errors.MemoryKindError` naming the param and the fix.
 """
 
 import inspect
@@ -42,7 +42,7 @@ def train(model, tx, steps=2):
 
 def test_plain_optax_in_nnx_optimizer_names_the_fix():
   model = offlax.offload_params(MLP(nnx.Rngs(0)))
-  with pytest.raises(offlax.MemoryKindError) as info:
+  with pytest.raises(offlax.errors.MemoryKindError) as info:
     nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
   message = str(info.value)
   assert isinstance(info.value, ValueError)
@@ -63,7 +63,9 @@ def test_plain_optax_built_inside_jit_fails_at_its_update_naming_the_fix():
   def step(model, optimizer):
     optimizer.update(model, nnx.grad(loss_fn)(model))
 
-  with pytest.raises(offlax.MemoryKindError, match=r"nnx.Optimizer update: param model\.a\."):
+  with pytest.raises(
+    offlax.errors.MemoryKindError, match=r"nnx.Optimizer update: param model\.a\."
+  ):
     step(model, optimizer)
 
 
@@ -96,7 +98,7 @@ def test_flax_and_optax_still_fail_with_jax_error():
   try:
     with pytest.raises(ValueError, match="Memory kind mismatch") as info:
       nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
-    assert not isinstance(info.value, offlax.OffloadError)
+    assert not isinstance(info.value, offlax.errors.OffloadError)
   finally:
     nnx_hooks.install()
 
@@ -152,7 +154,9 @@ def test_clip_outside_the_offload_is_refused_with_the_way_out():
   model = offlax.offload_params(MLP(nnx.Rngs(0)))
   clip = optax.clip_by_global_norm(1.0)
   tx = optax.chain(clip, offlax.offload(optax.adamw(1e-2), compute="host"))
-  with pytest.raises(offlax.MemoryKindError, match=r"offlax\.offload\(optax\.chain\(\.\.\.\)"):
+  with pytest.raises(
+    offlax.errors.MemoryKindError, match=r"offlax\.offload\(optax\.chain\(\.\.\.\)"
+  ):
     train(model, tx, steps=1)
 
 
@@ -167,7 +171,7 @@ def test_another_error_naming_a_memory_space_is_the_transformations_own():
   tx = optax.chain(own, offlax.offload(optax.adamw(1e-2), compute="host"))
   with pytest.raises(ValueError, match="the transformation's own check failed") as info:
     train(model, tx, steps=1)
-  assert not isinstance(info.value, offlax.OffloadError)
+  assert not isinstance(info.value, offlax.errors.OffloadError)
 
 
 def test_the_global_norm_hook_covers_what_tunix_calls_and_not_the_clip():

@@ -116,11 +116,11 @@ def test_a_param_used_outside_its_module_is_recognised_by_its_operands(filtering
   jax.config.update("jax_traceback_filtering", filtering)
   try:
     model = offlax.offload_params(Outside(nnx.Rngs(0)))
-    with pytest.raises(offlax.MemoryKindError, match=r"model\.a"):
+    with pytest.raises(offlax.errors.MemoryKindError, match=r"model\.a"):
       nnx.jit(lambda m: m(jnp.ones((1, D))))(model)
     model = offlax.offload_params(Raises(nnx.Rngs(0)))
     with pytest.raises(ValueError, match="the model's own check failed") as info:
       nnx.jit(lambda m: m(jnp.ones((1, D))))(model)
-    assert not isinstance(info.value, offlax.OffloadError)  # the model's error, as it was
+    assert not isinstance(info.value, offlax.errors.OffloadError)  # the model's error, as it was
   finally:
     jax.config.update("jax_traceback_filtering", previous)

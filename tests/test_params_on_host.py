@@ -101,7 +101,7 @@ def test_layer_gradients_equal_plain_scan(remat, reverse, offload_activations):
 
 
 def test_offload_activations_needs_remat():
-  with pytest.raises(offlax.InvalidOptionError, match="remat"):
+  with pytest.raises(offlax.errors.InvalidOptionError, match="remat"):
     offlax.scan_layers(layer, jnp.ones(D), make_params(jnp.float32)["layers"],
                        remat=False, offload_activations=True)  # fmt: skip
 
@@ -137,7 +137,7 @@ def test_unfused_update_keeps_host_updates_on_host(compute):
   def step(params, state):
     grads = jax.grad(loss_with(offlax_scan()))(params, TOKENS)
     updates, state = tx.update(grads, state, params)
-    return updates, offlax.apply_updates(params, updates), state
+    return updates, offlax.extend.apply_updates(params, updates), state
 
   updates, new, _ = step(params, state)
   assert updates["layers"]["w"].sharding.memory_kind == "pinned_host"
@@ -151,7 +151,7 @@ def test_apply_updates_in_slices(monkeypatch):
   monkeypatch.setattr(apply_lib, "APPLY_CHUNK_BYTES", 1000)
   p = jax.device_put(jnp.arange(5 * 8 * 8, dtype=jnp.float32).reshape(5, 8, 8), HOST)
   u = jnp.full((5, 8, 8), 0.25)
-  got = jax.jit(offlax.apply_updates)({"p": p}, {"p": u})["p"]
+  got = jax.jit(offlax.extend.apply_updates)({"p": p}, {"p": u})["p"]
   assert got.sharding.memory_kind == "pinned_host"
   np.testing.assert_array_equal(np.asarray(got), np.asarray(p) + 0.25)
 
@@ -172,7 +172,7 @@ def test_coupled_update_inside_offload_equals_optax(compute):
 def test_transformations_outside_offload_on_host_gradients_are_refused():
   tx = optax.chain(optax.clip_by_global_norm(0.1), offlax.offload(optax.adam(1e-2)))
   params = to_host(make_params(jnp.float32))
-  with pytest.raises(offlax.MemoryKindError, match=r"offlax.offload\(optax.chain"):
+  with pytest.raises(offlax.errors.MemoryKindError, match=r"offlax.offload\(optax.chain"):
     train(tx, params, loss_with(offlax_scan()), 1, fused=True)
 
 

@@ -77,7 +77,7 @@ def test_accounting_matches_memory_analysis():
 
 
 def test_bad_sizes():
-  with pytest.raises(offlax.InvalidOptionError, match="device_bytes"):
+  with pytest.raises(offlax.errors.InvalidOptionError, match="device_bytes"):
     _plan(0, MiB)
   assert parse_bytes("24GB") == 24 * 10**9 and parse_bytes("64MiB") == 64 * MiB
   assert parse_bytes("1.5e9") == 1_500_000_000
@@ -475,7 +475,7 @@ def test_nonsense_from_the_api_is_the_same_error_as_from_the_cli(capsys):
   ]
   for kw, flags in cases:
     sizes = {"device_bytes": 24 * 10**9, "host_bytes": 64 * 10**9, **kw}
-    with pytest.raises(offlax.InvalidOptionError) as api:
+    with pytest.raises(offlax.errors.InvalidOptionError) as api:
       offlax.plan(_shapes(), optax.adam(1e-3), **sizes)
     assert isinstance(api.value, ValueError)
     message = str(api.value)
@@ -488,7 +488,7 @@ def test_nonsense_from_the_api_is_the_same_error_as_from_the_cli(capsys):
     err = capsys.readouterr().err
     assert message.removeprefix("plan: ") in err, (message, err)
   # A tree of 1e15 params: refused at once, not counted leaf by leaf.
-  with pytest.raises(offlax.InvalidOptionError, match="--params: got 1e\\+15"):
+  with pytest.raises(offlax.errors.InvalidOptionError, match="--params: got 1e\\+15"):
     huge = {"w": jax.ShapeDtypeStruct((10**15,), jnp.bfloat16)}
     offlax.plan(huge, optax.adam(1e-3), device_bytes=10**9, host_bytes=10**9)
 

@@ -193,7 +193,9 @@ def test_offload_equals_optax_in_every_tier(data):
     tier = offlax.NVMeTier(path, chunk_bytes=chunk, cache_bytes=cache, progress=False, fsync=False)
     try:
       if changes_dtype:
-        with pytest.raises(offlax.StoreMismatchError, match="cannot change a state array's dtype"):
+        with pytest.raises(
+          offlax.errors.StoreMismatchError, match="cannot change a state array's dtype"
+        ):
           run_steps(offlax.offload(inner, tier), params, steps=2)
         return
       got = run_steps(offlax.offload(inner, tier), params, steps=2)

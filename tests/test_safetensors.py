@@ -235,7 +235,7 @@ def test_load_into_a_layer_store_equals_tunix_loader(tmp_path, family):
     np.testing.assert_array_equal(
       logits_of(model, TOKENS), logits_of(offlax.offload_params(want), TOKENS)
     )
-  [report] = offlax.inspect_store(store.path, verify=True, progress=False)
+  [report] = offlax.checkpoint.inspect_store(store.path, verify=True, progress=False)
   assert report.ok, report  # the checksums of the slots written
 
 
@@ -299,7 +299,7 @@ def test_save_refuses_a_folder_with_files_unless_overwrite(tmp_path):
   out = tmp_path / "out"
   out.mkdir()
   (out / "notes.txt").write_text("mine")
-  with pytest.raises(offlax.CheckpointExistsError, match="overwrite=True"):
+  with pytest.raises(offlax.errors.CheckpointExistsError, match="overwrite=True"):
     offlax.save_safetensors(model, str(out), progress=False)
   assert os.listdir(out) == ["notes.txt"]
   offlax.save_safetensors(model, str(out), overwrite=True, progress=False)
@@ -329,7 +329,7 @@ def test_a_save_that_fails_midway_leaves_no_checkpoint(tmp_path, monkeypatch):
 
 def test_save_of_a_model_never_loaded_needs_a_source(tmp_path):
   model = abstract_model("llama3", config_of("llama3"))
-  with pytest.raises(offlax.InvalidOptionError, match="source="):
+  with pytest.raises(offlax.errors.InvalidOptionError, match="source="):
     offlax.save_safetensors(model, str(tmp_path / "out"), progress=False)
   assert not os.path.exists(tmp_path / "out")
 
@@ -389,18 +389,18 @@ def _config(tensors, folder):
 
 
 BAD = {
-  "missing tensor": (_drop, offlax.CheckpointMismatchError,
+  "missing tensor": (_drop, offlax.errors.CheckpointMismatchError,
                      r"no tensor for the model's params layers\.1\.mlp\.up_proj\.kernel"),
-  "unexpected tensor": (_extra, offlax.CheckpointMismatchError,
+  "unexpected tensor": (_extra, offlax.errors.CheckpointMismatchError,
                         r"does not: vision_tower\.patch_embedding\.weight.*skip="),
-  "wrong shape": (_shape, offlax.CheckpointMismatchError,
+  "wrong shape": (_shape, offlax.errors.CheckpointMismatchError,
                   r"model\.layers\.0\.self_attn\.k_proj\.weight is \[24, 32\]"),
-  "wrong dtype": (_dtype, offlax.CheckpointMismatchError, r"model\.norm\.weight is I32"),
-  "truncated file": (_truncate, offlax.CheckpointCorruptedError,
+  "wrong dtype": (_dtype, offlax.errors.CheckpointMismatchError, r"model\.norm\.weight is I32"),
+  "truncated file": (_truncate, offlax.errors.CheckpointCorruptedError,
                      r"model-00002-of-00002\.safetensors is cut short"),
-  "missing shard": (_lose_shard, offlax.CheckpointNotFoundError,
+  "missing shard": (_lose_shard, offlax.errors.CheckpointNotFoundError,
                     r"model-00001-of-00002\.safetensors is missing"),
-  "config.json": (_config, offlax.CheckpointMismatchError,
+  "config.json": (_config, offlax.errors.CheckpointMismatchError,
                   r"num_hidden_layers=3 \(the model's num_layers=2\), hidden_size=48"),
 }  # fmt: skip
 
@@ -424,7 +424,9 @@ def test_cast_false_refuses_another_dtype(tmp_path):
   tensors = hf_tensors("llama3", config, ml_dtypes.bfloat16)
   folder = write_checkpoint(tmp_path / "ckpt", "llama3", config, tensors)
   model = abstract_model("llama3", config)
-  with pytest.raises(offlax.CheckpointMismatchError, match=r"is BF16, the param .* float32 \(cast"):
+  with pytest.raises(
+    offlax.errors.CheckpointMismatchError, match=r"is BF16, the param .* float32 \(cast"
+  ):
     offlax.load_safetensors(model, folder, cast=False, progress=False)
 
 
@@ -440,7 +442,7 @@ def test_a_bad_checkpoint_leaves_a_store_untouched(tmp_path):
       for name in names:
         with open(os.path.join(root, name), "rb") as f:
           files[os.path.join(root, name)] = f.read()
-    with pytest.raises(offlax.CheckpointMismatchError, match="k_proj"):
+    with pytest.raises(offlax.errors.CheckpointMismatchError, match="k_proj"):
       offlax.load_safetensors(model, bad, store=store, progress=False)
     for name, data in files.items():
       with open(name, "rb") as f:
@@ -469,13 +471,13 @@ def test_a_stored_model_loads_into_its_own_store_and_refuses_another(tmp_path):
     before = [np.array(x) for x in jax.tree.leaves(other.read_params())]
     snapshot = {os.path.join(r, n): open(os.path.join(r, n), "rb").read()
                 for r, _, names in os.walk(other.path) for n in names}  # fmt: skip
-    with pytest.raises(offlax.InvalidOptionError, match="read the store at"):
+    with pytest.raises(offlax.errors.InvalidOptionError, match="read the store at"):
       offlax.load_safetensors(model, folder, store=other, progress=False)
     for name, data in snapshot.items():
       assert open(name, "rb").read() == data, name
     for a, b in zip(before, jax.tree.leaves(other.read_params()), strict=True):
       np.testing.assert_array_equal(a, b)
-    with pytest.raises(offlax.InvalidOptionError, match="read the store at"):
+    with pytest.raises(offlax.errors.InvalidOptionError, match="read the store at"):
       offlax.save_safetensors(model, str(tmp_path / "out"), source=folder, store=other,
                               progress=False)  # fmt: skip
     assert not os.path.exists(tmp_path / "out")
@@ -494,7 +496,7 @@ def test_a_model_of_another_library_needs_a_mapping(tmp_path):
   weights = {"dense.weight": np.arange(12, dtype=np.float32).reshape(3, 4),
              "dense.bias": np.ones(3, np.float32)}  # fmt: skip
   safetensors_numpy.save_file(weights, os.path.join(folder, "model.safetensors"))
-  with pytest.raises(offlax.InvalidOptionError, match="mapping="):
+  with pytest.raises(offlax.errors.InvalidOptionError, match="mapping="):
     offlax.load_safetensors(Net(), folder, progress=False)
   mapping = {
     r"dense\.weight": ("dense.kernel", ((1, 0), None)),
@@ -594,7 +596,7 @@ def test_lora_adapters_are_named_as_such(tmp_path):
   source = write_checkpoint(tmp_path / "ckpt", "llama3", config, hf_tensors("llama3", config))
   model = with_lora(offlax.load_safetensors(abstract_model("llama3", config), source,
                                             progress=False))  # fmt: skip
-  with pytest.raises(offlax.CheckpointMismatchError, match="are LoRA adapters.*merge them"):
+  with pytest.raises(offlax.errors.CheckpointMismatchError, match="are LoRA adapters.*merge them"):
     # (qwix returns a new model: the source named, as for any model load_safetensors did not fill)
     offlax.save_safetensors(model, str(tmp_path / "out"), source=source, progress=False)
   assert not os.path.exists(tmp_path / "out")
@@ -679,7 +681,7 @@ def test_save_cleans_up_after_a_killed_save(tmp_path):
   os.makedirs(tmp_path / ".out.zz_9zz99.tmp")
   os.makedirs(tmp_path / ".other.abcd1234.tmp")  # not this save's: left alone
   os.makedirs(tmp_path / ".out.notours.tmp")
-  with pytest.raises(offlax.CheckpointExistsError):  # the old checkpoint is back at `out`
+  with pytest.raises(offlax.errors.CheckpointExistsError):  # the old checkpoint is back at `out`
     offlax.save_safetensors(net, out, progress=False)
   assert {n: open(os.path.join(out, n), "rb").read() for n in os.listdir(out)} == want
   assert sorted(os.listdir(tmp_path)) == [".other.abcd1234.tmp", ".out.notours.tmp", "ckpt", "out"]
@@ -703,7 +705,9 @@ def test_a_float8_tensor_is_cast_and_an_integer_one_never_narrowed(tmp_path):
   n = np.array([1, 2, 300, -7], np.int32)  # 300 wraps to 44 in int8
   safetensors_numpy.save_file({"w": w, "n": n}, os.path.join(folder, "model.safetensors"))
   mapping = {r"w": ("w", None), r"n": ("n", None)}
-  with pytest.raises(offlax.CheckpointMismatchError, match=r"tensor n is I32, the param n is int8"):
+  with pytest.raises(
+    offlax.errors.CheckpointMismatchError, match=r"tensor n is I32, the param n is int8"
+  ):
     offlax.load_safetensors(_Mixed(), folder, mapping=mapping, progress=False)
   n8 = np.array([1, 2, 44, -7], np.int8)  # the same dtype: loaded as it is
   safetensors_numpy.save_file({"w": w, "n": n8}, os.path.join(folder, "model.safetensors"))
@@ -732,7 +736,7 @@ def test_a_damaged_header_entry_is_refused_as_corrupted_naming_the_tensor(tmp_pa
   name = folder / "model.safetensors"
   name.write_bytes(len(raw).to_bytes(8, "little") + raw + bytes(24))
   want = named if "header" in named else rf"{named} .*model\.safetensors has a damaged header"
-  with pytest.raises(offlax.CheckpointCorruptedError, match=want):
+  with pytest.raises(offlax.errors.CheckpointCorruptedError, match=want):
     offlax.load_safetensors(_Mixed(), str(folder), mapping={r"w": ("w", None)}, progress=False)
 
 

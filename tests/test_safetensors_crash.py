@@ -5,7 +5,7 @@ loads checkpoint B, and kills itself at a set point of the load: after the
 first layer is written, after the last one (before the manifest), while the
 manifest is written (before its rename), or right after the rename. The store
 must then open at its step with A's layers (or, killed after the rename, B's),
-whole, every slot's crc32c valid (`offlax.inspect_store(verify=True)`). The
+whole, every slot's crc32c valid (`offlax.checkpoint.inspect_store(verify=True)`). The
 kill points are hooks the child sets on offlax's own functions, so each kill
 lands where it is named, every run.
 """
@@ -132,7 +132,7 @@ def test_a_load_killed_at_any_point_leaves_the_store_whole(tmp_path, point):
   run = subprocess.run([sys.executable, "-c", child, path, b], capture_output=True, text=True,
                        timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))  # fmt: skip
   assert run.returncode == -9, run.stdout + run.stderr  # killed where the hook is
-  [report] = offlax.inspect_store(path, verify=True, progress=False)
+  [report] = offlax.checkpoint.inspect_store(path, verify=True, progress=False)
   assert report.ok, report  # every slot of every kept step matches its crc32c
   model, store = namespace["stored"](path, create=False)
   with store:
@@ -142,7 +142,7 @@ def test_a_load_killed_at_any_point_leaves_the_store_whole(tmp_path, point):
     offlax.load_safetensors(model, b, mapping=MAPPING, store=store, check_config=False,
                             progress=False)  # fmt: skip
     assert_store_holds(store, tensors_b)
-  [report] = offlax.inspect_store(path, verify=True, progress=False)
+  [report] = offlax.checkpoint.inspect_store(path, verify=True, progress=False)
   assert report.ok, report
 
 
@@ -170,7 +170,7 @@ def test_a_load_refuses_a_store_open_without_its_optimizer(tmp_path):
   layers = offlax.stack_layers(model.layers)
   with offlax.LayerStore.open(path, layers, progress=False) as store:
     offlax.offload_params(model, store=store)
-    with pytest.raises(offlax.InvalidOptionError, match="optimizer="):
+    with pytest.raises(offlax.errors.InvalidOptionError, match="optimizer="):
       offlax.load_safetensors(model, a, mapping=MAPPING, store=store, check_config=False,
                               progress=False)  # fmt: skip
     assert store.read_params()["lin"]["kernel"].any() == 0  # nothing written: still zeros

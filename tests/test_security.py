@@ -112,7 +112,7 @@ def test_pickled_payloads_in_the_store_are_never_run(tmp_path):
   for chunk in store.glob("gen0/leaf_*/c/*"):
     chunk.write_bytes(payload)
   (store / "offlax.json").write_bytes(payload)
-  with pytest.raises(offlax.StoreCorruptedError, match="offlax.json"):
+  with pytest.raises(offlax.errors.StoreCorruptedError, match="offlax.json"):
     offlax.offload(optax.adam(1e-3), offlax.NVMeTier(str(store), resume=True, **SMALL)).init(params)
   assert not os.path.exists(_MARKER)
 
@@ -156,7 +156,7 @@ def test_commit_does_not_follow_a_planted_link(tmp_path):
   offlax.offload(optax.adam(1e-3), tier).init({"w": jnp.ones(8)})
   # Named per process (processes of one job may share a directory).
   os.symlink(victim, store / f"offlax.json.{jax.process_index()}.{os.getpid()}.tmp")
-  with pytest.raises(offlax.StoreError, match="cannot commit step 1"):
+  with pytest.raises(offlax.errors.StoreError, match="cannot commit step 1"):
     tier.store.commit(1)
   tier.close()
   assert victim.read_text() == "keep me"

@@ -148,7 +148,7 @@ def test_nvme_tier_keeps_one_store_per_device_with_only_its_shard(results, mesh)
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh", MESHES)
 def test_nvme_store_resharded_for_another_mesh_continues_exactly(results, mesh):
-  # offlax.reshard writes the store for a (2, 4) mesh, for other specs on the same
+  # offlax.checkpoint.reshard writes the store for a (2, 4) mesh, for other specs on the same
   # mesh, and for params on no mesh; the next step there equals plain optax's
   # from the same state, sharded as those params.
   resharded = results[mesh]["nvme"]["resharded"]
@@ -175,8 +175,8 @@ def test_nvme_tier_refuses_another_mesh_or_a_coupled_update(results, mesh):
   assert "written on a mesh {'data': 4, 'model': 2}" in errors["mesh"]
   assert "these params are on a mesh {'data': 2, 'model': 4}" in errors["mesh"]
   assert "param ['v'] is sharded as P() in the store, P('data',) now" in errors["spec"]
-  assert "offlax.reshard(path, new_path, inner, params)" in errors["spec"]
-  assert "offlax.reshard(path, new_path, inner, params)" in errors["mesh"]
+  assert "offlax.checkpoint.reshard(inner, params, path, new_path)" in errors["spec"]
+  assert "offlax.checkpoint.reshard(inner, params, path, new_path)" in errors["mesh"]
   assert "sharded param(s) ['m'], ['w'] needs the other shards" in errors["coupled"]
   assert "optax.chain(optax.clip_by_global_norm(1.0), offlax.offload(" in errors["coupled"]
   assert "sharded param(s) ['m'], ['w'] needs the other shards" in errors["lamb"]
@@ -244,9 +244,9 @@ def test_schedule_cuts_sharded_leaves_along_the_given_axis():
 
 def test_shard_axis_needs_params_on_a_mesh_with_it():
   params = {"w": jnp.ones((8, 4))}
-  with pytest.raises(offlax.InvalidTierError, match="shard_axis='data'.*params on no mesh"):
+  with pytest.raises(offlax.errors.InvalidTierError, match="shard_axis='data'.*params on no mesh"):
     offlax.offload(optax.adam(1e-3), offlax.HostTier(shard_axis="data")).init(params)
-  with pytest.raises(offlax.InvalidTierError, match="mesh axis name or None"):
+  with pytest.raises(offlax.errors.InvalidTierError, match="mesh axis name or None"):
     offlax.HostTier(shard_axis=0)
   one = jax.make_mesh((1,), ("data",))  # a mesh of one device changes nothing
   on_one = jax.device_put(params, jax.sharding.NamedSharding(one, P("data")))

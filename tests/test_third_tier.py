@@ -1,7 +1,7 @@
-"""A third tier, written against `offlax.Tier` alone: the protocol is all `offload` needs.
+"""A third tier, written against `offlax.extend.Tier` alone: the protocol is all `offload` needs.
 
 `NumpyTier` keeps every array of the optimizer state in numpy buffers owned by
-Python, outside JAX; the state holds `offlax.OnDisk` placeholders for them.
+Python, outside JAX; the state holds `offlax.extend.OnDisk` placeholders for them.
 Each step reads a slice's pieces through an ordered `io_callback` and writes
 the new ones back in place, and counts its steps. docs/adding_a_tier.md walks
 through it. The conformance tests below hold for every tier: the host tier in
@@ -21,7 +21,7 @@ import offlax
 
 
 # --8<-- [start:tier]
-class NumpyTier(offlax.Tier):
+class NumpyTier(offlax.extend.Tier):
   """Keeps each array of the state in a numpy buffer of this process; scalars stay in JAX."""
 
   def __init__(self, chunk_bytes: int = 4096):
@@ -38,7 +38,7 @@ class NumpyTier(offlax.Tier):
         return x  # every slice needs it: kept in JAX, on the device
       index = len(self.buffers)
       self.buffers[index] = np.array(x)
-      return offlax.OnDisk(index, tuple(x.shape), np.dtype(x.dtype).name)
+      return offlax.extend.OnDisk(index, tuple(x.shape), np.dtype(x.dtype).name)
 
     return jax.tree.map(place, inner.init(params)), jnp.int32(0)  # the tier's step count
 
@@ -48,7 +48,7 @@ class NumpyTier(offlax.Tier):
   def stats(self, state, *, sync=False):
     held = sum(b.nbytes for b in self.buffers.values())
     on_device = sum(x.nbytes for x in jax.tree.leaves(state.inner_state))
-    return offlax.OffloadStats(None, on_device, held, 0, held, held)
+    return offlax.extend.OffloadStats(None, on_device, held, 0, held, held)
 
   def view(self, index: int, piece) -> np.ndarray:
     """The part of buffer `index` that `piece` names (a view: writes go into the buffer)."""
@@ -84,7 +84,7 @@ class NumpyIO:
     out = []
     for j, piece in self.keys[k]:
       item = self.items[j]
-      if not isinstance(item, offlax.OnDisk):
+      if not isinstance(item, offlax.extend.OnDisk):
         out.append(piece.take(item))
         continue
       shape = jax.eval_shape(piece.take, jax.ShapeDtypeStruct(item.shape, item.dtype))
@@ -96,7 +96,7 @@ class NumpyIO:
     out = []
     for (j, piece), value in zip(self.keys[k], values, strict=True):
       item = self.items[j]
-      if not isinstance(item, offlax.OnDisk):
+      if not isinstance(item, offlax.extend.OnDisk):
         out.append(value)
         continue
       write = lambda v, i=item.index, p=piece: np.copyto(self.tier.view(i, p), v)
@@ -134,7 +134,7 @@ def test_a_third_tier_trains_bit_exact_with_optax(make, chunk_bytes):
   # The state lives in the tier's buffers, not in JAX, and holds optax's values.
   mu = optax.tree_utils.tree_get(got_state, "mu")
   kernel = mu["layers"][0]["mlp"]["kernel"]
-  assert isinstance(kernel, offlax.OnDisk)
+  assert isinstance(kernel, offlax.extend.OnDisk)
   want_mu = optax.tree_utils.tree_get(want_state, "mu")["layers"][0]["mlp"]["kernel"]
   np.testing.assert_array_equal(tier.buffers[kernel.index], np.asarray(want_mu))
   assert offlax.stats(got_state, tier).host_bytes == sum(b.nbytes for b in tier.buffers.values())
@@ -148,7 +148,7 @@ def test_the_third_tier_is_short():
 
 
 def test_an_object_without_the_protocol_is_refused():
-  with pytest.raises(offlax.InvalidTierError, match="lacks .*open_io"):
+  with pytest.raises(offlax.errors.InvalidTierError, match="lacks .*open_io"):
     offlax.offload(optax.adam(1e-3), tier=object())
 
 
@@ -189,16 +189,16 @@ def _floats():
 
 
 def test_conformance_protocol_and_io(make_tier):
-  """The tier is an `offlax.Tier`, and its I/O states the capabilities the stream reads."""
+  """The tier is an `offlax.extend.Tier`, and its I/O states the capabilities the stream reads."""
   tier = make_tier()
-  assert isinstance(tier, offlax.Tier)
+  assert isinstance(tier, offlax.extend.Tier)
   tx = offlax.offload(optax.adam(1e-3), tier)
   params = _floats()
   state = tx.init(params)
   assert state.tier is tier  # reachable from the state: static, not a leaf
-  items = jax.tree.leaves(state.inner_state, is_leaf=lambda x: isinstance(x, offlax.OnDisk))
+  items = jax.tree.leaves(state.inner_state, is_leaf=lambda x: isinstance(x, offlax.extend.OnDisk))
   io = tier.open_io(items, [True] * len(items), state.step)
-  assert isinstance(io, offlax.TierIO)
+  assert isinstance(io, offlax.extend.TierIO)
   assert isinstance(io.prefetch_depth, int) and io.prefetch_depth >= 1
   assert isinstance(io.writes_in_place, bool)
   assert tier.compute == "device" or io.writes_in_place
@@ -235,7 +235,7 @@ def test_conformance_bit_exact_in_many_slices_with_its_step(make_tier, fused):
     assert int(state.step) == int(first) + 3
   assert state.tier is tier
   s = offlax.stats(state, tier)
-  assert isinstance(s, offlax.OffloadStats) and s.host_bytes + s.nvme_bytes > 0
+  assert isinstance(s, offlax.extend.OffloadStats) and s.host_bytes + s.nvme_bytes > 0
   # The state holds optax's values: in JAX arrays, or in the tier's own storage.
   if tier.compute == "device" and isinstance(tier, offlax.HostTier):
     want_mu = optax.tree_utils.tree_get(want_state, "mu")

@@ -71,7 +71,7 @@ def test_peft_trainer_checkpoints_of_nvme_state_are_refused(one_device):
   """Tunix's checkpoint would hold the small leaves without the store's moments: refused."""
   r = one_device["full-nvme-checkpoint"]
   assert r["error"].startswith("UnsavableStateError"), r["error"]
-  assert "offlax.NVMeStoreSave(tier)" in r["error"]
+  assert "offlax.checkpoint.NVMeStoreSave(tier)" in r["error"]
   assert "PeftTrainer" in r["error"]  # the way out in Tunix is named
   assert not [name for name in r["saved"] if name.isdigit()], r["saved"]
 

@@ -72,7 +72,7 @@ def test_specs_of_state_committed_like_single_device_params_lower_after_placed()
   train = jax.jit(_train(tx))
   params, state = train(params, tx.init(params), _grads(params))
   specs = _specs((params, state, _grads(params)))
-  with pytest.raises(offlax.MemoryKindError, match=r"offlax\.placed"):
+  with pytest.raises(offlax.errors.MemoryKindError, match=r"offlax\.placed"):
     train.lower(*specs)
   train.lower(*offlax.placed(specs)).compile()
 
@@ -117,7 +117,7 @@ def test_abstract_state_of_a_chain_holding_offload_restores_with_orbax(tmp_path)
 
 def test_abstract_state_of_a_chain_refuses_another_tier():
   tx = optax.chain(optax.clip(1.0), offlax.offload(optax.sgd(0.1, 0.9)))
-  with pytest.raises(offlax.InvalidTierError, match="omit tier"):
+  with pytest.raises(offlax.errors.InvalidTierError, match="omit tier"):
     offlax.abstract_state(tx, _params(), offlax.HostTier(compute="host"))
 
 
@@ -295,15 +295,15 @@ def test_every_optax_alias_works_with_every_tier(name, tier, tmp_path):
 
 
 def test_nvme_tier_chunk_bytes_error_names_nvme_tier(tmp_path):
-  with pytest.raises(offlax.InvalidTierError, match=r"^NVMeTier\.chunk_bytes .* got 0"):
+  with pytest.raises(offlax.errors.InvalidTierError, match=r"^NVMeTier\.chunk_bytes .* got 0"):
     offlax.NVMeTier(str(tmp_path), chunk_bytes=0)
 
 
 def test_nested_offload_is_refused_clearly(tmp_path):
-  with pytest.raises(offlax.TransformationTypeError, match=r"offload\(offload"):
+  with pytest.raises(offlax.errors.TransformationTypeError, match=r"offload\(offload"):
     offlax.offload(offlax.offload(optax.adam(1e-3)))
   nested = offlax.offload(optax.chain(optax.clip(1.0), offlax.offload(optax.adam(1e-3))))
-  with pytest.raises(offlax.TransformationTypeError, match="Offload once"):
+  with pytest.raises(offlax.errors.TransformationTypeError, match="Offload once"):
     nested.init(_params())
 
 
@@ -313,7 +313,7 @@ def test_stats_finds_the_offload_state_inside_a_chain():
   state = tx.init(_params())
   assert offlax.stats(state, tier) == offlax.stats(state[1], tier)
   assert offlax.stats(state, tier).host_bytes == 2 * 15 * 4
-  with pytest.raises(offlax.TreeMismatchError, match="holding none"):
+  with pytest.raises(offlax.errors.TreeMismatchError, match="holding none"):
     offlax.stats(optax.adam(1e-3).init(_params()), tier)
 
 
@@ -324,7 +324,9 @@ def test_standard_save_of_nvme_state_is_refused_naming_nvme_store_save(tmp_path)
   tier = _nvme(str(tmp_path / "store"))
   state = offlax.offload(optax.adam(1e-3), tier).init(_params())
   checkpointer = ocp.StandardCheckpointer()
-  with pytest.raises(offlax.UnsavableStateError, match=r"offlax\.NVMeStoreSave\(tier\)"):
+  with pytest.raises(
+    offlax.errors.UnsavableStateError, match=r"offlax\.checkpoint\.NVMeStoreSave\(tier\)"
+  ):
     checkpointer.save(tmp_path / "ckpt", state)
     checkpointer.wait_until_finished()
   checkpointer.close()
@@ -438,7 +440,9 @@ def test_stale_state_error_says_how_to_recover_and_resume_goes_back_to_the_param
   np.testing.assert_array_equal(redo["w"], params["w"])
   tier.close()
   # A step the store no longer keeps is refused, naming the way out.
-  with pytest.raises(offlax.StoreMismatchError, match=r"params are at step 0.*NVMeStoreRestore"):
+  with pytest.raises(
+    offlax.errors.StoreMismatchError, match=r"params are at step 0.*NVMeStoreRestore"
+  ):
     offlax.offload(optax.adam(1e-2), _nvme(path, resume=True, step=0)).init(lost_params)
 
 
@@ -453,7 +457,9 @@ def test_reopening_an_open_store_in_this_process_names_it_and_its_holder(tmp_pat
   tier, tx, train, params, state = _nvme_run(path, 1)
   del tier, tx, state
   gc.collect()  # a jitted step still holds the tier (a notebook cell run again)
-  with pytest.raises(offlax.StoreLockedError, match=rf"in this process \(PID {os.getpid()}\)") as e:
+  with pytest.raises(
+    offlax.errors.StoreLockedError, match=rf"in this process \(PID {os.getpid()}\)"
+  ) as e:
     offlax.offload(optax.adam(1e-2), _nvme(path, resume=True)).init(params)
   assert e.value.pid == os.getpid() and isinstance(e.value.holder, offlax.NVMeTier)
   e.value.holder.close()
@@ -489,7 +495,9 @@ def test_store_locked_by_another_process_names_its_pid(tmp_path):
   )  # fmt: skip
   try:
     assert holder.stdout.readline().strip() == "locked"
-    with pytest.raises(offlax.StoreLockedError, match=rf"another process \(PID {holder.pid}\)"):
+    with pytest.raises(
+      offlax.errors.StoreLockedError, match=rf"another process \(PID {holder.pid}\)"
+    ):
       offlax.offload(optax.adam(1e-2), _nvme(path)).init(_params())
   finally:
     holder.kill()
@@ -504,8 +512,8 @@ def test_resume_honours_a_new_cache_bytes(tmp_path):
   tier, tx, train, params, state = _nvme_run(path, 1)
   tier.close()
   on_disk = lambda s: [
-    x for x in jax.tree.leaves(s, is_leaf=lambda x: isinstance(x, offlax.OnDisk))
-    if isinstance(x, offlax.OnDisk)
+    x for x in jax.tree.leaves(s, is_leaf=lambda x: isinstance(x, offlax.extend.OnDisk))
+    if isinstance(x, offlax.extend.OnDisk)
   ]  # fmt: skip
   assert len(on_disk(state)) == 4  # cache_bytes=0: the moments on disk
   tier = offlax.NVMeTier(path, resume=True, cache_bytes=10**6, progress=False, fsync=False)

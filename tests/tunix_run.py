@@ -186,7 +186,7 @@ def nvme_cases():
 
   Tunix checkpoints `nnx.state(optimizer, nnx.optimizer.OptState)`, which holds an
   `OnDiskVariable` for each array in the store: orbax refuses the save
-  (`UnsavableStateError`, naming `offlax.NVMeStoreSave`), and no step of a checkpoint
+  (`UnsavableStateError`, naming `offlax.checkpoint.NVMeStoreSave`), and no step of a checkpoint
   without the moments is left to restore.
   """
   want = train(optax.adamw(1e-2), False, None, STEPS)

@@ -93,7 +93,7 @@ def apply_updates(params: optax.Params, updates: optax.Updates) -> optax.Params:
     >>> import jax, jax.numpy as jnp, offlax
     >>> host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
     >>> params = {"w": jax.device_put(jnp.ones(4), host)}
-    >>> new = jax.jit(offlax.apply_updates)(params, {"w": jnp.full(4, 0.5)})
+    >>> new = jax.jit(offlax.extend.apply_updates)(params, {"w": jnp.full(4, 0.5)})
     >>> new["w"], new["w"].sharding.memory_kind
     (Array([1.5, 1.5, 1.5, 1.5], dtype=float32), 'pinned_host')
   """

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any
+from typing import Any, NoReturn
 
 import jax
 import jax.numpy as jnp
@@ -198,7 +198,7 @@ def placed(tree: Any) -> Any:
 
 
 def retier(
-  inner_state: Any, inner: optax.GradientTransformation, params: Any, tier: HostTier | NVMeTier
+  inner: optax.GradientTransformation, params: Any, inner_state: Any, tier: HostTier | NVMeTier
 ) -> OffloadState:
   """The state of `offload(inner, tier)` holding the values of `inner_state`.
 
@@ -207,10 +207,14 @@ def retier(
   would, from these values), an NVMe store's state into host memory (read it
   first with `NVMeTier.read_state`), or a plain optimizer's state into either.
 
+  The state helpers (`offlax.abstract_state`, `retier`, `reshard`) take the
+  transformation and the params first, as `offload(inner, ...)` and
+  ``inner.init(params)`` do, then what they act on.
+
   Args:
-    inner_state: a state of `inner`, its arrays in memory (any memory kind).
-    inner: the transformation it belongs to.
+    inner: the transformation `inner_state` belongs to.
     params: the params (or their `jax.ShapeDtypeStruct`s) it was built for.
+    inner_state: a state of `inner`, its arrays in memory (any memory kind).
     tier: where it goes; use the returned state with `offload(inner, tier)`.
 
   Returns:
@@ -220,10 +224,12 @@ def retier(
     >>> import jax.numpy as jnp, optax, offlax
     >>> params = {"w": jnp.ones(3)}
     >>> plain = optax.adam(1e-3).init(params)
-    >>> state = offlax.retier(plain, optax.adam(1e-3), params, offlax.HostTier())
+    >>> state = offlax.checkpoint.retier(optax.adam(1e-3), params, plain, offlax.HostTier())
     >>> state.inner_state[0].mu["w"].sharding.memory_kind
     'pinned_host'
   """
+  if _is_transformation(params) and not _is_transformation(inner):
+    _refuse_old_order("retier", "(inner, params, inner_state, tier)", "(inner_state, inner, ...)")
   errors.check_transformation(inner, "retier: inner")
   params = flax_glue.unbox(params)
   spec = layout_lib.ParamSpec.of(params)
@@ -242,10 +248,10 @@ def retier(
 
 
 def reshard(
-  src: str | os.PathLike,
-  dest: str | os.PathLike,
   inner: optax.GradientTransformation,
   params: Any,
+  src: str | os.PathLike,
+  dest: str | os.PathLike,
   **tier_options: Any,
 ) -> int:
   """Writes the sharded NVMe store at `src` to a new one at `dest`, sharded as `params` are.
@@ -260,12 +266,12 @@ def reshard(
   devices' stores, like `init`), with no process training on `src`.
 
   Args:
-    src: the sharded store; its shards must be at one step (reopening it on
-      its own mesh brings them there).
-    dest: a new directory.
     inner: the offloaded transformation.
     params: the params (or `jax.ShapeDtypeStruct`s with shardings) on the new
       mesh; params on no mesh give an unsharded store.
+    src: the sharded store; its shards must be at one step (reopening it on
+      its own mesh brings them there).
+    dest: a new directory.
     **tier_options: options of the new `NVMeTier` (`cache_bytes`, `fsync`,
       ...); `chunk_bytes` and `keep` default to `src`'s.
 
@@ -273,6 +279,8 @@ def reshard(
     The step `src` had committed. `dest` starts its own count at 0 (the
     optimizer's own step count is in the state, unchanged).
   """
+  if all(isinstance(x, (str, os.PathLike)) for x in (inner, params)):
+    _refuse_old_order("reshard", "(inner, params, src, dest, **tier_options)", "(src, dest, ...)")
   errors.check_transformation(inner, "reshard: inner")
   params = flax_glue.unbox(params)
   inner = optax.with_extra_args_support(inner)
@@ -281,9 +289,22 @@ def reshard(
   spec = layout_lib.ParamSpec.of(params)
   state, step, options = sharded.read_sharded(src, inner, params, spec, progress=progress)
   tier = NVMeTier(dest, **{**options, **tier_options})
-  retier(state, inner, params, tier)
+  retier(inner, params, state, tier)
   tier.close()
   return step
+
+
+def _is_transformation(x: Any) -> bool:
+  return callable(getattr(x, "init", None)) and callable(getattr(x, "update", None))
+
+
+def _refuse_old_order(where: str, order: str, old: str) -> NoReturn:
+  """Raises for a call in the argument order of offlax 0.1, which would otherwise misbehave."""
+  raise errors.TransformationTypeError(
+    f"{where} takes {order}: the optax GradientTransformation and the params first, as "
+    f"offlax.abstract_state does. It got them in the order of offlax 0.1, {old}; call "
+    f"{where}{order}."
+  )
 
 
 def _check_state(want: Any, state: Any) -> None:
@@ -319,16 +340,17 @@ class _OnDiskRefusal(ocp.type_handlers.TypeHandler):
 
   def typestr(self) -> str:
     if not self.armed:
-      return "offlax.OnDisk"
+      return "offlax.OnDisk"  # the type's name as registered with orbax, unchanged
     raise errors.UnsavableStateError(
       "ocp.args.StandardSave (or another orbax pytree save: PyTreeSave, an item of a "
-      "Composite) got an NVMe-tier state: its arrays on disk are offlax.OnDisk "
+      "Composite) got an NVMe-tier state: its arrays on disk are offlax.extend.OnDisk "
       "placeholders (in Flax NNX's nnx.state(optimizer), OnDiskVariables), which orbax "
-      "would save and restore as None. Save the store with offlax.NVMeStoreSave(tier) "
+      "would save and restore as None. Save the store with offlax.checkpoint.NVMeStoreSave(tier) "
       "instead, e.g. mngr.save(step, args=ocp.args.Composite(model=ocp.args.StandardSave("
-      "params), opt=offlax.NVMeStoreSave(tier))) (with NNX: nnx.state(model) and "
+      "params), opt=offlax.checkpoint.NVMeStoreSave(tier))) (with NNX: nnx.state(model) and "
       "optimizer.step as the model item), or move the state to a HostTier first "
-      "(offlax.retier(tier.read_state(state), inner, params, offlax.HostTier())). Tunix's "
+      "(offlax.checkpoint.retier(inner, params, tier.read_state(state), offlax.HostTier())). "
+      "Tunix's "
       "PeftTrainer checkpoints nnx.state(optimizer, nnx.optimizer.OptState) this way: with "
       "the NVMe tier, give it checkpoint_root_directory=None and save as above, or use "
       "offlax.HostTier() with its checkpoints."
@@ -369,7 +391,7 @@ class NVMeStoreSave(ocp.args.CheckpointArgs):
 
   Use it beside the other items of a step, e.g.
   ``mngr.save(step, args=ocp.args.Composite(model=ocp.args.StandardSave(params),
-  opt=offlax.NVMeStoreSave(tier)))``: the store holds all of the optimizer
+  opt=offlax.checkpoint.NVMeStoreSave(tier)))``: the store holds all of the optimizer
   state, cached arrays included. The copy streams in the kernel and needs no
   RAM for the state; it runs before `save` returns, even with asynchronous
   checkpointing, because the store overwrites that generation `keep + 1` steps later.
@@ -382,9 +404,9 @@ class NVMeStoreSave(ocp.args.CheckpointArgs):
     >>> tier = offlax.NVMeTier(tempfile.mkdtemp(), progress=False)
     >>> state = offlax.offload(optax.adam(1e-3), tier).init({"w": jnp.ones(3)})
     >>> with ocp.CheckpointManager(tempfile.mkdtemp()) as mngr:
-    ...   _ = mngr.save(0, args=ocp.args.Composite(opt=offlax.NVMeStoreSave(tier)))
+    ...   _ = mngr.save(0, args=ocp.args.Composite(opt=offlax.checkpoint.NVMeStoreSave(tier)))
     ...   mngr.wait_until_finished()
-    ...   [report] = offlax.inspect_store(mngr.directory / "0" / "opt", progress=False)
+    ...   [report] = offlax.checkpoint.inspect_store(mngr.directory / "0" / "opt", progress=False)
     >>> report.ok, report.step
     (True, 0)
     >>> tier.close()

@@ -62,7 +62,7 @@ def compiled(n, mode, master, chunk, layers, target, memory, fraction=1.0, fused
   import offlax
   from offlax._src import gpu_compile
 
-  if not offlax.gpu_compile_available():
+  if not offlax.extend.gpu_compile_available():
     print("error: XLA's GPU compiler is not installed: pip install 'offlax[gpu-compile]'",
           file=sys.stderr)  # fmt: skip
     return None
@@ -71,7 +71,7 @@ def compiled(n, mode, master, chunk, layers, target, memory, fraction=1.0, fused
       n, mode=mode, master=master, chunk_bytes=chunk, layers=layers, fraction=fraction,
       target=target, device_memory_size=memory, fused=fused,
     )  # fmt: skip
-  except offlax.OffloadError as e:
+  except offlax.errors.OffloadError as e:
     print(f"error: {e}", file=sys.stderr)
     return None
 
@@ -81,8 +81,8 @@ def inspect(args: argparse.Namespace, parsers: Parsers) -> int:
   import offlax
 
   try:
-    reports = offlax.inspect_store(args.path, verify=args.verify, progress=not args.no_progress)
-  except offlax.OffloadError as e:
+    reports = offlax.checkpoint.inspect_store(args.path, verify=args.verify, progress=not args.no_progress)
+  except offlax.errors.OffloadError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   for report in reports:
@@ -96,8 +96,8 @@ def rollback(args: argparse.Namespace, parsers: Parsers) -> int:
 
   path, step = args.path, args.to
   try:
-    offlax.rollback(path, step)
-  except offlax.OffloadError as e:
+    offlax.checkpoint.rollback(path, step)
+  except offlax.errors.OffloadError as e:
     print(f"error: {e}", file=sys.stderr)
     return 1
   how = (

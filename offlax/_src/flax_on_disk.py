@@ -7,7 +7,7 @@ arrays on disk, and orbax would save that state without a word (issue 34). So
 NNX flattens an `OnDisk` here into one `OnDiskVariable` (key ``on_disk``)
 holding the placeholder: the state keeps it, JAX still sees no leaf in it (jit
 and `nnx.jit` are unchanged), and orbax, meeting the placeholder inside it,
-raises `UnsavableStateError` naming `offlax.NVMeStoreSave` (`checkpoint.py`).
+raises `UnsavableStateError` naming `offlax.checkpoint.NVMeStoreSave` (`checkpoint.py`).
 
 The variable is an ``nnx.optimizer.OptState``, so a state filtered to those
 (as Tunix's `PeftTrainer` checkpoints are) keeps it and is refused too: a
@@ -35,10 +35,10 @@ _BOUND = "_offlax_nnx_variable"  # the `OnDiskVariable` an `OnDisk` flattens int
 
 
 class OnDiskVariable(nnx.optimizer.OptState):
-  """An NVMe-tier array in NNX's state: holds its `offlax.OnDisk` placeholder, no array.
+  """An NVMe-tier array in NNX's state: holds its `offlax.extend.OnDisk` placeholder, no array.
 
-  Orbax refuses to save it (`offlax.UnsavableStateError`): save the tier's
-  store with `offlax.NVMeStoreSave` instead.
+  Orbax refuses to save it (`offlax.errors.UnsavableStateError`): save the tier's
+  store with `offlax.checkpoint.NVMeStoreSave` instead.
   """
 
 

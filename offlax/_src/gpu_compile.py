@@ -232,7 +232,7 @@ def compile_for_gpu(
     if target not in TARGETS:
       raise errors.InvalidTargetError(
         f"compile_for_gpu: unknown target {target!r}; known: {', '.join(TARGETS)} "
-        "(or pass an offlax.GpuTarget)."
+        "(or pass an offlax.extend.GpuTarget)."
       )
     target = TARGETS[target]
   target = target.with_memory(device_memory_size)

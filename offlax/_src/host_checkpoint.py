@@ -240,9 +240,10 @@ class HostStateSave(ocp.args.CheckpointArgs):
     >>> params = {"w": jnp.ones((4, 3))}
     >>> state = offlax.offload(optax.adam(1e-3)).init(params)
     >>> with ocp.CheckpointManager(tempfile.mkdtemp()) as mngr:
-    ...   _ = mngr.save(0, args=ocp.args.Composite(opt=offlax.HostStateSave(state, progress=False)))
+    ...   item = offlax.checkpoint.HostStateSave(state, progress=False)
+    ...   _ = mngr.save(0, args=ocp.args.Composite(opt=item))
     ...   target = offlax.abstract_state(optax.adam(1e-3), params)
-    ...   item = offlax.HostStateRestore(target, progress=False)
+    ...   item = offlax.checkpoint.HostStateRestore(target, progress=False)
     ...   restored = mngr.restore(0, args=ocp.args.Composite(opt=item)).opt
     >>> restored.inner_state[0].mu["w"].sharding.memory_kind
     'pinned_host'

@@ -144,7 +144,7 @@ def inspect_store(
     >>> tier = offlax.NVMeTier(path, cache_bytes=0, progress=False)
     >>> state = offlax.offload(optax.adam(1e-3), tier).init({"w": jnp.ones((4, 3))})
     >>> tier.close()
-    >>> [report] = offlax.inspect_store(path, verify=True, progress=False)
+    >>> [report] = offlax.checkpoint.inspect_store(path, verify=True, progress=False)
     >>> report.ok, report.step, [leaf.path for leaf in report.leaves]
     (True, 0, ['[0].count', "[0].mu['w']", "[0].nu['w']"])
   """

@@ -166,7 +166,10 @@ def compile_step(
   layer_store: str | None = None,
   **compile_options,
 ):
-  """The compiled train step's memory (`offlax.CompiledMemory`); options go to `compile_for_gpu`."""
+  """The compiled train step's memory (an `offlax.extend.CompiledMemory`).
+
+  Options go to `compile_for_gpu`.
+  """
   if layer_store is not None:
     return _compile_layers_on_disk(m, target, layer_store, chunk_bytes, compile_options)
   inner = master_weights(optax.adamw(1e-5))

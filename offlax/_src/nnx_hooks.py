@@ -20,7 +20,7 @@ host array with a device one.
 `nnx.Optimizer(model, optax.adamw(...))` on params in host memory fails in
 optax's init (or, built inside ``jit``, in its update) with JAX's memory-kind
 error, which names neither the param nor the fix: the constructor and the
-update turn that error, and only it, into `offlax.MemoryKindError` saying
+update turn that error, and only it, into `offlax.errors.MemoryKindError` saying
 that such params need ``offlax.offload(tx, compute="host")``.
 """
 

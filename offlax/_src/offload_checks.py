@@ -80,7 +80,7 @@ def check_io(tier: Tier, io: Any) -> None:
   if missing:
     raise errors.InvalidTierError(
       f"{type(tier).__name__}.open_io returned a {type(io).__name__}, which lacks "
-      f"{', '.join(missing)} (see offlax.TierIO)."
+      f"{', '.join(missing)} (see offlax.extend.TierIO)."
     )
   depth = io.prefetch_depth
   if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:

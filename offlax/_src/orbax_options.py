@@ -61,7 +61,7 @@ def checkpoint_handler(
     >>> tx = offlax.offload(optax.adam(1e-3))
     >>> state = tx.init(params)
     >>> with ocp.CheckpointManager(
-    ...   tempfile.mkdtemp(), item_handlers=offlax.checkpoint_handler()
+    ...   tempfile.mkdtemp(), item_handlers=offlax.checkpoint.checkpoint_handler()
     ... ) as mngr:
     ...   _ = mngr.save(0, args=ocp.args.StandardSave(state))
     ...   mngr.wait_until_finished()

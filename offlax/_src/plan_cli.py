@@ -254,7 +254,7 @@ def _compile(args: Any, result: Any, model: Any, n: int, sizes: dict) -> int:
     return 0 if result.fits else 1
   import offlax
 
-  if not offlax.gpu_compile_available():
+  if not offlax.extend.gpu_compile_available():
     print("error: XLA's GPU compiler is not installed: pip install 'offlax[gpu-compile]'",
           file=sys.stderr)  # fmt: skip
     return 2
@@ -263,7 +263,7 @@ def _compile(args: Any, result: Any, model: Any, n: int, sizes: dict) -> int:
       n, mode=mode, master=args.master, chunk_bytes=sizes["chunk_bytes"], layers=16,
       fraction=result.fraction, target=args.compile, fused=args.fused,
     )  # fmt: skip
-  except offlax.OffloadError as e:
+  except offlax.errors.OffloadError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   print(

@@ -228,7 +228,7 @@ class Tier(Protocol):
 
   Example:
     >>> import offlax
-    >>> isinstance(offlax.HostTier(), offlax.Tier)
+    >>> isinstance(offlax.HostTier(), offlax.extend.Tier)
     True
   """
 
@@ -308,7 +308,7 @@ def check(tier: Any) -> None:
   if not isinstance(tier, Tier):
     missing = [name for name in _MEMBERS if not hasattr(tier, name)]
     raise errors.InvalidTierError(
-      f"tier must implement offlax.Tier (e.g. offlax.HostTier or offlax.NVMeTier), got "
+      f"tier must implement offlax.extend.Tier (e.g. offlax.HostTier or offlax.NVMeTier), got "
       f"{type(tier).__name__}, which lacks {', '.join(missing)}."
     )
   if tier.compute not in ("device", "host"):

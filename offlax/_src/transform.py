@@ -49,7 +49,7 @@ def offload(
 
   Args:
     inner: the transformation whose state is offloaded.
-    tier: where the state lives (any `offlax.Tier`: `HostTier`, `NVMeTier`,
+    tier: where the state lives (any `offlax.extend.Tier`: `HostTier`, `NVMeTier`,
       or your own); `None` means `HostTier(**tier_options)`.
     **tier_options: options of the default `HostTier` when `tier` is None.
 

@@ -54,7 +54,7 @@ def load_safetensors(model: Any, path: str, *, mapping: dict[str, Any] | None = 
   loaded params (``optimizer.init``: the fp32 master of `master_weights`, zero
   moments). The store's step keeps its number and gets the loaded layers in
   one atomic commit, as `LayerStore.update` commits: a crash mid-load leaves
-  the step as it was (`offlax.inspect_store` verifies it). The model may be
+  the step as it was (`offlax.checkpoint.inspect_store` verifies it). The model may be
   abstract (`nnx.eval_shape`): loading gives it its values.
 
   Every tensor, param, shape, dtype, file size and the folder's

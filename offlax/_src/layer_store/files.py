@@ -169,7 +169,7 @@ def to_kept_step(
 
 
 def rollback(path: str, step: int) -> int:
-  """`offlax.rollback` of a LayerStore: kept `step` made current, by the manifest's rename.
+  """`offlax.checkpoint.rollback` of a LayerStore: kept `step` made current (manifest renamed).
 
   Takes the store's lock (a store open for training is refused) and checks that
   the files of `step` are there at their sizes; `inspect_store(verify=True)`

@@ -159,7 +159,7 @@ class Slots:
     r = records[k]
     if kind == "grads":  # in memory: see `checks`
       self._grad_crcs[k][i] = checks.crc(slot)
-    else:  # checked on every read, and by `offlax.inspect_store(verify=True)`
+    else:  # checked on every read, and by `offlax.checkpoint.inspect_store(verify=True)`
       self._commits.crcs(gen)[kind][checks.slot_at(records, k, i)] = checks.crc(slot)
     with self._tally:
       self.bytes_written += r["slot"]

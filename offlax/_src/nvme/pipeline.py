@@ -274,7 +274,7 @@ def _missing(store: Store, step: int, kept: list[int]) -> str:
     "nnx.state(optimizer) filtered to leave its OnDiskVariables out) beside a store that "
     "is not the one it was trained with. "
     "Open that store (NVMeTier(its path, resume=True)), or restore a checkpoint saved "
-    "with offlax.NVMeStoreSave(tier) (offlax.NVMeStoreRestore(path), then "
+    "with offlax.checkpoint.NVMeStoreSave(tier) (offlax.checkpoint.NVMeStoreRestore(path), then "
     "NVMeTier(path, resume=True)); a checkpoint without the store cannot bring the "
     "optimizer's arrays back."
   )

@@ -1,4 +1,4 @@
-"""Making an earlier committed step of an NVMe store current again (`offlax.rollback`)."""
+"""An earlier committed step of an NVMe store made current again (`offlax.checkpoint.rollback`)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def rollback(path: str | os.PathLike, step: int) -> int:
   rolling back drops the steps after `step`, and `NVMeTier(path, resume=True)`
   then continues from `step`. Takes the store's lock, so it refuses a store a
   training process has open, and checks that every chunk file of `step` is
-  there with its size (`offlax.inspect_store(path, verify=True)` also checks
+  there with its size (`offlax.checkpoint.inspect_store(path, verify=True)` also checks
   their checksums).
 
   For a sharded store (params on a mesh) `path` may be its root: every shard's

@@ -49,7 +49,8 @@ def _local_value(x: Any, mesh: Any, spec: P, device: Any) -> Any:
 
 _RESHARD = (
   "The NVMe tier resumes on the mesh and specs a store was written with (each device's store "
-  "holds that mesh's shard); offlax.reshard(path, new_path, inner, params) writes a copy "
+  "holds that mesh's shard); offlax.checkpoint.reshard(inner, params, path, new_path) writes a "
+  "copy "
   "sharded for these params."
 )
 

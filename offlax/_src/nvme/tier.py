@@ -62,14 +62,14 @@ class NVMeTier(tier_lib.Tier):
     progress: show a progress bar for the initial write and for a resume.
     readahead: slices read ahead of the one being updated; also the slices of
       writes in flight before a write callback waits.
-    keep: committed steps kept on disk, for `offlax.rollback` (default 2: the
+    keep: committed steps kept on disk, for `offlax.checkpoint.rollback` (default 2: the
       current one and the one before); the store holds `keep + 1` copies of
       the state. Fixed when the store is created, like `chunk_bytes`.
     log_every: log a one-line `offlax.stats` summary through the `offlax`
       logger (INFO) every this many steps; None: never.
     step: with `resume`, the step the caller's params are at (e.g. the step of
       the model checkpoint being restored). The store must be at that step: one
-      it keeps is made current again (as `offlax.rollback`: the steps after it
+      it keeps is made current again (as `offlax.checkpoint.rollback`: the steps after it
       are dropped); otherwise `init` raises `StoreMismatchError` rather than
       train params and optimizer state of different steps. None: the store's
       committed step, whatever it is.
@@ -232,7 +232,7 @@ class NVMeTier(tier_lib.Tier):
     """Copies the last committed step's store into `dest`, a new directory; returns the step.
 
     `NVMeTier(dest, resume=True)` opens the copy. Waits for steps in flight;
-    run it between steps (an orbax save of `offlax.NVMeStoreSave(tier)` does).
+    run it between steps (an orbax save of `offlax.checkpoint.NVMeStoreSave(tier)` does).
     On a mesh each process copies its own shards' stores, then the mesh record.
     """
     wait_for_dispatched_steps()

@@ -237,8 +237,8 @@ def _go_to_step(tier: NVMeTier, step: int) -> None:
       f"{tier.path} has committed step {store.step} and keeps steps {kept}, but the "
       f"params are at step {step} (NVMeTier(step={step})): training on would mix params and "
       "optimizer state of different steps. Restore the store of that step from the "
-      "checkpoint holding the params (offlax.NVMeStoreRestore; save it with "
-      "offlax.NVMeStoreSave(tier) beside the params), or resume the params from step "
+      "checkpoint holding the params (offlax.checkpoint.NVMeStoreRestore; save it with "
+      "offlax.checkpoint.NVMeStoreSave(tier) beside the params), or resume the params from step "
       f"{store.step}."
     )
   rollback_locked(store, step, "NVMeTier(resume=True, step=...)")
