@@ -81,7 +81,9 @@ def inspect(args: argparse.Namespace, parsers: Parsers) -> int:
   import offlax
 
   try:
-    reports = offlax.checkpoint.inspect_store(args.path, verify=args.verify, progress=not args.no_progress)
+    reports = offlax.checkpoint.inspect_store(
+      args.path, verify=args.verify, progress=not args.no_progress
+    )
   except offlax.errors.OffloadError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
