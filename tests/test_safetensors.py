@@ -776,3 +776,32 @@ def test_a_load_failing_at_its_last_tensor_leaves_the_values_as_they_were(tmp_pa
     offlax.load_safetensors(model, b, progress=False)
   for x, y in zip(before, jax.tree.leaves(nnx.state(model, nnx.Param)), strict=True):
     np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.parametrize(
+  "native",
+  # The native case builds offlax's library when it is the session's first user (15 s).
+  [pytest.param(True, marks=pytest.mark.slow), False],
+  ids=["native", "numpy"],
+)
+def test_the_transpose_is_numpys_bit_for_bit(native, monkeypatch):
+  """Every item size, ragged tile edges, and matrices large enough for the native kernel and for
+  threads (bands of rows)."""
+  from offlax._src import ffi
+  from offlax._src.hf import mapping as mapping_lib
+
+  if native:
+    assert ffi.library() is not None, "offlax's native library did not build (see the log)"
+  else:
+    monkeypatch.setattr(ffi, "library", lambda: None)
+  rng = np.random.default_rng(0)
+  shapes = [(0, 3), (1, 1), (1, 300), (300, 1), (7, 9), (129, 33), (257, 1000), (700, 997)]
+  shapes += [(1500, 1300)]  # 3.9 MB of bf16 on one thread, 7.8 of fp32 on bands of rows
+  for dtype in (np.uint8, ml_dtypes.bfloat16, np.float16, np.float32, np.int64):
+    for shape in shapes:
+      x = rng.integers(0, 255, shape).astype(dtype)
+      got = mapping_lib.transpose(x, (1, 0))
+      assert got.dtype == x.dtype and got.flags.c_contiguous
+      np.testing.assert_array_equal(got.view(np.uint8), np.ascontiguousarray(x.T).view(np.uint8))
+  x = rng.integers(0, 255, (2, 3, 4)).astype(np.float32)  # other ranks: numpy's own
+  np.testing.assert_array_equal(mapping_lib.transpose(x, (2, 0, 1)), x.transpose(2, 0, 1))
