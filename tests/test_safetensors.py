@@ -733,7 +733,7 @@ def test_a_damaged_header_entry_is_refused_as_corrupted_naming_the_tensor(tmp_pa
 
 
 def test_a_load_interrupted_at_the_store_commit_leaves_the_model_as_it_was(tmp_path, monkeypatch):
-  from offlax._src.hf import params as params_lib
+  from offlax._src.layer_store import rewrite as rewrite_lib
 
   config = config_of("llama3")
   folder = write_checkpoint(tmp_path / "ckpt", "llama3", config, hf_tensors("llama3", config))
@@ -742,7 +742,7 @@ def test_a_load_interrupted_at_the_store_commit_leaves_the_model_as_it_was(tmp_p
   def interrupted(*args):
     raise KeyboardInterrupt
 
-  monkeypatch.setattr(params_lib, "commit", interrupted)
+  monkeypatch.setattr(rewrite_lib.Rewrite, "commit", interrupted)
   with store:
     with pytest.raises(KeyboardInterrupt):
       offlax.load_safetensors(model, folder, progress=False)

@@ -42,7 +42,7 @@ optimizer's step); `opening` makes and opens a store.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -56,15 +56,14 @@ from offlax._src.layer_store import step as layer_step
 from offlax._src.layer_store.commits import Commits
 from offlax._src.layer_store.grads import GradientWriter
 from offlax._src.layer_store.read_ahead import ReadAhead
+from offlax._src.layer_store.rewrite import Rewrite
 from offlax._src.layer_store.slots import Slots
 from offlax._src.layer_store.source import LayerSource
 
 
-def _held(where: str, doc: str, settable: bool = False) -> Any:
+def _held(where: str, doc: str) -> Any:
   """An attribute of the store one of its parts holds (`where`: ``"_part.name"``), as a property."""
-  part, name = where.split(".")
-  set_it = (lambda store, value: setattr(getattr(store, part), name, value)) if settable else None
-  return property(operator.attrgetter(where), set_it, doc=doc)
+  return property(operator.attrgetter(where), doc=doc)
 
 
 class LayerStore:
@@ -111,13 +110,13 @@ class LayerStore:
     self._reads = ReadAhead(lambda i: self.read_layer(i), slots.n_layers, pool_layers)
     self._grads = GradientWriter(slots, pool_layers, lambda: self.step, optimizer is not None)
 
-  # What its parts hold, read-only but `generation` and `kept` (`load_safetensors` commits them).
+  # What its parts hold, read-only.
   manifest: dict = _held("_commits.manifest", "The manifest as in memory (``layers.json``).")
   fsync: bool = _held("_commits.fsync", "Whether a commit flushes the step's files first.")
   generations: int = _held("_commits.generations", "Copies of params and state (``keep + 1``).")
   step: int = _held("_commits.step", "The committed step (0 after `create`).")
-  generation: int = _held("_commits.generation", "The committed step's generation.", True)
-  kept: list[tuple[int, int]] = _held("_commits.kept", "(step, gen)s kept, newest first.", True)
+  generation: int = _held("_commits.generation", "The committed step's generation.")
+  kept: list[tuple[int, int]] = _held("_commits.kept", "(step, gen)s kept, newest first.")
   n_layers: int = _held("_slots.n_layers", "The number of layers.")
   records: list[dict] = _held("_slots.records", "Per param leaf: path, shape, dtype, slot bytes.")
   state_records: list[dict] = _held("_slots.state_records", "The same per optimizer state leaf.")
@@ -314,6 +313,6 @@ class LayerStore:
     """Forgets the layers read ahead (before a commit replaces their generation)."""
     self._reads.drop()
 
-  def write_slots(self, kind: str, gen: int, i: int, leaves: Sequence[Any]) -> None:
-    """Writes layer `i` of every leaf of `kind` ("params" or "state") into generation `gen`."""
-    self._slots.write_slots(kind, gen, i, leaves)
+  def rewrite(self) -> Rewrite:
+    """New values of the committed step's layers, committed at once (`load_safetensors`)."""
+    return Rewrite(self._slots, self._commits, self.optimizer, self.treedef, self.drop_read_ahead)
