@@ -42,24 +42,26 @@ from benchmarks import _common, _disk  # noqa: E402
 D, F, HEADS, KV, HEAD_DIM, VOCAB = 2048, 8192, 16, 8, 128, 32_000
 
 
-def config(layers: int):
+def config(layers: int, d=D, f=F, heads=HEADS, kv=KV, head_dim=HEAD_DIM, vocab=VOCAB):
   import jax.numpy as jnp
   from tunix.models.qwen3 import model as qwen3
 
   return qwen3.ModelConfig(
-    num_layers=layers, vocab_size=VOCAB, embed_dim=D, hidden_dim=F, num_heads=HEADS,
-    head_dim=HEAD_DIM, num_kv_heads=KV, rope_theta=1_000_000, norm_eps=1e-6,
+    num_layers=layers, vocab_size=vocab, embed_dim=d, hidden_dim=f, num_heads=heads,
+    head_dim=head_dim, num_kv_heads=kv, rope_theta=1_000_000, norm_eps=1e-6,
     param_dtype=jnp.bfloat16,
   )  # fmt: skip
 
 
-def write_checkpoint(folder: str, layers: int) -> int:
+def write_checkpoint(folder: str, layers: int, d=D, f=F, heads=HEADS, kv=KV, head_dim=HEAD_DIM,
+                     vocab=VOCAB) -> int:  # fmt: skip
   """A Qwen3 checkpoint in Hugging Face's layout, a tensor at a time; returns its bytes."""
   import ml_dtypes
   import numpy as np
 
   from offlax._src.hf import files
 
+  D, F, HEADS, KV, HEAD_DIM, VOCAB = d, f, heads, kv, head_dim, vocab  # noqa: N806
   shapes = {"model.embed_tokens.weight": (VOCAB, D)}
   for i in range(layers):
     p = f"model.layers.{i}."
