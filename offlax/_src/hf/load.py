@@ -128,8 +128,17 @@ def load_safetensors(model: Any, path: str, *, mapping: dict[str, Any] | None = 
   # The params outside the store, placed but set only once all is read and the store committed:
   # a failure or Ctrl-C before leaves the model as it was, not half loaded.
   placed: list[tuple[params_lib.Param, Any]] = []
-  read = lambda target: [files.read(t) for _, t in matched.by_path[target.path]]
-  convert = lambda target, raw: assemble(matched.by_path[target.path], raw, target)
+  buffers = files.Buffers()  # the reads' buffers used again: no new pages to zero
+  read = lambda target: [files.read(t, buffers) for _, t in matched.by_path[target.path]]
+
+  def convert(target: Any, raw: list[np.ndarray]) -> np.ndarray:  # a stored leaf: into its slot
+    out = writer.empty(target) if isinstance(target, params_lib.Stored) and writer else None
+    x = assemble(matched.by_path[target.path], raw, target, out)
+    for r in raw:
+      if not np.may_share_memory(x, r):  # not the param's values themselves (no steps, no cast)
+        buffers.give(r)
+    return x
+
   try:
     for target, x in progress_bar(
       ahead(read, convert, order), progress, f"offlax: loading {path}", len(order)
@@ -159,14 +168,20 @@ def loaded_from(model: Any) -> Loaded | None:
 
 
 def assemble(pairs: list[tuple[mapping_lib.Entry, files.Tensor]], raw: list[np.ndarray],
-             target: Any) -> np.ndarray:  # fmt: skip
-  """A param's values from its tensors' (`raw`, as read): each put in its layout, cast, stacked."""
+             target: Any, out: np.ndarray | None = None) -> np.ndarray:  # fmt: skip
+  """A param's values from its tensors' (`raw`, as read): each put in its layout, cast, stacked.
+
+  Into `out` where given (C-contiguous, the param's shape and dtype).
+  """
   if pairs[0][0].index is None:
     ((entry, _),) = pairs
+    if out is not None:
+      return mapping_lib.forward(raw[0], entry.steps, out=out)
     return _cast(mapping_lib.forward(raw[0], entry.steps), target.dtype)
-  out = np.empty(target.shape, target.dtype)
+  if out is None:
+    out = np.empty(target.shape, target.dtype)
   for (entry, _), x in zip(pairs, raw, strict=True):
-    out[entry.at] = _cast(mapping_lib.forward(x, entry.steps), target.dtype)
+    mapping_lib.forward(x, entry.steps, out=out[entry.at])
   return out
 
 

@@ -105,28 +105,54 @@ def shapes(shape: tuple[int, ...], steps: Any, name: str) -> list[tuple[int, ...
   return out
 
 
-def forward(x: np.ndarray, steps: Any) -> np.ndarray:
-  """`x` (a checkpoint tensor) in the param's layout, a new contiguous array or `x` itself."""
-  bits = _bits(x)
-  for kind, arg in steps:
-    bits = transpose(bits, arg) if kind == "transpose" else bits.reshape(arg)
-  return contiguous(bits).view(x.dtype)
+def forward(x: np.ndarray, steps: Any, out: np.ndarray | None = None) -> np.ndarray:
+  """`x` (a checkpoint tensor) in the param's layout, a new contiguous array or `x` itself.
+
+  With `out` (C-contiguous, of the result's shape; its dtype may differ: a
+  cast), the result is written into it and `out` returned; the last transpose
+  writes straight into it where only reshapes follow and the dtypes agree.
+  """
+  ops = [(kind, tuple(arg)) for kind, arg in steps]
+  return _apply(x, ops, out)
 
 
-def inverse(x: np.ndarray, steps: Any, shape: tuple[int, ...]) -> np.ndarray:
-  """The inverse of `forward`: `x` (in the param's layout) as the checkpoint's `shape`."""
+def inverse(
+  x: np.ndarray, steps: Any, shape: tuple[int, ...], out: np.ndarray | None = None
+) -> np.ndarray:
+  """The inverse of `forward`: `x` (in the param's layout) as the checkpoint's `shape` (`out`: as
+  for `forward`)."""
   before = shapes(shape, steps, "")
-  bits = _bits(x)
+  ops = []
   for j in reversed(range(len(steps))):
     kind, arg = steps[j]
     if kind == "transpose":
-      bits = transpose(bits, tuple(int(a) for a in np.argsort(arg)))
+      ops.append((kind, tuple(int(a) for a in np.argsort(arg))))
     else:
-      bits = bits.reshape(before[j])
-  return contiguous(bits).view(x.dtype)
+      ops.append((kind, before[j]))
+  return _apply(x, ops, out)
 
 
-def transpose(x: np.ndarray, perm: tuple[int, ...]) -> np.ndarray:
+def _apply(x: np.ndarray, ops: list[tuple[str, tuple[int, ...]]], out: np.ndarray | None) -> Any:
+  """`x` through transposes and reshapes, on its bits (exact); into `out` where given."""
+  bits = _bits(x)
+  last = max((j for j, (kind, _) in enumerate(ops) if kind == "transpose"), default=-1)
+  direct = out is not None and last >= 0 and out.dtype == x.dtype and out.flags.c_contiguous
+  for j, (kind, arg) in enumerate(ops):
+    if kind == "reshape":
+      bits = bits.reshape(arg)
+    elif direct and j == last:  # the last copy made, into `out` (only reshapes after it)
+      shape = tuple(bits.shape[a] for a in arg)
+      bits = transpose(bits, arg, out=out.view(bits.dtype).reshape(shape))  # type: ignore[union-attr]
+    else:
+      bits = transpose(bits, arg)
+  result = contiguous(bits).view(x.dtype)
+  if out is None or direct:
+    return out if direct else result
+  np.copyto(out, result.reshape(out.shape), casting="unsafe")  # a cast: as astype rounds
+  return out
+
+
+def transpose(x: np.ndarray, perm: tuple[int, ...], out: np.ndarray | None = None) -> np.ndarray:
   """`x.transpose(perm)`; a matrix's copied by offlax's native transpose, bands of rows on threads.
 
   Nearly every byte of a checkpoint is a Linear's weight, transposed on its
@@ -136,13 +162,19 @@ def transpose(x: np.ndarray, perm: tuple[int, ...]) -> np.ndarray:
   a core (bf16, fp32), faster than the disk. Without the native library
   (``OFFLAX_NATIVE=0``, no compiler), for 1-byte items or under 1 MiB, tiles of 16 rows by
   1024 columns are copied into the output's transposed view by numpy
-  (1.0-1.2 GB/s a core). Either way, bit for bit ``x.T``.
+  (1.0-1.2 GB/s a core). Either way, bit for bit ``x.T``; into `out` where
+  given (C-contiguous, the result's shape and dtype), else a new array.
   """
   if tuple(perm) != (1, 0):
-    return x.transpose(perm)
+    if out is None:
+      return x.transpose(perm)
+    np.copyto(out, x.transpose(perm))
+    return out
   n, m = x.shape
   x = contiguous(x)
-  out = np.empty((m, n), x.dtype)
+  if out is None:
+    out = np.empty((m, n), x.dtype)
+  assert out.shape == (m, n) and out.dtype == x.dtype and out.flags.c_contiguous, out
   if out.size == 0:
     return out
   workers = 1 if x.nbytes < 4 * 2**20 else min(8, os.cpu_count() or 1)

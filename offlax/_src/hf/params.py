@@ -175,20 +175,35 @@ class LayerWriter:
     self._pool = concurrent.futures.ThreadPoolExecutor(1, "offlax-write")
     self._pending: collections.deque[concurrent.futures.Future] = collections.deque()
 
+  def empty(self, target: Stored) -> np.ndarray:
+    """An array for `target`'s values that its write takes uncopied (`Rewrite.empty`)."""
+    return self._rewrite.empty(target.leaf)
+
   def put(self, target: Stored, x: np.ndarray) -> None:
-    """Queues leaf `target.leaf` of layer `target.layer` (leaves come in order, layer by layer)."""
-    self._pending.append(
-      self._pool.submit(self._rewrite.write_params, target.layer, [x], target.leaf)
-    )
+    """Queues leaf `target.leaf` of layer `target.layer` (leaves come in order, layer by layer).
+
+    Nothing reads `x` after this: its slot serves the next layer's leaf.
+    """
+    self._pending.append(self._pool.submit(self._write, target.layer, target.leaf, x))
     self._count += 1
     if self._keep:
       self._layer[target.leaf] = x
     if self._count == self._leaves:  # the layer's last leaf
       if self._keep:
         params = [self._layer[k] for k in range(self._leaves)]
-        self._pending.append(self._pool.submit(self._rewrite.init_state, target.layer, params))
+        self._pending.append(self._pool.submit(self._init_state, target.layer, params))
       self._layer, self._count = {}, 0
     self._wait(self._leaves)
+
+  def _write(self, i: int, k: int, x: np.ndarray) -> None:
+    self._rewrite.write_params(i, [x], k)
+    if not self._keep:  # else the state's init reads it first
+      self._rewrite.release(k, x)
+
+  def _init_state(self, i: int, params: list[np.ndarray]) -> None:
+    self._rewrite.init_state(i, params)
+    for k, x in enumerate(params):
+      self._rewrite.release(k, x)
 
   def _wait(self, most: int) -> None:
     """Takes the finished writes (raising a failed one); waits until at most `most` are left."""

@@ -11,6 +11,7 @@ Until then the step is as it was: a failure or a kill mid-way leaves it whole.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,6 +21,7 @@ import numpy as np
 from offlax._src import errors
 from offlax._src.layer_store.commits import Commits
 from offlax._src.layer_store.slots import Slots
+from offlax._src.nvme.direct_io import aligned_empty
 
 
 class Rewrite:
@@ -27,7 +29,8 @@ class Rewrite:
 
   Made by `LayerStore.rewrite`. Write each layer's params (`write_params`, a
   leaf at a time or all of them), then `init_state` of that layer (with an
-  optimizer), from one thread at a time; then `commit`.
+  optimizer), from one thread at a time; then `commit`. A leaf made in an
+  array from `empty` is written without a copy.
 
   Attributes:
     generation: the free generation written into.
@@ -39,6 +42,37 @@ class Rewrite:
     self._init = None if optimizer is None else jax.jit(optimizer.init)
     self.generation = commits.free_generation()  # its checksums reset
     self._written: set[tuple[int, int]] = set()
+    self._slot_of: dict[int, np.ndarray] = {}  # `empty`'s arrays' slots, by their address
+    self._free: dict[int, list[np.ndarray]] = {}  # released slots, by leaf
+    self._written_slots: dict[int, np.ndarray] = {}  # written, not yet released
+    self._lock = threading.Lock()  # `empty` and `write_params` may run on two threads
+
+  def empty(self, k: int) -> np.ndarray:
+    """An uninitialised array of params leaf `k`'s shape and dtype, the start of an aligned slot.
+
+    Its slot's padding is zero; `write_params` writes the slot as it is (no copy).
+    A slot `release` gave back is used again (a new one's pages cost the kernel's zeroing).
+    """
+    r = self._slots.records[k]
+    dtype, shape = np.dtype(r["dtype"]), tuple(r["shape"])
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    with self._lock:
+      free = self._free.get(k)
+      slot = free.pop() if free else None
+    if slot is None:
+      slot = aligned_empty(r["slot"])
+      slot[nbytes:] = 0
+    x = slot[:nbytes].view(dtype).reshape(shape)
+    with self._lock:
+      self._slot_of[x.ctypes.data] = slot
+    return x
+
+  def release(self, k: int, x: np.ndarray) -> None:
+    """`x`, leaf `k` from `empty` and written, is read no more: its slot serves the next `empty`."""
+    with self._lock:
+      slot = self._written_slots.pop(x.ctypes.data, None)
+      if slot is not None and len(self._free.setdefault(k, [])) < 2:
+        self._free[k].append(slot)
 
   def write_params(self, i: int, leaves: Sequence[Any], first: int = 0) -> None:
     """Leaves `first`, `first + 1`, ... of layer `i`'s params (each checked: shape, dtype).
@@ -48,8 +82,25 @@ class Rewrite:
       StoreError: the write failed.
     """
     for k, x in enumerate(leaves, first):
-      self._slots.write_slot("params", self.generation, k, i, x)
+      slot = self._own_slot(k, x)
+      if slot is not None:
+        self._slots.write_raw("params", self.generation, k, i, slot)
+        with self._lock:
+          self._written_slots[x.ctypes.data] = slot  # for `release`
+      else:
+        self._slots.write_slot("params", self.generation, k, i, x)
       self._written.add((i, k))
+
+  def _own_slot(self, k: int, x: Any) -> np.ndarray | None:
+    """The slot `x` starts, if `empty(k)` made it (and `x` has leaf `k`'s shape and dtype)."""
+    if not isinstance(x, np.ndarray):
+      return None
+    with self._lock:
+      slot = self._slot_of.pop(x.ctypes.data, None)
+    r = self._slots.records[k]
+    if slot is None or x.shape != tuple(r["shape"]) or x.dtype != np.dtype(r["dtype"]):
+      return None
+    return slot
 
   def init_state(self, i: int, params: Sequence[Any]) -> None:
     """Layer `i`'s optimizer state made afresh from its params (all its leaves), if any."""
