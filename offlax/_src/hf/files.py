@@ -193,7 +193,7 @@ class Buffers:
   nothing reads `x`; at most `keep` are kept of each size (whole MiB).
   """
 
-  def __init__(self, keep: int = 2):
+  def __init__(self, keep: int = 1):
     self._free: dict[int, list[np.ndarray]] = collections.defaultdict(list)
     self._lent: dict[int, np.ndarray] = {}  # by the address of the array `read` returned
     self._lock = threading.Lock()  # taken on the read thread, given on the conversion's

@@ -134,8 +134,8 @@ def load_safetensors(model: Any, path: str, *, mapping: dict[str, Any] | None = 
   def convert(target: Any, raw: list[np.ndarray]) -> np.ndarray:  # a stored leaf: into its slot
     out = writer.empty(target) if isinstance(target, params_lib.Stored) and writer else None
     x = assemble(matched.by_path[target.path], raw, target, out)
-    for r in raw:
-      if not np.may_share_memory(x, r):  # not the param's values themselves (no steps, no cast)
+    if out is not None:  # a layer's leaf, copied into its slot: the next layer's reads reuse these
+      for r in raw:
         buffers.give(r)
     return x
 

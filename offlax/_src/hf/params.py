@@ -155,12 +155,15 @@ def concrete_placeholder(param: Stored) -> None:
     param.variable.set_value(jnp.zeros((0,), param.dtype))
 
 
+_QUEUED = 2  # leaves queued for the writer: enough to overlap, few enough for a flat RAM
+
+
 class LayerWriter:
   """A load's stored params written into the store behind it, on a thread of their own.
 
   Through the store's `LayerStore.rewrite`: each leaf written as it comes
   (direct I/O, its checksum), each layer's fresh optimizer state once its
-  last leaf has come, in the order given; at most a layer's leaves queued (the
+  last leaf has come, in the order given; at most `_QUEUED` leaves queued (the
   load's RAM stays flat), a failed write raised at the next `put`. `commit`
   waits for them all and commits; `close` ends the thread (a failure: what is
   queued is dropped, nothing committed).
@@ -193,17 +196,17 @@ class LayerWriter:
         params = [self._layer[k] for k in range(self._leaves)]
         self._pending.append(self._pool.submit(self._init_state, target.layer, params))
       self._layer, self._count = {}, 0
-    self._wait(self._leaves)
+    self._wait(_QUEUED)
 
   def _write(self, i: int, k: int, x: np.ndarray) -> None:
     self._rewrite.write_params(i, [x], k)
     if not self._keep:  # else the state's init reads it first
-      self._rewrite.release(k, x)
+      self._rewrite.release(x)
 
   def _init_state(self, i: int, params: list[np.ndarray]) -> None:
     self._rewrite.init_state(i, params)
-    for k, x in enumerate(params):
-      self._rewrite.release(k, x)
+    for x in params:
+      self._rewrite.release(x)
 
   def _wait(self, most: int) -> None:
     """Takes the finished writes (raising a failed one); waits until at most `most` are left."""

@@ -43,7 +43,7 @@ class Rewrite:
     self.generation = commits.free_generation()  # its checksums reset
     self._written: set[tuple[int, int]] = set()
     self._slot_of: dict[int, np.ndarray] = {}  # `empty`'s arrays' slots, by their address
-    self._free: dict[int, list[np.ndarray]] = {}  # released slots, by leaf
+    self._free: dict[int, list[np.ndarray]] = {}  # released slots, by size (one each)
     self._written_slots: dict[int, np.ndarray] = {}  # written, not yet released
     self._lock = threading.Lock()  # `empty` and `write_params` may run on two threads
 
@@ -57,22 +57,22 @@ class Rewrite:
     dtype, shape = np.dtype(r["dtype"]), tuple(r["shape"])
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     with self._lock:
-      free = self._free.get(k)
+      free = self._free.get(r["slot"])
       slot = free.pop() if free else None
     if slot is None:
       slot = aligned_empty(r["slot"])
-      slot[nbytes:] = 0
+    slot[nbytes:] = 0  # (a slot of another leaf of the same size may have other padding)
     x = slot[:nbytes].view(dtype).reshape(shape)
     with self._lock:
       self._slot_of[x.ctypes.data] = slot
     return x
 
-  def release(self, k: int, x: np.ndarray) -> None:
-    """`x`, leaf `k` from `empty` and written, is read no more: its slot serves the next `empty`."""
+  def release(self, x: np.ndarray) -> None:
+    """`x`, from `empty` and written, is read no more: its slot serves an `empty` of its size."""
     with self._lock:
       slot = self._written_slots.pop(x.ctypes.data, None)
-      if slot is not None and len(self._free.setdefault(k, [])) < 2:
-        self._free[k].append(slot)
+      if slot is not None and not self._free.setdefault(slot.size, []):  # one kept: RAM flat
+        self._free[slot.size].append(slot)
 
   def write_params(self, i: int, leaves: Sequence[Any], first: int = 0) -> None:
     """Leaves `first`, `first + 1`, ... of layer `i`'s params (each checked: shape, dtype).
