@@ -285,30 +285,34 @@ class Writer:
     )
     self.weight_map: dict[str, str] = {}
     self.total = 0
-    for file, shard in zip(self.names, shards, strict=True):
-      header: dict[str, Any] = {"__metadata__": metadata}
-      offset = 0
-      for name, dtype, shape, nbytes in shard:
-        header[name] = {"dtype": NAMES[dtype], "shape": list(shape),
-                        "data_offsets": [offset, offset + nbytes]}  # fmt: skip
-        offset += nbytes
-      raw = json.dumps(header, separators=(",", ":")).encode()
-      raw += b" " * (-len(raw) % 8)  # the data 8-byte aligned, as safetensors writes it
-      full = os.path.join(folder, file)
-      fd = os.open(full, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-      self.fds.append(fd)
-      os.pwrite(fd, struct.pack("<Q", len(raw)) + raw, 0)
-      os.ftruncate(fd, 8 + len(raw) + offset)
-      _reserve(fd, 8 + len(raw) + offset)
-      dfd, direct = open_direct(full, os.O_RDWR)
-      if not direct:
-        os.close(dfd)
-      self.direct.append(dfd if direct else None)
-      for name, dtype, shape, _ in shard:
-        at = 8 + len(raw) + header[name]["data_offsets"][0]
-        self.places[name] = (fd, self.direct[-1], at, dtype, shape)
-        self.weight_map[name] = file
-      self.total += offset
+    try:  # a failure (a full disk at the reservation) leaves no descriptor open
+      for file, shard in zip(self.names, shards, strict=True):
+        header: dict[str, Any] = {"__metadata__": metadata}
+        offset = 0
+        for name, dtype, shape, nbytes in shard:
+          header[name] = {"dtype": NAMES[dtype], "shape": list(shape),
+                          "data_offsets": [offset, offset + nbytes]}  # fmt: skip
+          offset += nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # the data 8-byte aligned, as safetensors writes it
+        full = os.path.join(folder, file)
+        fd = os.open(full, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        self.fds.append(fd)
+        os.pwrite(fd, struct.pack("<Q", len(raw)) + raw, 0)
+        os.ftruncate(fd, 8 + len(raw) + offset)
+        _reserve(fd, 8 + len(raw) + offset)
+        dfd, direct = open_direct(full, os.O_RDWR)
+        if not direct:
+          os.close(dfd)
+        self.direct.append(dfd if direct else None)
+        for name, dtype, shape, _ in shard:
+          at = 8 + len(raw) + header[name]["data_offsets"][0]
+          self.places[name] = (fd, self.direct[-1], at, dtype, shape)
+          self.weight_map[name] = file
+        self.total += offset
+    except BaseException:
+      self.close()
+      raise
 
   def empty(self, name: str) -> np.ndarray:
     """An uninitialised array of tensor `name`'s dtype and shape that `write` writes uncopied."""
