@@ -211,6 +211,16 @@ def rows_gpu_check(r: dict[str, Any]) -> list[Row]:
       _row("gpu_check", f"device peak on the GPU / compile_for_gpu's ({mode})", "0.95-1.05x",
            f"{ratio:.4f}x ({x['peak_bytes'] / 1e9:.3f} GB)", 0.95 <= ratio <= 1.05)
     )  # fmt: skip
+  hf = r.get("pretrained_checkpoint") or {}
+  if hf.get("device_peak_growth_bytes") is not None:
+    what, growth = "load_safetensors into pinned_host: device peak growth (GPU)", hf[
+      "device_peak_growth_bytes"
+    ]  # fmt: skip
+    rows.append(_row("gpu_check", what, f"<= {hf['bound_bytes'] / 2**20:.0f} MiB",
+                     f"{growth / 2**20:.2f} MiB", bool(hf["within_bound"])))  # fmt: skip
+  if "save_identical" in hf:
+    rows.append(_row("gpu_check", "save_safetensors after load: tensors byte-identical", "yes",
+                     str(hf["save_identical"]), bool(hf["save_identical"])))  # fmt: skip
   return rows
 
 

@@ -275,3 +275,76 @@ def layer_store_nnx(offlax, optax, jax, steps: int = 3) -> dict:
     for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(want_first), strict=True)
   )
   return out
+
+
+PRETRAINED_BOUND = 16 * 2**20  # the device peak's growth allowed while loading into pinned_host
+
+
+def pretrained_checkpoint(offlax, optax, jax, scale: float = 1.0, child: bool = True) -> dict:
+  """A Hugging Face Qwen3 checkpoint into `pinned_host` params and back out (issue 42).
+
+  In a process of its own (the device's peak only grows): the device's
+  `peak_bytes_in_use` before and after `offlax.load_safetensors` into an
+  `nnx.eval_shape` Qwen3 offloaded to `pinned_host` (goal: it grows by at most
+  `PRETRAINED_BOUND`, whatever the params' size: no tensor passes through device
+  memory); `save_safetensors` of that model (goal: every tensor byte-identical
+  to the source's, the same names, dtypes and shapes); then the same checkpoint
+  loaded onto the device, whose peak grows by about the params (the measure sees
+  allocations). On a CPU, JAX has no memory stats: the peaks are None.
+  """
+  if child:
+    return _gpu.in_child("pretrained_checkpoint", scale=scale)
+  from flax import nnx
+
+  from benchmarks import safetensors_io
+  from offlax._src.hf import files
+
+  big = scale >= 0.1  # 4 layers of d = 1024 (256 MB of bf16) on the GPU; a tiny one on a CPU
+  shape = dict(d=1024, f=4096, heads=8, kv=4, head_dim=128, vocab=32_000) if big else dict(
+    d=64, f=128, heads=4, kv=2, head_dim=16, vocab=256
+  )  # fmt: skip
+  layers, device = 4, jax.devices()[0]
+
+  def peak():
+    return (device.memory_stats() or {}).get("peak_bytes_in_use")
+
+  def model():
+    config = safetensors_io.config(layers, **shape)
+    from tunix.models.qwen3 import model as qwen3
+
+    return nnx.eval_shape(lambda: qwen3.Qwen3(config, rngs=nnx.Rngs(0)))
+
+  out: dict = {"bound_bytes": PRETRAINED_BOUND}
+  with tempfile.TemporaryDirectory(prefix="offlax-gpu-hf-") as tmp:
+    ckpt, saved = os.path.join(tmp, "ckpt"), os.path.join(tmp, "saved")
+    out["checkpoint_bytes"] = safetensors_io.write_checkpoint(ckpt, layers, **shape)
+    hosted = offlax.offload_params(model())
+    before, start = peak(), time.perf_counter()
+    offlax.load_safetensors(hosted, ckpt, progress=False)
+    params = jax.tree.leaves(nnx.state(hosted, nnx.Param))
+    jax.block_until_ready(params)
+    out["load_s"], after = time.perf_counter() - start, peak()
+    out["param_kinds"] = sorted({x.sharding.memory_kind for x in params})
+    out["device_peak_before_bytes"], out["device_peak_after_bytes"] = before, after
+    growth = None if before is None or after is None else after - before
+    out["device_peak_growth_bytes"] = growth
+    out["within_bound"] = None if growth is None else growth <= PRETRAINED_BOUND
+    start = time.perf_counter()
+    offlax.save_safetensors(hosted, saved, progress=False)
+    out["save_s"] = time.perf_counter() - start
+    source, copy = files.read_folder(ckpt).tensors, files.read_folder(saved).tensors
+    differ = [
+      n for n, t in source.items()
+      if n not in copy or (copy[n].dtype, copy[n].shape) != (t.dtype, t.shape)
+      or files.read(copy[n]).tobytes() != files.read(t).tobytes()
+    ]  # fmt: skip
+    out["tensors"], out["differing"] = len(source), differ[:8]
+    out["save_identical"] = not differ and set(copy) == set(source)
+    del hosted, params
+    on_device = model()
+    before = peak()
+    offlax.load_safetensors(on_device, ckpt, progress=False)
+    jax.block_until_ready(jax.tree.leaves(nnx.state(on_device, nnx.Param)))
+    after = peak()
+    out["on_device_growth_bytes"] = None if before is None or after is None else after - before
+  return out

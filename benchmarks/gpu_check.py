@@ -34,11 +34,15 @@ What the CPU cannot show, checked in one run of a few minutes on a GPU machine:
    `pinned_host` arrays copied out as their files are written): exact, memory kinds kept, GB/s
    against the raw disk measured just before;
 13. `offlax.LayerStore`: layers' params, gradients and state on disk, the forward and
-   backward pass on the GPU, the update on the CPU, against the same layers in device memory.
+   backward pass on the GPU, the update on the CPU, against the same layers in device memory;
+14. a Hugging Face Qwen3 checkpoint (256 MB of bf16) loaded into `pinned_host` params by
+   `offlax.load_safetensors`: the device's peak grows by at most 16 MiB (no tensor passes
+   through device memory; loaded onto the device instead, it grows by the params), and
+   `offlax.save_safetensors` gives every tensor back byte for byte.
 
-The sections are in _gpu_correctness.py (1, 7, 12, 13), _gpu_peaks.py (2, 8, 9) and _gpu_speed.py
-(3, 4, 6, 10, 11), what they share in _gpu.py; this script runs them, works out 5 from 3 and 4,
-and draws the plot and the table.
+The sections are in _gpu_correctness.py (1, 7, 12, 13, 14), _gpu_peaks.py (2, 8, 9) and
+_gpu_speed.py (3, 4, 6, 10, 11), what they share in _gpu.py; this script runs them, works out 5
+from 3 and 4, and draws the plot and the table.
 Each section's result (or error) is written to `<out>/gpu_check.json` as it ends, with a plot
 (`gpu_check.png`) and a short table last. `--only` picks sections, `--budget-s` skips those
 not started in time (a lent GPU's minutes). On a CPU it runs too (at `--size-scale 0.001` in
@@ -78,6 +82,7 @@ SECTIONS = (
   "host_state_checkpoint",
   "layer_store",
   "layer_store_nnx",
+  "pretrained_checkpoint",
 )
 
 
@@ -136,6 +141,9 @@ def main(argv=None) -> dict:
     ),
     "layer_store": lambda: _gpu_correctness.layer_store(offlax, optax, jax),
     "layer_store_nnx": lambda: _gpu_correctness.layer_store_nnx(offlax, optax, jax),
+    "pretrained_checkpoint": lambda: _gpu_correctness.pretrained_checkpoint(
+      offlax, optax, jax, scale
+    ),
   }
   args.out.mkdir(parents=True, exist_ok=True)
   # One section at a time, the JSON rewritten after each: a run stopped at a time limit (a lent
@@ -302,6 +310,15 @@ def table(r: dict) -> str:
         f"{x['save_vs_raw']:.2f}x / {x['restore_vs_raw']:.2f}x the raw disk"
       ),
     ),
+    line(
+      "pretrained_checkpoint",
+      lambda x: (
+        f"load_safetensors of {x['checkpoint_bytes'] / 1e6:.0f} MB into {x['param_kinds']}: "
+        f"device peak +{x['device_peak_growth_bytes']} bytes (bound {x['bound_bytes']}: "
+        f"{x['within_bound']}; onto the device +{x['on_device_growth_bytes']}), saved back "
+        f"byte-identical {x['save_identical']} ({x['tensors']} tensors)"
+      ),
+    ),
   ]
   return "\n".join(lines)
 
@@ -318,6 +335,7 @@ def _run_child(spec: str) -> None:
     "measured_vs_compiled": _gpu_peaks.measured_vs_compiled,
     "host_compute_parts": _gpu_speed.host_compute_parts,
     "params_on_host": _gpu_peaks.params_on_host,
+    "pretrained_checkpoint": _gpu_correctness.pretrained_checkpoint,
   }[section]
   print("RESULT " + json.dumps(run(offlax, optax, jax, child=False, **kwargs)), flush=True)
 

@@ -198,6 +198,8 @@ def test_gpu_check_code_path_runs_on_cpu(tmp_path):
   ckpt = result["host_state_checkpoint"]
   assert ckpt["exact"] and ckpt["restored_kinds"] == ["pinned_host"], ckpt
   assert ckpt["save_vs_raw"] > 0 and ckpt["restore_vs_raw"] > 0
+  hf = result["pretrained_checkpoint"]  # the device peaks need a GPU (None on a CPU)
+  assert hf["param_kinds"] == ["pinned_host"] and hf["save_identical"], hf
   _summary_rows("gpu_check", result)
 
 

@@ -522,9 +522,10 @@ def test_ram_stays_flat_as_the_checkpoint_grows(tmp_path):
   out = bench.main(["--layers", "1", "5", "--dir", str(tmp_path), "--raw-gib", "0.25"])
   small, large = out["sizes"]
   assert large["checkpoint_bytes"] > 2 * small["checkpoint_bytes"]
-  # The peak over the process's RSS before the load: the host params (embedding, head: 262 MB),
-  # a layer, and the tensors in flight (one read, one converting with its copy, one placed: at
-  # most 4 of the largest, the head's 131 MB), whatever the depth.
+  # The peak over the process's RSS before the load: the host params (embedding, head: 262 MB)
+  # and what is in flight, whatever the depth: the head's 131 MB read and transposed, or a
+  # layer's tensors read ahead, converted into their slots, queued for the writer, and one
+  # buffer of each size kept for the next layer (together under a layer and 4 of the largest).
   assert out["load_rss_ratio"] < 1.15 and out["save_rss_ratio"] < 1.15, out
   largest = bench.VOCAB * bench.D * 2
   assert large["load_peak_rss_bytes"] < 2 * largest + large["layer_bytes"] + 4 * largest, large
@@ -741,7 +742,7 @@ def test_a_damaged_header_entry_is_refused_as_corrupted_naming_the_tensor(tmp_pa
 
 
 def test_a_load_interrupted_at_the_store_commit_leaves_the_model_as_it_was(tmp_path, monkeypatch):
-  from offlax._src.hf import params as params_lib
+  from offlax._src.layer_store import rewrite as rewrite_lib
 
   config = config_of("llama3")
   folder = write_checkpoint(tmp_path / "ckpt", "llama3", config, hf_tensors("llama3", config))
@@ -750,7 +751,7 @@ def test_a_load_interrupted_at_the_store_commit_leaves_the_model_as_it_was(tmp_p
   def interrupted(*args):
     raise KeyboardInterrupt
 
-  monkeypatch.setattr(params_lib, "commit", interrupted)
+  monkeypatch.setattr(rewrite_lib.Rewrite, "commit", interrupted)
   with store:
     with pytest.raises(KeyboardInterrupt):
       offlax.load_safetensors(model, folder, progress=False)
@@ -773,14 +774,126 @@ def test_a_load_failing_at_its_last_tensor_leaves_the_values_as_they_were(tmp_pa
   read, count = files_lib.read, [0]
   total = sum(1 for _ in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
-  def failing(t):
+  def failing(t, *args):
     count[0] += 1
     if count[0] == total:
       raise OSError("the disk went away")
-    return read(t)
+    return read(t, *args)
 
   monkeypatch.setattr(files_lib, "read", failing)
   with pytest.raises(OSError, match="went away"):
     offlax.load_safetensors(model, b, progress=False)
   for x, y in zip(before, jax.tree.leaves(nnx.state(model, nnx.Param)), strict=True):
     np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.parametrize(
+  "native",
+  # The native case builds offlax's library when it is the session's first user (15 s).
+  [pytest.param(True, marks=pytest.mark.slow), False],
+  ids=["native", "numpy"],
+)
+def test_the_transpose_is_numpys_bit_for_bit(native, monkeypatch):
+  """Every item size, ragged tile edges, and matrices large enough for the native kernel and for
+  threads (bands of rows)."""
+  from offlax._src import ffi
+  from offlax._src.hf import mapping as mapping_lib
+
+  if native:
+    assert ffi.library() is not None, "offlax's native library did not build (see the log)"
+  else:
+    monkeypatch.setattr(ffi, "library", lambda: None)
+  rng = np.random.default_rng(0)
+  shapes = [(0, 3), (1, 1), (1, 300), (300, 1), (7, 9), (129, 33), (257, 1000), (700, 997)]
+  shapes += [(1500, 1300)]  # 3.9 MB of bf16 on one thread, 7.8 of fp32 on bands of rows
+  for dtype in (np.uint8, ml_dtypes.bfloat16, np.float16, np.float32, np.int64):
+    for shape in shapes:
+      x = rng.integers(0, 255, shape).astype(dtype)
+      got = mapping_lib.transpose(x, (1, 0))
+      assert got.dtype == x.dtype and got.flags.c_contiguous
+      np.testing.assert_array_equal(got.view(np.uint8), np.ascontiguousarray(x.T).view(np.uint8))
+  x = rng.integers(0, 255, (2, 3, 4)).astype(np.float32)  # other ranks: numpy's own
+  np.testing.assert_array_equal(mapping_lib.transpose(x, (2, 0, 1)), x.transpose(2, 0, 1))
+
+
+def test_the_writer_puts_large_tensors_by_direct_io_at_any_offset(tmp_path):
+  """Tensors of 1 MiB and more at offsets in every phase of the block: their whole blocks by direct
+  I/O (from `empty`'s arrays as they are, from others copied), their ends by the page cache."""
+  from offlax._src.hf import files as files_lib
+  from offlax._src.nvme import direct_io
+
+  rng = np.random.default_rng(0)
+  tensors = {  # sizes not whole blocks, so the offsets after them fall mid-block
+    "a": rng.standard_normal(3, np.float32),
+    "b": rng.integers(0, 255, (1029, 1031)).astype(np.uint8),
+    "c": rng.standard_normal((513, 515)).astype(ml_dtypes.bfloat16),
+    "d": rng.standard_normal((300, 1000)).astype(np.float32),
+    "e": rng.standard_normal(5, np.float32),
+  }
+  layout = [(n, x.dtype, x.shape) for n, x in tensors.items()]
+  writer = files_lib.Writer(str(tmp_path), layout, 2**30, {"format": "pt"})
+  assert len({writer.places[n][2] % 4096 for n in tensors}) == len(tensors)  # every phase differs
+  assert (writer.direct[0] is not None) == direct_io.supports_direct(str(tmp_path))
+  for name, x in tensors.items():
+    if name == "c":  # made in the writer's own array
+      into = writer.empty(name)
+      into[...] = x
+      x = into
+    writer.write(name, x)
+  writer.finish()
+  got = safetensors_numpy.load_file(str(tmp_path / "model.safetensors"))
+  assert sorted(got) == sorted(tensors)
+  for name, x in tensors.items():
+    assert got[name].dtype == x.dtype and got[name].tobytes() == x.tobytes(), name
+
+
+@pytest.mark.parametrize("optimizer", [False, True], ids=["params", "adam"])
+def test_megabyte_tensors_load_into_a_store_and_save_back_exactly(tmp_path, monkeypatch, optimizer):
+  """Tensors of 1 MiB and more take the fast paths: direct reads into buffers used again, leaves
+  converted into slots that later layers use again (after the optimizer's init reads them),
+  direct writes. numpy's transposes (the native one: test_the_transpose_is_numpys_bit_for_bit)."""
+  from offlax._src import ffi
+
+  monkeypatch.setattr(ffi, "library", lambda: None)
+  d, n = 512, 3  # 1 MiB a kernel of fp32
+
+  class Block(nnx.Module):
+    def __init__(self, rngs):
+      self.lin = nnx.Linear(d, d, rngs=rngs)
+
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.layers = nnx.List([Block(rngs) for _ in range(n)])
+      self.head = nnx.Linear(d, d + 3, rngs=rngs)  # 1 MiB and a bit: its ends mid-block
+
+  rng = np.random.default_rng(0)
+  tensors = {"head.weight": rng.standard_normal((d + 3, d), np.float32),
+             "head.bias": rng.standard_normal(d + 3, np.float32)}  # fmt: skip
+  for i in range(n):
+    tensors[f"layers.{i}.weight"] = rng.standard_normal((d, d), np.float32)
+    tensors[f"layers.{i}.bias"] = rng.standard_normal(d, np.float32)
+  folder = str(tmp_path / "ckpt")
+  os.makedirs(folder)
+  safetensors_numpy.save_file(tensors, os.path.join(folder, "model.safetensors"))
+  mapping = {
+    r"layers\.([0-9]+)\.weight": (r"layers.\1.lin.kernel", ((1, 0), None)),
+    r"layers\.([0-9]+)\.bias": (r"layers.\1.lin.bias", None),
+    r"head\.weight": ("head.kernel", ((1, 0), None)),
+    r"head\.bias": ("head.bias", None),
+  }
+  model = nnx.eval_shape(lambda: Net(nnx.Rngs(0)))
+  tx = offlax.master_weights(optax.adam(1e-3)) if optimizer else None
+  with offlax.LayerStore.create(str(tmp_path / "store"), offlax.stack_layers(model.layers),
+                                optimizer=tx, progress=False) as store:  # fmt: skip
+    offlax.offload_params(model, store=store)
+    offlax.load_safetensors(model, folder, mapping=mapping, check_config=False, progress=False)
+    params = store.read_params()
+    for i in range(n):
+      np.testing.assert_array_equal(params["lin"]["kernel"][i], tensors[f"layers.{i}.weight"].T)
+      np.testing.assert_array_equal(params["lin"]["bias"][i], tensors[f"layers.{i}.bias"])
+    if optimizer:  # the fp32 master of each layer: its own values, not a later layer's
+      assert any(np.array_equal(x, params["lin"]["kernel"]) for x in jax.tree.leaves(
+        store.read_state()))  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(model.head.kernel[...]), tensors["head.weight"].T)
+    out = offlax.save_safetensors(model, str(tmp_path / "out"), progress=False)
+  assert_same_tensors(out, folder)

@@ -63,9 +63,9 @@ exec(MODEL, namespace)  # the parent's model is the child's
 
 # Each hook kills the child at its point of the load (functions the load calls by module).
 HOOKS = {
-  "first_layer": (
-    "params_lib",
-    "write_layer",
+  "first_layer": (  # its params written, then its fresh optimizer state
+    "Rewrite",
+    "init_state",
     "original(*a, **k); os.kill(os.getpid(), signal.SIGKILL)",
   ),
   "before_manifest": ("layer_files", "write_manifest", "os.kill(os.getpid(), signal.SIGKILL)"),
@@ -76,12 +76,12 @@ CHILD = textwrap.dedent(
   """
   import os, signal, sys
   import offlax
-  from offlax._src.hf import params as params_lib
-  layer_files = params_lib.layer_files  # the store's files module, as the load calls it
+  from offlax._src.layer_store import files as layer_files  # the store's, as its commit calls it
+  from offlax._src.layer_store.rewrite import Rewrite
   {model}
   model, store = stored(sys.argv[1], create=False)
   module, name, then = {hook!r}
-  module = {{"params_lib": params_lib, "layer_files": layer_files, "os": os}}[module]
+  module = {{"Rewrite": Rewrite, "layer_files": layer_files, "os": os}}[module]
   original = getattr(module, name)
   def hook(*a, **k):
     exec(then)

@@ -1,7 +1,8 @@
 """offlax's native library: XLA FFI handlers for XLA:CPU, built on first use.
 
 The sources in `native/` (`adam.cc`: the host Adam kernel; `slices.cc`: the
-NVMe tier's copies between XLA's buffers and its slice buffers) are compiled
+NVMe tier's copies between XLA's buffers and its slice buffers; `transpose.cc`:
+a matrix transpose for checkpoint loads and saves, called by ctypes) are compiled
 into one shared library with the system C++ compiler, cached in
 ``$OFFLAX_CACHE_DIR`` (default ``~/.cache/offlax``) under a name keyed by the
 sources, the flags, the jaxlib headers and the CPU, and registered with XLA
@@ -30,7 +31,7 @@ from offlax._src import plugin_ffi
 
 _LOG = logging.getLogger("offlax")
 _NATIVE = pathlib.Path(__file__).parent / "native"
-_SOURCES = ("adam.cc", "slices.cc")
+_SOURCES = ("adam.cc", "slices.cc", "transpose.cc")
 _FLAGS = ["-std=c++17", "-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno"]
 
 # FFI target name -> the handler's symbol in the library.
@@ -49,6 +50,8 @@ ELEMENTWISE = {"offlax_adam_moments_f32": 3, "offlax_adam_f32": 4, "offlax_adam_
 
 _lock = threading.Lock()
 _registered: bool | None = None
+_library: ctypes.CDLL | None = None
+_library_tried = False  # a failed build (or OFFLAX_NATIVE=0) is not tried again
 
 
 def available() -> bool:
@@ -58,6 +61,28 @@ def available() -> bool:
     if _registered is None:
       _registered = _register()
     return _registered
+
+
+def library() -> ctypes.CDLL | None:
+  """The built library, for its plain C functions (ctypes releases the GIL); None if none.
+
+  Built once per machine (as for `available`), without registering anything with XLA.
+  """
+  global _library, _library_tried
+  with _lock:
+    if not _library_tried:
+      _library, _library_tried = _load(), True
+    return _library
+
+
+def _load() -> ctypes.CDLL | None:
+  if os.environ.get("OFFLAX_NATIVE", "1") == "0":
+    return None
+  try:
+    return ctypes.CDLL(str(_build()))
+  except (OSError, subprocess.SubprocessError) as e:
+    _LOG.warning("offlax: native library unavailable, using numpy: %s", e)
+    return None
 
 
 def on_cpu(native, default, *args):

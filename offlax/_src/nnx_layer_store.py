@@ -28,6 +28,7 @@ from offlax._src.layer_store.source import LayerSource
 # The attributes a stored layer gains: its index in the store and its token.
 INDEX = "_offlax_layer"
 TOKEN = "_offlax_token"
+SOURCE = "_offlax_source"  # of a stored layer's class: the `LayerSource` its layers read
 
 
 class LayerToken(nnx.Param):
@@ -288,16 +289,22 @@ def _placeholder(x: Any) -> Any:
   return jnp.zeros((0,), x.dtype)
 
 
-# The attribute `offload_params(store=)` gives a stored layer's class (nnx_params sets it).
-_SOURCE_ATTRIBUTE = "_offlax_source"
+def layers_source(node: Any) -> LayerSource | None:
+  """The `LayerSource` that `node`, a stored list of layers (`offload_params(store=)`), reads.
+
+  None for any other node. `nnx_params` gives a stored layer's class the
+  source as its `SOURCE` attribute.
+  """
+  if isinstance(node, (list, tuple, nnx.List)) and node:
+    return getattr(type(node[0]), SOURCE, None)
+  return None
 
 
 def stores_of(model: Any) -> list[Any]:
   """The `LayerStore`s that `model`'s stored lists of layers read (`offload_params(store=)`)."""
   found: list[Any] = []
   for _, node in nnx.graph.iter_graph(model):
-    if isinstance(node, (list, tuple, nnx.List)) and node:
-      source = getattr(type(node[0]), _SOURCE_ATTRIBUTE, None)
-      if source is not None and not any(s is source.store for s in found):
-        found.append(source.store)
+    source = layers_source(node)
+    if source is not None and not any(s is source.store for s in found):
+      found.append(source.store)
   return found

@@ -34,7 +34,7 @@ from offlax._src import nnx_paths as paths
 _WRT = "_offlax_wrt"
 _OFFLOAD_ACTIVATIONS = "_offlax_offload_activations"
 _BASE = "_offlax_base"
-_SOURCE = "_offlax_source"  # a stored layer's class: the `LayerSource` its layers read
+# A stored layer's class also has `nnx_layer_store.SOURCE`: the `LayerSource` its layers read.
 
 
 def offload_params(
@@ -169,11 +169,10 @@ def onload_params(model: Any) -> Any:
 
   wrt, stored = None, False
   for _, node in nnx.graph.iter_graph(model):
-    if isinstance(node, (list, tuple, nnx.List)) and node:
-      source = getattr(type(node[0]), _SOURCE, None)
-      if source is not None:
-        stored_lib.detach(node, source)
-        stored = True
+    source = stored_lib.layers_source(node)
+    if source is not None:
+      stored_lib.detach(node, source)
+      stored = True
   for _, node in nnx.graph.iter_graph(model):
     base = getattr(type(node), _BASE, None)
     if isinstance(node, nnx.Module) and base is not None:
@@ -198,7 +197,9 @@ def _store_layers(model: Any, store: Any, wrt: Any, offload_activations: bool, l
   layers = paths.at(model, path)
   stored_lib.attach(layers, is_stored)
   cls = type(layers[0])
-  attributes = {_BASE: cls, _WRT: None, _SOURCE: source, _OFFLOAD_ACTIVATIONS: offload_activations}
+  attributes = {
+    _BASE: cls, _WRT: None, stored_lib.SOURCE: source, _OFFLOAD_ACTIVATIONS: offload_activations
+  }  # fmt: skip
   stored_class = _subclass(cls, _reading, attributes)
   for layer in layers:
     object.__setattr__(layer, "__class__", stored_class)
@@ -290,12 +291,11 @@ def _units_of(model: Any) -> list[str]:
   """The names of the modules of `model` that fetch their params, and of its stored lists."""
   from flax import nnx
 
+  from offlax._src import nnx_layer_store as stored_lib
+
   nodes = sorted(nnx.graph.iter_graph(model), key=lambda pn: len(pn[0]))
   fetching = [p for p, n in nodes if getattr(type(n), _WRT, None) is not None]
-  stored = [
-    p for p, n in nodes
-    if isinstance(n, (list, tuple, nnx.List)) and n and hasattr(type(n[0]), _SOURCE)
-  ]  # fmt: skip
+  stored = [p for p, n in nodes if stored_lib.layers_source(n) is not None]
   return [paths.name(p) for p in fetching] + [f"{paths.name(p)}[...]" for p in stored]
 
 
@@ -343,7 +343,7 @@ def _reading(method: Callable[..., Any]) -> Callable[..., Any]:
     if not stored_lib.is_placeholder(stored):  # inside the layer's own run: read already
       return method(self, *args, **kwargs)
     source, i, treedef = (
-      getattr(cls, _SOURCE),
+      getattr(cls, stored_lib.SOURCE),
       getattr(self, stored_lib.INDEX),
       jax.tree.structure(stored),
     )

@@ -11,9 +11,12 @@ read, so a cut-short download is refused by name.
 
 from __future__ import annotations
 
+import collections
+import errno
 import json
 import os
 import struct
+import threading
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
@@ -21,7 +24,7 @@ import ml_dtypes
 import numpy as np
 
 from offlax._src import errors
-from offlax._src.nvme.direct_io import BLOCK, aligned_empty, open_direct
+from offlax._src.nvme.direct_io import BLOCK, aligned_empty, open_direct, pwrite_all
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -181,8 +184,43 @@ def _entry(file: str, name: str, meta: Any) -> tuple[tuple[int, ...], int, int]:
   return tuple(shape), offsets[0], offsets[1]
 
 
-def read(t: Tensor) -> np.ndarray:
-  """Tensor `t`'s values, read now into a new array.
+class Buffers:
+  """Aligned buffers for `read`, used again.
+
+  A new buffer's pages are zeroed by the kernel as they are first touched:
+  at a checkpoint's size, as much CPU as the transposes; a kept one's are not.
+  `give(x)` hands back the buffer under `x` (an array `read` returned) once
+  nothing reads `x`; at most `keep` are kept of each size (whole MiB).
+  """
+
+  def __init__(self, keep: int = 1):
+    self._free: dict[int, list[np.ndarray]] = collections.defaultdict(list)
+    self._lent: dict[int, np.ndarray] = {}  # by the address of the array `read` returned
+    self._lock = threading.Lock()  # taken on the read thread, given on the conversion's
+    self._keep = keep
+
+  def take(self, nbytes: int) -> np.ndarray:
+    """An aligned buffer of at least `nbytes` (a kept one, or a new one)."""
+    size = -(-nbytes // 2**20) * 2**20
+    with self._lock:
+      free = self._free[size]
+      buffer = free.pop() if free else None
+    return aligned_empty(size) if buffer is None else buffer
+
+  def lend(self, x: np.ndarray, buffer: np.ndarray) -> None:
+    with self._lock:
+      self._lent[x.ctypes.data] = buffer
+
+  def give(self, x: np.ndarray) -> None:
+    """Keeps the buffer under `x`, which nothing reads any more (another array: ignored)."""
+    with self._lock:
+      buffer = self._lent.pop(x.ctypes.data, None)
+      if buffer is not None and len(self._free[buffer.size]) < self._keep:
+        self._free[buffer.size].append(buffer)
+
+
+def read(t: Tensor, buffers: Buffers | None = None) -> np.ndarray:
+  """Tensor `t`'s values, read now into a new array (or one of `buffers`).
 
   A large tensor is read with direct I/O where the filesystem has it (its
   aligned byte range into an aligned buffer: the disk's speed, and no page
@@ -191,7 +229,11 @@ def read(t: Tensor) -> np.ndarray:
   direct = t.nbytes >= DIRECT_BYTES
   start = t.offset - t.offset % BLOCK if direct else t.offset
   need = t.offset + t.nbytes - start
-  buffer = aligned_empty(-(-need // BLOCK) * BLOCK) if direct else np.empty(need, np.uint8)
+  size = -(-need // BLOCK) * BLOCK
+  whole = None
+  if direct:
+    whole = buffers.take(size) if buffers is not None else aligned_empty(size)
+  buffer = whole[:size] if whole is not None else np.empty(need, np.uint8)
   fd = open_direct(t.file, os.O_RDONLY)[0] if direct else os.open(t.file, os.O_RDONLY)
   try:
     done = 0
@@ -204,16 +246,24 @@ def read(t: Tensor) -> np.ndarray:
       done += got
   finally:
     os.close(fd)
-  data = buffer[t.offset - start : t.offset - start + t.nbytes]
-  return data.view(t.dtype).reshape(t.shape)
+  data = buffer[t.offset - start : t.offset - start + t.nbytes].view(t.dtype).reshape(t.shape)
+  if buffers is not None and whole is not None:
+    buffers.lend(data, whole)
+  return data
 
 
 class Writer:
   """Writes tensors into the shard files of a new checkpoint, laid out up front.
 
   Each tensor's place (file, offset) is known before its bytes are: the
-  headers are written first, then `write` puts each tensor in its place, in any
-  order (a layer at a time). `finish` flushes the files and writes the index.
+  headers are written first, each file's space reserved, then `write` puts each
+  tensor in its place, in any order (a layer at a time). A large tensor's
+  whole blocks go by direct I/O where the filesystem has it (no copy into the
+  page cache, which cost more CPU than the rest of a save, and no writeback
+  left for `finish`), from memory in the same phase of the block as its place
+  in the file (`empty` gives such an array; another is copied into one); the
+  partial blocks at its ends, and small tensors, through the page cache.
+  `finish` flushes the files and writes the index.
   """
 
   def __init__(self, folder: str, layout: Iterable[tuple[str, np.dtype, tuple[int, ...]]],
@@ -229,37 +279,65 @@ class Writer:
       used += nbytes
     n = len(shards)
     self.folder, self.places, self.fds = folder, {}, []
+    self.direct: list[int | None] = []  # each file's direct-I/O descriptor, where it has one
     self.names = (
       [SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
     )
     self.weight_map: dict[str, str] = {}
     self.total = 0
-    for file, shard in zip(self.names, shards, strict=True):
-      header: dict[str, Any] = {"__metadata__": metadata}
-      offset = 0
-      for name, dtype, shape, nbytes in shard:
-        header[name] = {"dtype": NAMES[dtype], "shape": list(shape),
-                        "data_offsets": [offset, offset + nbytes]}  # fmt: skip
-        offset += nbytes
-      raw = json.dumps(header, separators=(",", ":")).encode()
-      raw += b" " * (-len(raw) % 8)  # the data 8-byte aligned, as safetensors writes it
-      fd = os.open(os.path.join(folder, file), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-      self.fds.append(fd)
-      os.pwrite(fd, struct.pack("<Q", len(raw)) + raw, 0)
-      os.ftruncate(fd, 8 + len(raw) + offset)
-      for name, dtype, shape, _ in shard:
-        self.places[name] = (fd, 8 + len(raw) + header[name]["data_offsets"][0], dtype, shape)
-        self.weight_map[name] = file
-      self.total += offset
+    try:  # a failure (a full disk at the reservation) leaves no descriptor open
+      for file, shard in zip(self.names, shards, strict=True):
+        header: dict[str, Any] = {"__metadata__": metadata}
+        offset = 0
+        for name, dtype, shape, nbytes in shard:
+          header[name] = {"dtype": NAMES[dtype], "shape": list(shape),
+                          "data_offsets": [offset, offset + nbytes]}  # fmt: skip
+          offset += nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # the data 8-byte aligned, as safetensors writes it
+        full = os.path.join(folder, file)
+        fd = os.open(full, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        self.fds.append(fd)
+        os.pwrite(fd, struct.pack("<Q", len(raw)) + raw, 0)
+        os.ftruncate(fd, 8 + len(raw) + offset)
+        _reserve(fd, 8 + len(raw) + offset)
+        dfd, direct = open_direct(full, os.O_RDWR)
+        if not direct:
+          os.close(dfd)
+        self.direct.append(dfd if direct else None)
+        for name, dtype, shape, _ in shard:
+          at = 8 + len(raw) + header[name]["data_offsets"][0]
+          self.places[name] = (fd, self.direct[-1], at, dtype, shape)
+          self.weight_map[name] = file
+        self.total += offset
+    except BaseException:
+      self.close()
+      raise
+
+  def empty(self, name: str) -> np.ndarray:
+    """An uninitialised array of tensor `name`'s dtype and shape that `write` writes uncopied."""
+    _, _, offset, dtype, shape = self.places[name]
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    phase = offset % BLOCK
+    return aligned_empty(phase + nbytes)[phase:].view(dtype).reshape(shape)
 
   def write(self, name: str, x: np.ndarray) -> None:
     """Puts tensor `name`'s values (already of its dtype and shape) in its place."""
-    fd, offset, dtype, shape = self.places[name]
+    fd, direct, offset, dtype, shape = self.places[name]
     assert x.dtype == dtype and x.shape == shape, (name, x.dtype, x.shape, dtype, shape)
     raw = (x if x.flags.c_contiguous else x.copy(order="C")).reshape(-1).view(np.uint8)
-    done = 0
-    while done < raw.size:
-      done += os.pwrite(fd, raw[done:].data, offset + done)
+    begin, end = -(-offset // BLOCK) * BLOCK, (offset + raw.size) // BLOCK * BLOCK
+    if direct is None or raw.size < DIRECT_BYTES or end <= begin:
+      _pwrite(fd, raw, offset)
+      return
+    whole = raw[begin - offset : end - offset]
+    if whole.ctypes.data % BLOCK:  # not in the file's phase: copied into an array that is
+      copy = self.empty(name).reshape(-1).view(np.uint8)
+      copy[:] = raw
+      raw, whole = copy, copy[begin - offset : end - offset]
+    pwrite_all(direct, [whole], begin)
+    _pwrite(fd, raw[: begin - offset], offset)  # the partial blocks, through the page cache
+    _pwrite(fd, raw[end - offset :], end)
 
   def finish(self) -> None:
     """Flushes every file and writes the index (for more than one shard)."""
@@ -274,9 +352,24 @@ class Writer:
     self.close()
 
   def close(self) -> None:
-    for fd in self.fds:
+    for fd in self.fds + [d for d in self.direct if d is not None]:
       os.close(fd)
-    self.fds = []
+    self.fds, self.direct = [], []
+
+
+def _pwrite(fd: int, raw: np.ndarray, offset: int) -> None:
+  done = 0
+  while done < raw.size:
+    done += os.pwrite(fd, raw[done:].data, offset + done)
+
+
+def _reserve(fd: int, size: int) -> None:
+  """Reserves a new file's space: a full disk refused up front, direct writes into blocks."""
+  try:
+    os.posix_fallocate(fd, 0, size)
+  except OSError as e:
+    if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # a filesystem without it: written as is
+      raise
 
 
 def short(names: list[str], n: int = 8) -> str:

@@ -6,10 +6,11 @@ Then a param at a time (a stored layer's leaves together): each tensor read
 into one host buffer, put in the param's layout and dtype, and placed where the
 param lives: ``jax.device_put`` to its sharding (a ``pinned_host`` param goes
 from host RAM straight to pinned host memory, never through the device), or
-written into a free generation of the store with its optimizer's fresh state,
-committed as `LayerStore.update` commits (files flushed, the manifest renamed
-over the old one): a kill at any moment leaves the store's step as it was, or
-loaded, whole and with its checksums.
+written into a free generation of the store with its optimizer's fresh state
+(`LayerStore.rewrite`, on a writer thread), committed as `LayerStore.update`
+commits (files flushed, the manifest renamed over the old one): a kill at any
+moment leaves the store's step as it was, or loaded, whole and with its
+checksums. Reading, converting and writing run on three threads at once.
 """
 
 from __future__ import annotations
@@ -121,25 +122,36 @@ def load_safetensors(model: Any, path: str, *, mapping: dict[str, Any] | None = 
   stored = any(isinstance(t, params_lib.Stored) for t in order)
   if stored:
     params_lib.check_store(store, where)
-  gen = params_lib.free_generation(store) if stored else -1  # the step's own is left whole
-  layer: dict[int, np.ndarray] = {}
+  # The stored layers go into a free generation of the store, on a thread of their own (the
+  # step's own generation is left whole until the commit).
+  writer = params_lib.LayerWriter(store) if stored else None
   # The params outside the store, placed but set only once all is read and the store committed:
   # a failure or Ctrl-C before leaves the model as it was, not half loaded.
   placed: list[tuple[params_lib.Param, Any]] = []
-  read = lambda target: [files.read(t) for _, t in matched.by_path[target.path]]
-  convert = lambda target, raw: assemble(matched.by_path[target.path], raw, target)
-  for target, x in progress_bar(
-    ahead(read, convert, order), progress, f"offlax: loading {path}", len(order)
-  ):
-    if isinstance(target, params_lib.Param):
-      placed.append((target, params_lib.place(target, x)))
-      continue
-    layer[target.leaf] = x
-    if len(layer) == len(store.records):  # the layer's last leaf: write it whole
-      params_lib.write_layer(store, gen, target.layer, [layer[k] for k in range(len(layer))])
-      layer = {}
-  if stored:
-    params_lib.commit(store, gen)
+  buffers = files.Buffers()  # the reads' buffers used again: no new pages to zero
+  read = lambda target: [files.read(t, buffers) for _, t in matched.by_path[target.path]]
+
+  def convert(target: Any, raw: list[np.ndarray]) -> np.ndarray:  # a stored leaf: into its slot
+    out = writer.empty(target) if isinstance(target, params_lib.Stored) and writer else None
+    x = assemble(matched.by_path[target.path], raw, target, out)
+    if out is not None:  # a layer's leaf, copied into its slot: the next layer's reads reuse these
+      for r in raw:
+        buffers.give(r)
+    return x
+
+  try:
+    for target, x in progress_bar(
+      ahead(read, convert, order), progress, f"offlax: loading {path}", len(order)
+    ):
+      if isinstance(target, params_lib.Param):
+        placed.append((target, params_lib.place(target, x)))
+      elif writer is not None:  # a stored param: the store is written
+        writer.put(target, x)
+    if writer is not None:
+      writer.commit()
+  finally:
+    if writer is not None:
+      writer.close()
   for target, value in placed:
     target.variable.set_value(value)
   for target in order:
@@ -156,14 +168,20 @@ def loaded_from(model: Any) -> Loaded | None:
 
 
 def assemble(pairs: list[tuple[mapping_lib.Entry, files.Tensor]], raw: list[np.ndarray],
-             target: Any) -> np.ndarray:  # fmt: skip
-  """A param's values from its tensors' (`raw`, as read): each put in its layout, cast, stacked."""
+             target: Any, out: np.ndarray | None = None) -> np.ndarray:  # fmt: skip
+  """A param's values from its tensors' (`raw`, as read): each put in its layout, cast, stacked.
+
+  Into `out` where given (C-contiguous, the param's shape and dtype).
+  """
   if pairs[0][0].index is None:
     ((entry, _),) = pairs
+    if out is not None:
+      return mapping_lib.forward(raw[0], entry.steps, out=out)
     return _cast(mapping_lib.forward(raw[0], entry.steps), target.dtype)
-  out = np.empty(target.shape, target.dtype)
+  if out is None:
+    out = np.empty(target.shape, target.dtype)
   for (entry, _), x in zip(pairs, raw, strict=True):
-    out[entry.at] = _cast(mapping_lib.forward(x, entry.steps), target.dtype)
+    mapping_lib.forward(x, entry.steps, out=out[entry.at])
   return out
 
 

@@ -16,6 +16,7 @@ The steps are exact (no arithmetic), so `inverse` undoes them bit for bit.
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
 import importlib
 import os
 import re
@@ -23,12 +24,13 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from offlax._src import errors
+from offlax._src import errors, ffi
 
 UNUSED = "unused."
 _INDEXED = re.compile(r"^(.*)\[(\d+)\]$")
-# A matrix transpose's tile (rows, columns of the source) and a thread's band of rows.
+# numpy's transpose (no native library): a tile (rows, columns of the source), a thread's rows.
 _ROWS, _COLS, _BAND = 16, 1024, 256
+_NATIVE_BYTES = 2**20  # matrices transposed by the native library from this size
 
 
 class Entry(NamedTuple):
@@ -103,55 +105,106 @@ def shapes(shape: tuple[int, ...], steps: Any, name: str) -> list[tuple[int, ...
   return out
 
 
-def forward(x: np.ndarray, steps: Any) -> np.ndarray:
-  """`x` (a checkpoint tensor) in the param's layout, a new contiguous array or `x` itself."""
-  bits = _bits(x)
-  for kind, arg in steps:
-    bits = transpose(bits, arg) if kind == "transpose" else bits.reshape(arg)
-  return contiguous(bits).view(x.dtype)
+def forward(x: np.ndarray, steps: Any, out: np.ndarray | None = None) -> np.ndarray:
+  """`x` (a checkpoint tensor) in the param's layout, a new contiguous array or `x` itself.
+
+  With `out` (C-contiguous, of the result's shape; its dtype may differ: a
+  cast), the result is written into it and `out` returned; the last transpose
+  writes straight into it where only reshapes follow and the dtypes agree.
+  """
+  ops = [(kind, tuple(arg)) for kind, arg in steps]
+  return _apply(x, ops, out)
 
 
-def inverse(x: np.ndarray, steps: Any, shape: tuple[int, ...]) -> np.ndarray:
-  """The inverse of `forward`: `x` (in the param's layout) as the checkpoint's `shape`."""
+def inverse(
+  x: np.ndarray, steps: Any, shape: tuple[int, ...], out: np.ndarray | None = None
+) -> np.ndarray:
+  """The inverse of `forward`: `x` (in the param's layout) as the checkpoint's `shape` (`out`: as
+  for `forward`)."""
   before = shapes(shape, steps, "")
-  bits = _bits(x)
+  ops = []
   for j in reversed(range(len(steps))):
     kind, arg = steps[j]
     if kind == "transpose":
-      bits = transpose(bits, tuple(int(a) for a in np.argsort(arg)))
+      ops.append((kind, tuple(int(a) for a in np.argsort(arg))))
     else:
-      bits = bits.reshape(before[j])
-  return contiguous(bits).view(x.dtype)
+      ops.append((kind, before[j]))
+  return _apply(x, ops, out)
 
 
-def transpose(x: np.ndarray, perm: tuple[int, ...]) -> np.ndarray:
-  """`x.transpose(perm)`; a matrix's by tiles on threads, 4x numpy's strided copy a core.
+def _apply(x: np.ndarray, ops: list[tuple[str, tuple[int, ...]]], out: np.ndarray | None) -> Any:
+  """`x` through transposes and reshapes, on its bits (exact); into `out` where given."""
+  bits = _bits(x)
+  last = max((j for j, (kind, _) in enumerate(ops) if kind == "transpose"), default=-1)
+  direct = out is not None and last >= 0 and out.dtype == x.dtype and out.flags.c_contiguous
+  for j, (kind, arg) in enumerate(ops):
+    if kind == "reshape":
+      bits = bits.reshape(arg)
+    elif direct and j == last:  # the last copy made, into `out` (only reshapes after it)
+      shape = tuple(bits.shape[a] for a in arg)
+      bits = transpose(bits, arg, out=out.view(bits.dtype).reshape(shape))  # type: ignore[union-attr]
+    else:
+      bits = transpose(bits, arg)
+  result = contiguous(bits).view(x.dtype)
+  if out is None or direct:
+    return out if direct else result
+  np.copyto(out, result.reshape(out.shape), casting="unsafe")  # a cast: as astype rounds
+  return out
 
-  Each tile, 16 rows of `x` by 1024 columns (32 KiB of bf16: a core's L1), is
-  copied into the transposed view of the output: the reads run along `x`'s
-  rows and the writes are runs of 16 elements of the output's rows (numpy's
-  plain ``x.T`` copy reads a column at a time: 0.24 GB/s a core for bf16, the
-  square 512 tiles before 0.5, these 1.0-1.2 on the benchmark's 2-core EPYC).
+
+def transpose(x: np.ndarray, perm: tuple[int, ...], out: np.ndarray | None = None) -> np.ndarray:
+  """`x.transpose(perm)`; a matrix's copied by offlax's native transpose, bands of rows on threads.
+
+  Nearly every byte of a checkpoint is a Linear's weight, transposed on its
+  way in and out ([out, in] in Hugging Face's files, [in, out] in NNX).
+  numpy's plain ``x.T`` copy reads a column at a time (0.27 GB/s a core for
+  bf16 on the benchmark's 2-core EPYC); `native/transpose.cc` moves 4-5 GB/s
+  a core (bf16, fp32), faster than the disk. Without the native library
+  (``OFFLAX_NATIVE=0``, no compiler), for 1-byte items or under 1 MiB, tiles of 16 rows by
+  1024 columns are copied into the output's transposed view by numpy
+  (1.0-1.2 GB/s a core). Either way, bit for bit ``x.T``; into `out` where
+  given (C-contiguous, the result's shape and dtype), else a new array.
   """
   if tuple(perm) != (1, 0):
-    return x.transpose(perm)
+    if out is None:
+      return x.transpose(perm)
+    np.copyto(out, x.transpose(perm))
+    return out
   n, m = x.shape
-  out = np.empty((m, n), x.dtype)
-  into = out.T
+  x = contiguous(x)
+  if out is None:
+    out = np.empty((m, n), x.dtype)
+  assert out.shape == (m, n) and out.dtype == x.dtype and out.flags.c_contiguous, out
+  if out.size == 0:
+    return out
+  workers = 1 if x.nbytes < 4 * 2**20 else min(8, os.cpu_count() or 1)
+  # Small matrices by numpy: no native build (seconds, once per machine) for a test's tiny model.
+  native = ffi.library() if x.itemsize in (2, 4, 8) and x.nbytes >= _NATIVE_BYTES else None
+  if native is not None:
+    call = native.OfflaxTranspose
+    call.argtypes = [ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 5
+    rows = -(-n // workers // 128) * 128  # a thread's band: whole tiles of the kernel
 
-  def band(i: int) -> None:  # a band of rows, tile by tile (numpy's copies release the GIL)
-    for k in range(i, min(i + _BAND, n), _ROWS):
-      for j in range(0, m, _COLS):
-        np.copyto(into[k : k + _ROWS, j : j + _COLS], x[k : k + _ROWS, j : j + _COLS])
+    def band(i: int) -> None:
+      code = call(x.ctypes.data, out.ctypes.data, n, m, x.itemsize, i, min(i + rows, n))
+      assert code == 0, code  # an item size the kernel lacks: excluded above
 
-  starts = range(0, n, _BAND)
-  if n * m < 4 * _BAND * _COLS:
+  else:
+    rows = _BAND
+
+    def band(i: int) -> None:  # tile by tile (numpy's copies release the GIL)
+      into = out.T
+      for k in range(i, min(i + rows, n), _ROWS):
+        for j in range(0, m, _COLS):
+          np.copyto(into[k : k + _ROWS, j : j + _COLS], x[k : k + _ROWS, j : j + _COLS])
+
+  starts = range(0, n, rows)
+  if workers == 1 or len(starts) == 1:
     for i in starts:
       band(i)
   else:
-    workers = min(8, os.cpu_count() or 1, len(starts))
-    with concurrent.futures.ThreadPoolExecutor(workers, "offlax-transpose") as pool:
-      list(pool.map(band, starts))
+    with concurrent.futures.ThreadPoolExecutor(min(workers, len(starts)), "offlax-transpose") as p:
+      list(p.map(band, starts))
   return out
 
 

@@ -9,7 +9,8 @@ as Tunix's mappings name them.
 
 from __future__ import annotations
 
-import os
+import collections
+import concurrent.futures
 from typing import Any, NamedTuple
 
 import jax
@@ -19,7 +20,6 @@ from flax import nnx
 
 from offlax._src import errors
 from offlax._src import nnx_layer_store as stored_lib
-from offlax._src.layer_store import files as layer_files
 
 
 class Param(NamedTuple):
@@ -149,54 +149,74 @@ def check_store(store: Any, where: str) -> None:
     )
 
 
-def free_generation(store: Any) -> int:
-  """A generation no kept step is in, its checksums reset: where a load writes."""
-  kept = {g for _, g in store.kept}
-  gen = next(g for g in range(store.generations) if g not in kept)
-  store.manifest["crc"][str(gen)] = layer_files.no_crcs(store.manifest)
-  return gen
-
-
-def write_layer(store: Any, gen: int, i: int, leaves: list[np.ndarray]) -> None:
-  """Layer `i`'s params into generation `gen` of the store, with fresh optimizer state.
-
-  The optimizer's ``init`` of the layer (the fp32 master of `master_weights`
-  from the same values, zero moments), as `LayerStore.create` makes a layer.
-  Each slot's crc32c goes into the manifest (in memory, until `commit`).
-  """
-  store.write_slots("params", gen, i, leaves)
-  if store.optimizer is not None:
-    state = jax.jit(store.optimizer.init)(store.treedef.unflatten(leaves))
-    store.write_slots("state", gen, i, [np.asarray(x) for x in jax.tree.leaves(state)])
-
-
 def concrete_placeholder(param: Stored) -> None:
   """A stored param's placeholder as an empty array: an `nnx.eval_shape` model's was abstract."""
   if isinstance(param.variable.get_value(), jax.ShapeDtypeStruct):
     param.variable.set_value(jnp.zeros((0,), param.dtype))
 
 
-def commit(store: Any, gen: int) -> None:
-  """Makes generation `gen` (every layer written) the committed step's, atomically.
+_QUEUED = 2  # leaves queued for the writer: enough to overlap, few enough for a flat RAM
 
-  As `LayerStore.update` commits: its files flushed, then the manifest naming
-  `gen` (and the checksums of its slots) replaces the old one by a rename. A
-  kill before the rename leaves the step as it was, whole; after it, the loaded
-  one. The step keeps its number; the generation it was in is free again, and
-  the rest committed with it (`LayerStore.read_rest`) is not the loaded model's.
+
+class LayerWriter:
+  """A load's stored params written into the store behind it, on a thread of their own.
+
+  Through the store's `LayerStore.rewrite`: each leaf written as it comes
+  (direct I/O, its checksum), each layer's fresh optimizer state once its
+  last leaf has come, in the order given; at most `_QUEUED` leaves queued (the
+  load's RAM stays flat), a failed write raised at the next `put`. `commit`
+  waits for them all and commits; `close` ends the thread (a failure: what is
+  queued is dropped, nothing committed).
   """
-  if store.fsync:
-    for name, _ in layer_files.store_files(store.path, store.manifest):
-      if os.path.basename(os.path.dirname(os.path.dirname(name))) == f"gen{gen}":
-        fd = os.open(name, os.O_RDONLY)
-        try:
-          os.fsync(fd)
-        finally:
-          os.close(fd)
-  store.manifest.setdefault("rest", {})[str(gen)] = None
-  kept = [(store.step, gen)] + store.kept[1:]
-  manifest = dict(store.manifest, generation=gen, kept=kept)
-  layer_files.write_manifest(store.path, manifest, fsync=store.fsync)
-  store.manifest.update(generation=gen, kept=kept)
-  store.generation, store.kept = gen, kept
-  store.drop_read_ahead()  # layers read ahead are of the generation replaced
+
+  def __init__(self, store: Any):
+    self._rewrite = store.rewrite()
+    self._leaves = len(store.records)
+    self._keep = store.optimizer is not None  # the layer's params, for its state's init
+    self._layer: dict[int, np.ndarray] = {}
+    self._count = 0
+    self._pool = concurrent.futures.ThreadPoolExecutor(1, "offlax-write")
+    self._pending: collections.deque[concurrent.futures.Future] = collections.deque()
+
+  def empty(self, target: Stored) -> np.ndarray:
+    """An array for `target`'s values that its write takes uncopied (`Rewrite.empty`)."""
+    return self._rewrite.empty(target.leaf)
+
+  def put(self, target: Stored, x: np.ndarray) -> None:
+    """Queues leaf `target.leaf` of layer `target.layer` (leaves come in order, layer by layer).
+
+    Nothing reads `x` after this: its slot serves the next layer's leaf.
+    """
+    self._pending.append(self._pool.submit(self._write, target.layer, target.leaf, x))
+    self._count += 1
+    if self._keep:
+      self._layer[target.leaf] = x
+    if self._count == self._leaves:  # the layer's last leaf
+      if self._keep:
+        params = [self._layer[k] for k in range(self._leaves)]
+        self._pending.append(self._pool.submit(self._init_state, target.layer, params))
+      self._layer, self._count = {}, 0
+    self._wait(_QUEUED)
+
+  def _write(self, i: int, k: int, x: np.ndarray) -> None:
+    self._rewrite.write_params(i, [x], k)
+    if not self._keep:  # else the state's init reads it first
+      self._rewrite.release(x)
+
+  def _init_state(self, i: int, params: list[np.ndarray]) -> None:
+    self._rewrite.init_state(i, params)
+    for x in params:
+      self._rewrite.release(x)
+
+  def _wait(self, most: int) -> None:
+    """Takes the finished writes (raising a failed one); waits until at most `most` are left."""
+    while self._pending and (len(self._pending) > most or self._pending[0].done()):
+      self._pending.popleft().result()
+
+  def commit(self) -> None:
+    """Waits for every write, then commits the store's new values (`Rewrite.commit`)."""
+    self._wait(0)
+    self._rewrite.commit()
+
+  def close(self) -> None:
+    self._pool.shutdown(wait=True, cancel_futures=True)

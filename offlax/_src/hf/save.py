@@ -144,6 +144,10 @@ def _write(tmp: str, folder: files.Folder, matched: plan.Match, targets: dict[st
       out = []
       for entry, t in matched.by_path[target.path]:
         part = x if entry.at is None else x[entry.at]
+        if t.nbytes >= files.DIRECT_BYTES:  # into an array the writer writes by direct I/O
+          direct = mapping_lib.inverse(part, entry.steps, t.shape, writer.empty(t.name))
+          out.append((t.name, direct))
+          continue
         part = mapping_lib.inverse(part, entry.steps, t.shape)
         out.append((t.name, mapping_lib.contiguous(part.astype(t.dtype, copy=False))))
       return out

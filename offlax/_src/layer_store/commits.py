@@ -3,7 +3,9 @@
 The manifest (`files.MANIFEST`) names the committed step, the generation its
 params and state are in, the kept steps and every slot's checksum. A step is
 written into a free generation (`free_generation`), then `commit` makes it
-the current one by replacing the manifest atomically (`files.write_manifest`).
+the current one by replacing the manifest atomically (`files.write_manifest`);
+`replace` does the same for new values of the committed step itself (a
+checkpoint loaded into the store, `rewrite.Rewrite`), its number kept.
 """
 
 from __future__ import annotations
@@ -65,6 +67,16 @@ class Commits:
     self.step, self.generation = self.step + 1, target
     self.write()
     return self.step
+
+  def replace(self, target: int, rest_records: Any) -> None:
+    """Makes `target` (written whole, flushed) the committed step's generation, its number kept.
+
+    The generation the step was in is free again; the older kept steps stay.
+    """
+    self.manifest.setdefault("rest", {})[str(target)] = rest_records
+    self.kept = [(self.step, target)] + self.kept[1:]
+    self.generation = target
+    self.write()
 
   def go_to_step(self, step: int) -> None:
     """Makes kept `step` current again, dropping the steps after it (`LayerStore.open(step=)`)."""

@@ -46,7 +46,7 @@ optimizer's step), or `backward.BackwardStep` for both; `opening` makes and open
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -59,20 +59,18 @@ from offlax._src.layer_store import rest as layer_rest
 from offlax._src.layer_store import step as layer_step
 from offlax._src.layer_store.commits import Commits
 from offlax._src.layer_store.read_ahead import ReadAhead
+from offlax._src.layer_store.rewrite import Rewrite
 from offlax._src.layer_store.slots import Slots
 from offlax._src.layer_store.source import LayerSource
 
 
-def _held(where: str, doc: str, settable: bool = False) -> Any:
+def _held(where: str, doc: str) -> Any:
   """An attribute of the store one of its parts holds (`where`: ``"_part.name"``), as a property."""
-  part, name = where.split(".")
-  set_it = (lambda store, value: setattr(getattr(store, part), name, value)) if settable else None
-  return property(operator.attrgetter(where), set_it, doc=doc)
+  return property(operator.attrgetter(where), doc=doc)
 
 
 class _Parts:
-  """What a `LayerStore`'s parts hold, as its properties: read-only but `generation` and `kept`
-  (`load_safetensors` commits them)."""
+  """What a `LayerStore`'s parts hold, as its properties, read-only."""
 
   _commits: Commits
   _slots: Slots
@@ -82,8 +80,8 @@ class _Parts:
   fsync: bool = _held("_commits.fsync", "Whether a commit flushes the step's files first.")
   generations: int = _held("_commits.generations", "Copies of params and state (``keep + 1``).")
   step: int = _held("_commits.step", "The committed step (0 after `create`).")
-  generation: int = _held("_commits.generation", "The committed step's generation.", True)
-  kept: list[tuple[int, int]] = _held("_commits.kept", "(step, gen)s kept, newest first.", True)
+  generation: int = _held("_commits.generation", "The committed step's generation.")
+  kept: list[tuple[int, int]] = _held("_commits.kept", "(step, gen)s kept, newest first.")
   n_layers: int = _held("_slots.n_layers", "The number of layers.")
   records: list[dict] = _held("_slots.records", "Per param leaf: path, shape, dtype, slot bytes.")
   state_records: list[dict] = _held("_slots.state_records", "The same per optimizer state leaf.")
@@ -342,6 +340,6 @@ class LayerStore(_Parts):
     """Forgets the layers read ahead (before a commit replaces their generation)."""
     self._reads.drop()
 
-  def write_slots(self, kind: str, gen: int, i: int, leaves: Sequence[Any]) -> None:
-    """Writes layer `i` of every leaf of `kind` ("params" or "state") into generation `gen`."""
-    self._slots.write_slots(kind, gen, i, leaves)
+  def rewrite(self) -> Rewrite:
+    """New values of the committed step's layers, committed at once (`load_safetensors`)."""
+    return Rewrite(self._slots, self._commits, self.optimizer, self.treedef, self.drop_read_ahead)
