@@ -50,8 +50,8 @@ import numpy as np
 import optax
 from optax._src import numerics
 
+from offlax._src import adam8, errors, ffi
 from offlax._src import apply as apply_lib
-from offlax._src import ffi
 
 _TARGET = "offlax_adam_f32"
 _MOMENTS = "offlax_adam_moments_f32"
@@ -72,6 +72,7 @@ def adam(
   *,
   nesterov: bool = False,
   native_update: bool = False,
+  state_bits: int = 32,
 ) -> AdamTransformation:
   """`optax.adam`, with the moments updated by one native pass on XLA:CPU.
 
@@ -101,6 +102,10 @@ def adam(
       host's share of a ZeRO-Offload step). The moments stay bit-identical to
       optax's; the update agrees with optax's to 2e-6 relative, since XLA
       rounds optax's update in a form that depends on the program around it.
+    state_bits: 32 (float32 moments, optax's state) or 8: both moments
+      stored blockwise-quantized in one byte an element (docs/state_bits.md;
+      `adam8.py`), updated as "dequantize, optax's Adam, quantize"; leaves
+      of fewer than 4096 elements keep float32 moments.
 
   Returns:
     An `AdamTransformation` (an `optax.GradientTransformationExtraArgs`, with
@@ -116,6 +121,8 @@ def adam(
     >>> bool((u["w"] == r["w"]).all())
     True
   """
+  if adam8.check_state_bits(state_bits, "offlax.adam") == 8:
+    return _eight_bit("offlax.adam", learning_rate, (b1, b2, eps, eps_root), mu_dtype, nesterov)
   reference = optax.adam(learning_rate, b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov)
   return _fused(
     reference, learning_rate, (b1, b2, eps, eps_root), None, None, nesterov, mu_dtype, native_update
@@ -134,6 +141,7 @@ def adamw(
   *,
   nesterov: bool = False,
   native_update: bool = False,
+  state_bits: int = 32,
 ) -> AdamTransformation:
   """`optax.adamw`, with the moments updated by one native pass on XLA:CPU.
 
@@ -153,6 +161,7 @@ def adamw(
     mask: which leaves are decayed, as in `optax.adamw`.
     nesterov: Nesterov momentum; True runs `optax.adamw` itself.
     native_update: the kernel writes the update too (see `adam`).
+    state_bits: 32 or 8 (see `adam`).
 
   Returns:
     An `AdamTransformation` (an `optax.GradientTransformationExtraArgs`, with
@@ -170,6 +179,9 @@ def adamw(
     >>> all(bool((u[k] == r[k]).all()) for k in params)
     True
   """
+  if adam8.check_state_bits(state_bits, "offlax.adamw") == 8:
+    betas = (b1, b2, eps, eps_root)
+    return _eight_bit("offlax.adamw", learning_rate, betas, mu_dtype, nesterov, weight_decay, mask)
   reference = optax.adamw(
     learning_rate, b1, b2, eps, eps_root, mu_dtype, weight_decay, mask, nesterov=nesterov
   )
@@ -183,6 +195,28 @@ def adamw(
     mu_dtype,
     native_update,
   )
+
+
+def _eight_bit(where, learning_rate, betas, mu_dtype, nesterov, weight_decay=None, mask=None):
+  """`adam`/`adamw` with 8-bit moments (`adam8.py`): optax's chain, in plain JAX everywhere."""
+  if mu_dtype is not None and jnp.dtype(mu_dtype) != jnp.float32:
+    raise errors.InvalidOptionError(
+      f"{where}: mu_dtype={mu_dtype!r} does not go with state_bits=8 (the first moment is "
+      "stored in 8 bits, computed in float32); leave mu_dtype unset."
+    )
+  tx = adam8.adam_8bit(learning_rate, betas, weight_decay, mask, nesterov=nesterov)
+
+  def update_and_apply_fn(grads, state, params, **extra_args):
+    updates, state = tx.update(grads, state, params, **extra_args)
+    return optax.apply_updates(params, updates), state
+
+  return AdamTransformation(tx.init, tx.update, update_and_apply_fn)
+
+
+def _check_32(state) -> None:
+  """Refuses an 8-bit state (`state_bits=8`) handed to this float32-state Adam."""
+  if (error := adam8.mismatch(state[0], 32, "offlax.adam/adamw update")) is not None:
+    raise error
 
 
 def _fused(reference, learning_rate, betas, weight_decay, mask, nesterov, mu_dtype, native_update):
@@ -221,6 +255,7 @@ def _fused(reference, learning_rate, betas, weight_decay, mask, nesterov, mu_dty
 
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args
+    _check_32(state)
     adam_state = state[0]
     if decays and params is None:
       raise ValueError("offlax.adamw: update needs params (the weight decay reads them).")
@@ -256,6 +291,7 @@ def _fused(reference, learning_rate, betas, weight_decay, mask, nesterov, mu_dty
     params, the new master rounded). Returns ``(result, new_state,
     new_weights)``.
     """
+    _check_32(state)
     adam_state = state[0]
     flags = _decay_flags(grads, mask) if decays else None
     leaves, treedef = jax.tree.flatten(grads)

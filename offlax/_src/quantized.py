@@ -125,6 +125,7 @@ def _blocks(flat: jax.Array, block: int) -> jax.Array:
   return jnp.pad(flat, (0, num_blocks(n, block) * block - n)).reshape(-1, block)
 
 
+@functools.partial(jax.jit, static_argnames=("signed", "block"))
 def quantize(x: jax.Array, signed: bool, block: int = BLOCK) -> tuple[jax.Array, jax.Array]:
   """Codes (`x`'s shape; int8 if `signed` else uint8) and per-block float32 absmax scales.
 
@@ -155,6 +156,7 @@ def quantize(x: jax.Array, signed: bool, block: int = BLOCK) -> tuple[jax.Array,
   return codes.reshape(-1)[: flat.shape[0]].reshape(jnp.shape(x)), scales
 
 
+@functools.partial(jax.jit, static_argnames=("signed", "block"))
 def dequantize(
   codes: jax.Array, scales: jax.Array, signed: bool, block: int = BLOCK
 ) -> jax.Array:
