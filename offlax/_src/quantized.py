@@ -110,6 +110,41 @@ def midpoints(signed: bool) -> np.ndarray:
   return out
 
 
+_KEY_SHIFT = 15  # a bucket: the floats sharing their top 17 bits (relative width 2**-8)
+
+
+@functools.cache
+def bucket_counts(signed: bool) -> np.ndarray:
+  """For each bucket of float32 bit patterns (``bits >> 15``), the count of midpoints <= its lowest value.
+
+  A bucket spans 2**-8 of its values' magnitude, the midpoints lie at least
+  0.5% apart in [-1, 1] (checked here), so a bucket holds at most one: the
+  count for any ``y`` in it is this count, plus one if ``y`` reaches the next
+  midpoint. Buckets outside [-1, 1] (never met: ``|x| <= absmax``) and NaNs
+  are clipped to a valid index.
+
+  Args:
+    signed: which map.
+
+  Returns:
+    A uint8 array of 2**17 counts.
+  """
+  keys = np.arange(2**17, dtype=np.uint32)
+  # The lowest value of a bucket: its first bit pattern if positive, its last if negative.
+  low_bits = (keys << _KEY_SHIFT) | np.where(keys >> 16, (1 << _KEY_SHIFT) - 1, 0).astype(np.uint32)
+  high_bits = (keys << _KEY_SHIFT) | np.where(keys >> 16, 0, (1 << _KEY_SHIFT) - 1).astype(np.uint32)
+  mids = midpoints(signed)
+  with np.errstate(invalid="ignore"):
+    low, high = low_bits.view(np.float32), high_bits.view(np.float32)
+    counts = np.searchsorted(mids, np.nan_to_num(low, nan=0.0), side="right")
+    inside = (np.abs(low) <= 1) & (np.abs(high) <= 1)
+  more = np.searchsorted(mids, np.where(inside, high, 0), side="right") - counts
+  assert np.all(more[inside] <= 1), "a bucket holds two midpoints"
+  out = np.minimum(counts, 255).astype(np.uint8)
+  out.flags.writeable = False
+  return out
+
+
 def num_blocks(size: int, block: int = BLOCK) -> int:
   """How many blocks (scales) a leaf of `size` elements has: ``ceil(size / block)``."""
   return -(-size // block)
@@ -146,12 +181,14 @@ def quantize(x: jax.Array, signed: bool, block: int = BLOCK) -> tuple[jax.Array,
   blocks = _blocks(flat, block)
   scales = jnp.max(jnp.abs(blocks), axis=1)
   y = blocks / jnp.where(scales > 0, scales, jnp.float32(1))[:, None]
-  # Branchless binary search for the count of midpoints <= y (0..255): each
-  # step tests the midpoint at the end of the upper half of what is left.
-  table = jnp.asarray(midpoints(signed))
-  index = jnp.zeros(y.shape, jnp.int32)
-  for step in (128, 64, 32, 16, 8, 4, 2, 1):
-    index = index + jnp.where(table[index + (step - 1)] <= y, step, 0)
+  # The index is the number of midpoints <= y. A table keyed by y's top 17
+  # bits (sign, exponent, 8 mantissa bits) gives that count at the low end of
+  # y's bucket; a bucket holds at most one midpoint, so one comparison with the
+  # next midpoint finishes it (`bucket_counts`): two lookups, not a search.
+  key = jax.lax.shift_right_logical(jax.lax.bitcast_convert_type(y, jnp.uint32), jnp.uint32(15))
+  low = jnp.asarray(bucket_counts(signed))[key].astype(jnp.int32)
+  above = jnp.asarray(np.append(midpoints(signed), np.float32(np.inf)))
+  index = low + (above[low] <= y).astype(jnp.int32)
   codes = (index - SIGNED_OFFSET).astype(jnp.int8) if signed else index.astype(jnp.uint8)
   return codes.reshape(-1)[: flat.shape[0]].reshape(jnp.shape(x)), scales
 
