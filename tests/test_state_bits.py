@@ -256,7 +256,7 @@ def test_state_layout():
   assert eight < 0.27 * fp32
 
 
-def _same_through(tier, tmp_path=None, steps=3, mode="update"):
+def _same_through(tier, tmp_path=None, steps=2, mode="update"):
   params = _params()
   inner = offlax.adamw(1e-3, weight_decay=0.1, state_bits=8)
   want_params, want_state, _ = _train(inner, params, steps)
@@ -274,8 +274,15 @@ def _same_through(tier, tmp_path=None, steps=3, mode="update"):
   return got_state, want_state
 
 
-@pytest.mark.parametrize("compute", ["device", "host"])
-@pytest.mark.parametrize("mode", ["update", "update_and_apply"])
+@pytest.mark.parametrize(
+  "compute, mode",
+  [
+    ("host", "update"),
+    ("device", "update_and_apply"),
+    pytest.param("device", "update", marks=pytest.mark.slow),
+    pytest.param("host", "update_and_apply", marks=pytest.mark.slow),
+  ],
+)
 def test_host_tier_state_equals_on_device_state(compute, mode):
   # Small chunks: the leaves go in several slices, each its own inner update.
   tier = offlax.HostTier(compute=compute, chunk_bytes=4096)
@@ -285,6 +292,7 @@ def test_host_tier_state_equals_on_device_state(compute, mode):
   assert kinds == {"pinned_host"}
 
 
+@pytest.mark.slow
 def test_nvme_tier_state_equals_on_device_state(tmp_path):
   tier = offlax.NVMeTier(
     str(tmp_path), chunk_bytes=4096, cache_bytes=600, progress=False, fsync=False
@@ -299,6 +307,7 @@ def test_nvme_tier_state_equals_on_device_state(tmp_path):
   tier.close()
 
 
+@pytest.mark.slow
 def test_master_weights_with_8bit_state_through_host_compute():
   params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), _params())
   inner = offlax.master_weights(offlax.adamw(1e-3, state_bits=8))

@@ -43,7 +43,7 @@ class ScaleByAdam8bitState(NamedTuple):
     nu_scale: as `mu_scale`, the second moment.
   """
 
-  count: jax.Array
+  count: Any  # an int32 jax.Array (Any: NamedTuple.count is a method to mypy)
   mu: Any
   mu_scale: Any
   nu: Any

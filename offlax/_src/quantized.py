@@ -115,7 +115,7 @@ _KEY_SHIFT = 15  # a bucket: the floats sharing their top 17 bits (relative widt
 
 @functools.cache
 def bucket_counts(signed: bool) -> np.ndarray:
-  """For each bucket of float32 bit patterns (``bits >> 15``), the count of midpoints <= its lowest value.
+  """Per bucket of float32 bit patterns (``bits >> 15``): the midpoints <= its lowest value.
 
   A bucket spans 2**-8 of its values' magnitude, the midpoints lie at least
   0.5% apart in [-1, 1] (checked here), so a bucket holds at most one: the
@@ -131,8 +131,10 @@ def bucket_counts(signed: bool) -> np.ndarray:
   """
   keys = np.arange(2**17, dtype=np.uint32)
   # The lowest value of a bucket: its first bit pattern if positive, its last if negative.
-  low_bits = (keys << _KEY_SHIFT) | np.where(keys >> 16, (1 << _KEY_SHIFT) - 1, 0).astype(np.uint32)
-  high_bits = (keys << _KEY_SHIFT) | np.where(keys >> 16, 0, (1 << _KEY_SHIFT) - 1).astype(np.uint32)
+  ones = np.uint32((1 << _KEY_SHIFT) - 1)
+  negative = (keys >> 16).astype(bool)
+  low_bits = (keys << _KEY_SHIFT) | np.where(negative, ones, 0).astype(np.uint32)
+  high_bits = (keys << _KEY_SHIFT) | np.where(negative, 0, ones).astype(np.uint32)
   mids = midpoints(signed)
   with np.errstate(invalid="ignore"):
     low, high = low_bits.view(np.float32), high_bits.view(np.float32)
@@ -194,10 +196,8 @@ def quantize(x: jax.Array, signed: bool, block: int = BLOCK) -> tuple[jax.Array,
 
 
 @functools.partial(jax.jit, static_argnames=("signed", "block"))
-def dequantize(
-  codes: jax.Array, scales: jax.Array, signed: bool, block: int = BLOCK
-) -> jax.Array:
-  """The float32 values `codes` and `scales` stand for: ``map[code] * scale`` (`quantize`'s inverse).
+def dequantize(codes: jax.Array, scales: jax.Array, signed: bool, block: int = BLOCK) -> jax.Array:
+  """The float32 values `codes` and `scales` stand for: ``map[code] * scale``.
 
   Args:
     codes: what `quantize` returned (int8 if `signed`, else uint8).
@@ -215,7 +215,7 @@ def dequantize(
 
 
 def max_error(scales: jax.Array, signed: bool) -> jax.Array:
-  """A bound on ``|x - dequantize(quantize(x))|`` per block: half the widest gap of the map, times the scale.
+  """A bound on ``|x - dequantize(quantize(x))|`` per block: the map's widest half gap times scale.
 
   The widest gap is in the top decade (0.9 / 64 for the signed map, 0.9 / 128
   unsigned; ``y = -1`` lies that half gap below the lowest signed entry), plus
