@@ -354,13 +354,26 @@ def test_state_of_the_other_bit_width_is_refused():
     offlax.update_and_apply(master, g, state, params)
 
 
-@pytest.mark.parametrize("bits", [4, 16, 0, True, "8", 8.5, None])
+@pytest.mark.parametrize("bits", [4, 16, 0, True, "8", 8.5])
 def test_bad_state_bits_are_refused_by_name(bits):
   for make in (offlax.adam, offlax.adamw):
     with pytest.raises(offlax.InvalidOptionError, match=rf"state_bits must be 8 .*{bits!r}"):
       make(1e-3, state_bits=bits)
   with pytest.raises(offlax.InvalidOptionError, match="mu_dtype.*state_bits=8"):
     offlax.adam(1e-3, mu_dtype=jnp.bfloat16, state_bits=8)
+
+
+def test_state_bits_under_inject_hyperparams():
+  params = _params()
+  # Not injected by default (None is not a number); traced, it is refused with the way out.
+  injected = optax.inject_hyperparams(offlax.adam)(learning_rate=1e-3, state_bits=8)
+  with pytest.raises(offlax.InvalidOptionError, match="static_args=\\('state_bits',\\)"):
+    injected.init(params)
+  tx = optax.inject_hyperparams(offlax.adam, static_args=("state_bits",))(1e-3, state_bits=8)
+  state = tx.init(params)
+  assert state.inner_state[0].mu["w"].dtype == jnp.int8
+  _, state = jax.jit(tx.update)(_grads(params, 0), state, params)
+  assert state.inner_state[0].nu["w"].dtype == jnp.uint8
 
 
 def _regression(tx, steps):

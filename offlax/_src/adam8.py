@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from offlax._src import errors, quantized
@@ -51,7 +52,15 @@ class ScaleByAdam8bitState(NamedTuple):
 
 
 def check_state_bits(state_bits: Any, where: str) -> int:
-  """`state_bits`, if offlax supports it (8 or 32), else `InvalidOptionError` naming it."""
+  """`state_bits` (None: 32) if offlax supports it (8 or 32), else `InvalidOptionError`."""
+  if state_bits is None:
+    return 32
+  if isinstance(state_bits, jax.Array | np.ndarray):
+    raise errors.InvalidOptionError(
+      f"{where}: state_bits must be a Python int (8 or 32), got an array: it chooses the "
+      "state's structure. Under optax.inject_hyperparams name it static: "
+      "optax.inject_hyperparams(offlax.adam, static_args=('state_bits',))."
+    )
   if isinstance(state_bits, bool) or state_bits not in STATE_BITS:
     raise errors.InvalidOptionError(
       f"{where}: state_bits must be 8 (8-bit blockwise-quantized moments) or 32 (float32 "

@@ -72,7 +72,7 @@ def adam(
   *,
   nesterov: bool = False,
   native_update: bool = False,
-  state_bits: int = 32,
+  state_bits: int | None = None,
 ) -> AdamTransformation:
   """`optax.adam`, with the moments updated by one native pass on XLA:CPU.
 
@@ -102,7 +102,7 @@ def adam(
       host's share of a ZeRO-Offload step). The moments stay bit-identical to
       optax's; the update agrees with optax's to 2e-6 relative, since XLA
       rounds optax's update in a form that depends on the program around it.
-    state_bits: 32 (float32 moments, optax's state) or 8: both moments
+    state_bits: 32 (or None: float32 moments, optax's state) or 8: both moments
       stored blockwise-quantized in one byte an element (docs/state_bits.md;
       `adam8.py`), updated as "dequantize, optax's Adam, quantize"; leaves
       of fewer than 4096 elements keep float32 moments.
@@ -141,7 +141,7 @@ def adamw(
   *,
   nesterov: bool = False,
   native_update: bool = False,
-  state_bits: int = 32,
+  state_bits: int | None = None,
 ) -> AdamTransformation:
   """`optax.adamw`, with the moments updated by one native pass on XLA:CPU.
 
