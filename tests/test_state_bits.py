@@ -408,3 +408,80 @@ def test_converges_like_fp32_adam():
   assert float(curve8[0]) == float(curve32[0]) > 100
   assert float(fp32) < 1e-4
   assert abs(float(eight) - float(fp32)) <= 0.02 * float(fp32), (float(eight), float(fp32))
+
+
+NATIVE_CASES = {
+  "adam_update": (lambda m: m.adam(1e-3), "update"),
+  "adamw_update": (lambda m: m.adamw(1e-3, weight_decay=0.1, mask=_mask), "update"),
+  "adamw_schedule_apply": (lambda m: m.adamw(schedule, weight_decay=0.1), "apply"),
+  "master_update": (lambda m: offlax.master_weights(m.adamw(1e-3, weight_decay=0.1)), "update"),
+  "master_apply": (lambda m: offlax.master_weights(m.adamw(1e-3, weight_decay=0.1)), "apply"),
+}
+
+
+class _Chain:
+  """`offlax.adam`/`adamw` with state_bits=8 as optax's plain chain (no native step)."""
+
+  @staticmethod
+  def adam(lr, **kw):
+    return adam8.adam_8bit(lr, (0.9, 0.999, 1e-8, 0.0), **kw)
+
+  @staticmethod
+  def adamw(lr, weight_decay, mask=None):
+    return adam8.adam_8bit(lr, (0.9, 0.999, 1e-8, 0.0), weight_decay, mask)
+
+
+class _Offlax8:
+  @staticmethod
+  def adam(lr, **kw):
+    return offlax.adam(lr, state_bits=8, **kw)
+
+  @staticmethod
+  def adamw(lr, **kw):
+    return offlax.adamw(lr, state_bits=8, **kw)
+
+
+def _run(tx, params, mode, steps=2):
+  state = tx.init(params)
+  if mode == "update":
+    step = jax.jit(
+      lambda p, s, g: (lambda u, s: (optax.apply_updates(p, u), s))(*tx.update(g, s, p))
+    )
+  else:
+    step = jax.jit(lambda p, s, g: offlax.update_and_apply(tx, g, s, p))
+  text = step.lower(params, state, params).as_text()
+  for i in range(steps):
+    params, state = step(params, state, _grads(params, i))
+  return params, state, text.count("offlax_adam8_step")
+
+
+_DEFAULT_RUN = {
+  ("adamw_update", "native"),
+  ("master_apply", "native"),
+  ("master_apply", "leafwise_jax"),
+}
+
+
+@pytest.mark.parametrize(
+  "case, kernel",
+  [
+    pytest.param(c, k, marks=() if (c, k) in _DEFAULT_RUN else pytest.mark.slow)
+    for c in NATIVE_CASES
+    for k in ("native", "leafwise_jax")
+  ],
+)
+def test_native_step_equals_the_jax_chain_bit_for_bit(case, kernel, monkeypatch):
+  """The C++ kernel (native/adam8.cc), and the per-leaf JAX it falls back to in a GPU program."""
+  from offlax._src import ffi
+
+  build, mode = NATIVE_CASES[case]
+  params = _params()
+  if case.startswith("master"):
+    params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+  if kernel == "leafwise_jax":  # what a GPU program runs: platform_dependent's default
+    monkeypatch.setattr(ffi, "on_cpu", lambda native, default, *args: default(*args))
+  want_params, want_state, _ = _run(build(_Chain), params, mode)
+  got_params, got_state, calls = _run(build(_Offlax8), params, mode)
+  assert calls == (3 if kernel == "native" and ffi.available() else 0)  # the quantized leaves
+  assert_trees_equal(got_params, want_params)
+  assert_trees_equal(got_state, want_state)

@@ -1,6 +1,7 @@
 """offlax's native library: XLA FFI handlers for XLA:CPU, built on first use.
 
-The sources in `native/` (`adam.cc`: the host Adam kernel; `slices.cc`: the
+The sources in `native/` (`adam.cc`: the host Adam kernel; `adam8.cc`: its 8-bit
+state version; `slices.cc`: the
 NVMe tier's copies between XLA's buffers and its slice buffers) are compiled
 into one shared library with the system C++ compiler, cached in
 ``$OFFLAX_CACHE_DIR`` (default ``~/.cache/offlax``) under a name keyed by the
@@ -30,7 +31,7 @@ from offlax._src import plugin_ffi
 
 _LOG = logging.getLogger("offlax")
 _NATIVE = pathlib.Path(__file__).parent / "native"
-_SOURCES = ("adam.cc", "slices.cc")
+_SOURCES = ("adam.cc", "adam8.cc", "slices.cc")
 _FLAGS = ["-std=c++17", "-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno"]
 
 # FFI target name -> the handler's symbol in the library.
@@ -38,6 +39,7 @@ TARGETS = {
   "offlax_adam_f32": "OfflaxAdamF32",
   "offlax_adam_moments_f32": "OfflaxAdamMomentsF32",
   "offlax_adam_step": "OfflaxAdamStep",
+  "offlax_adam8_step": "OfflaxAdam8Step",
   "offlax_to_slice": "OfflaxToSlice",
   "offlax_from_slice": "OfflaxFromSlice",
 }

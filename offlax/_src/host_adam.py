@@ -198,19 +198,114 @@ def adamw(
 
 
 def _eight_bit(where, learning_rate, betas, mu_dtype, nesterov, weight_decay=None, mask=None):
-  """`adam`/`adamw` with 8-bit moments (`adam8.py`): optax's chain, in plain JAX everywhere."""
+  """`adam`/`adamw` with 8-bit moments (`adam8.py`), with the native step on XLA:CPU.
+
+  optax's chain around `scale_by_adam_8bit`; where the native library runs
+  (`host_adam8.py`), each step's leaves run its kernels instead, with the
+  chain's results.
+  """
   if mu_dtype is not None and jnp.dtype(mu_dtype) != jnp.float32:
     raise errors.InvalidOptionError(
       f"{where}: mu_dtype={mu_dtype!r} does not go with state_bits=8 (the first moment is "
       "stored in 8 bits, computed in float32); leave mu_dtype unset."
     )
+  from offlax._src import host_adam8  # imports this module
+
   tx = adam8.adam_8bit(learning_rate, betas, weight_decay, mask, nesterov=nesterov)
+  decays = weight_decay is not None and not (
+    isinstance(weight_decay, (int, float)) and weight_decay == 0.0
+  )
+  fusable = not nesterov and not callable(weight_decay)
+
+  def leaves_of(grads, state, weights, low):
+    """Per leaf (g, m, v, scales, w, low, decay), or None where the native path does not apply."""
+    flags = _decay_flags(grads, mask) if decays else None
+    leaves, treedef = jax.tree.flatten(grads)
+    adam_state = state[0]
+    m, v = jax.tree.leaves(adam_state.mu), jax.tree.leaves(adam_state.nu)
+    scale = lambda t: jax.tree.leaves(t, is_leaf=lambda x: isinstance(x, optax.MaskedNode))
+    ms, vs = scale(adam_state.mu_scale), scale(adam_state.nu_scale)
+    w = [None] * len(leaves) if weights is None else jax.tree.leaves(weights)
+    lo = w if low is None else jax.tree.leaves(low)
+    if not (fusable and leaves and flags is not False and ffi.available()):
+      return None
+    if not len(m) == len(v) == len(ms) == len(vs) == len(w) == len(lo) == len(leaves):
+      return None
+    rows = zip(leaves, m, v, ms, vs, w, lo, flags or [False] * len(leaves), strict=True)
+    return treedef, list(rows)
+
+  def eligible(rows, whole: bool) -> bool:
+    for g, m, v, _, _, w, lo, d in rows:
+      if host_adam8.native_leaf(g, m, v):
+        if (whole or d) and not (w.dtype == jnp.float32 and lo.dtype in _STEP_DTYPES):
+          return False
+      elif whole and not _step_dtypes([g], [m], [v], [w], [lo]):
+        return False
+      elif not whole and not (_all_f32([g], [m], [v]) and (not d or w.dtype == jnp.float32)):
+        return False
+    return True
+
+  def update_fn(updates, state, params=None, **extra_args):
+    if (error := adam8.mismatch(state[0], 8, f"{where} update")) is not None:
+      raise error
+    if decays and params is None:
+      raise ValueError(f"{where}: update needs params (the weight decay reads them).")
+    found = leaves_of(updates, state, params if decays else None, None)
+    if found is None or not eligible(found[1], whole=False):
+      return tx.update(updates, state, params, **extra_args)
+    treedef, rows = found
+    count_inc, lr_state, hyper = step_hyper(
+      state, learning_rate, betas, weight_decay if decays else 0.0
+    )
+    vector = hyper.vector(moments_only=False)
+    moments_vector = hyper.vector(moments_only=True)
+    out = []
+    for g, m, v, ms, vs, w, _, d in rows:
+      if host_adam8.native_leaf(g, m, v):
+        u, (m, ms, vs_codes, vs_scale), _ = host_adam8.leaf_step(
+          g, (m, ms, v, vs), w, None, hyper, vector, d, host_adam8.OUT_UPDATE
+        )
+        out.append((u, m, ms, vs_codes, vs_scale))
+      else:
+        u, m, v = _step(g, m, v, w, hyper, moments_vector, d, False)
+        out.append((u, m, ms, v, vs))
+    u, mu, mu_scale, nu, nu_scale = (treedef.unflatten(list(x)) for x in zip(*out, strict=True))
+    new = adam8.ScaleByAdam8bitState(count_inc, mu, mu_scale, nu, nu_scale)
+    return u, (new, *state[1:-1], lr_state)
+
+  def whole_step(grads, state, weights, low=None, *, out=OUT_NONE):
+    """As `AdamTransformation.whole_step`, on the 8-bit state."""
+    if (error := adam8.mismatch(state[0], 8, f"{where} update")) is not None:
+      raise error
+    found = leaves_of(grads, state, weights, low)
+    if found is None or not eligible(found[1], whole=True):
+      return None
+    treedef, rows = found
+    count_inc, lr_state, hyper = step_hyper(
+      state, learning_rate, betas, weight_decay if decays else 0.0
+    )
+    vector = hyper.vector(moments_only=False)
+    new = []
+    for g, m, v, ms, vs, w, lo, d in rows:
+      if host_adam8.native_leaf(g, m, v):
+        r, (m, ms, v, vs), w = host_adam8.leaf_step(g, (m, ms, v, vs), w, lo, hyper, vector, d, out)
+      else:
+        r, m, v, w = _whole_step(g, m, v, w, lo, hyper, vector, d, out)
+      new.append((r, m, ms, v, vs, w))
+    result, mu, mu_scale, nu, nu_scale, w = (
+      treedef.unflatten(list(x)) for x in zip(*new, strict=True)
+    )
+    adam_state = adam8.ScaleByAdam8bitState(count_inc, mu, mu_scale, nu, nu_scale)
+    return result, (adam_state, *state[1:-1], lr_state), w
 
   def update_and_apply_fn(grads, state, params, **extra_args):
-    updates, state = tx.update(grads, state, params, **extra_args)
-    return optax.apply_updates(params, updates), state
+    done = whole_step(grads, state, params)
+    if done is None:
+      updates, state = update_fn(grads, state, params, **extra_args)
+      return optax.apply_updates(params, updates), state
+    return done[0], done[1]
 
-  return AdamTransformation(tx.init, tx.update, update_and_apply_fn)
+  return AdamTransformation(tx.init, update_fn, update_and_apply_fn, whole_step)
 
 
 def _check_32(state) -> None:
@@ -232,26 +327,7 @@ def _fused(reference, learning_rate, betas, weight_decay, mask, nesterov, mu_dty
   )
 
   def hyperparameters(state):
-    """(new count, new schedule state, `Hyper`) of this step, as optax computes them."""
-    adam_state, lr_state = state[0], state[-1]
-    count_inc = numerics.safe_increment(adam_state.count)
-    if callable(learning_rate):
-      step_size = -1 * learning_rate(lr_state.count)
-      lr_state = type(lr_state)(count=numerics.safe_increment(lr_state.count))
-    else:
-      step_size = -1 * learning_rate
-    hyper = Hyper(
-      b1,
-      b2,
-      _bias_correction(b1, count_inc),
-      _bias_correction(b2, count_inc),
-      eps,
-      eps_root,
-      step_size,
-      callable(learning_rate),
-      weight_decay if decays else 0.0,
-    )
-    return count_inc, lr_state, hyper
+    return step_hyper(state, learning_rate, betas, weight_decay if decays else 0.0)
 
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args
@@ -391,6 +467,25 @@ def _decay_flags(updates, mask) -> list[bool] | bool:
   return [bool(m) for m in flat]
 
 
+def step_hyper(state, learning_rate, betas, weight_decay):
+  """(new count, new schedule state, `Hyper`) of this step of an Adam chain, as optax computes them.
+
+  `state`: the chain's state (the Adam state first, the learning rate's last).
+  """
+  b1, b2, eps, eps_root = betas
+  adam_state, lr_state = state[0], state[-1]
+  count_inc = numerics.safe_increment(adam_state.count)
+  if callable(learning_rate):
+    step_size = -1 * learning_rate(lr_state.count)
+    lr_state = type(lr_state)(count=numerics.safe_increment(lr_state.count))
+  else:
+    step_size = -1 * learning_rate
+  bc1, bc2 = _bias_correction(b1, count_inc), _bias_correction(b2, count_inc)
+  scheduled = callable(learning_rate)
+  hyper = Hyper(b1, b2, bc1, bc2, eps, eps_root, step_size, scheduled, weight_decay)
+  return count_inc, lr_state, hyper
+
+
 class Hyper(NamedTuple):
   """One step's hyperparameters, as optax holds them (Python floats or arrays)."""
 
@@ -487,6 +582,16 @@ def _whole_step(g, m, v, w, low, hyper: Hyper, vector, decay: bool, out: int):
     return (new_w if out == OUT_NONE else r), m, v, new_w
 
   return ffi.on_cpu(native, plain, g, m, v, w, low, vector)
+
+
+def adam_leaf(g, m, v, p, hyper: Hyper, decay: bool):
+  """(update, m, v) of one leaf in optax's expressions (what the native kernels compute)."""
+  return _adam(g, m, v, p, hyper, decay)
+
+
+def placeholder() -> jax.Array:
+  """An operand a kernel does not read (see `_placeholder`)."""
+  return _placeholder()
 
 
 def _placeholder() -> jax.Array:
