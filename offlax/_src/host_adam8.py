@@ -35,8 +35,9 @@ def _tables() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   above = np.concatenate(
     [np.append(quantized.midpoints(True), inf), np.append(quantized.midpoints(False), inf)]
   )
+  # int32 (not quantized.py's uint8): the kernel's vector gathers read 32-bit lanes.
   keys = np.concatenate([quantized.bucket_counts(True), quantized.bucket_counts(False)])
-  return maps, above.astype(np.float32), keys
+  return maps, above.astype(np.float32), keys.astype(np.int32)
 
 
 def native_leaf(g, m, v) -> bool:

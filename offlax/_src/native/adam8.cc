@@ -43,8 +43,8 @@ struct Tables {
   const float* map_v;    // the unsigned map (256)
   const float* above_m;  // the signed midpoints, then +inf (256)
   const float* above_v;
-  const uint8_t* key_m;  // the bucket counts (2**17)
-  const uint8_t* key_v;
+  const int32_t* key_m;  // the bucket counts (2**17)
+  const int32_t* key_v;
 };
 
 struct Job8;
@@ -118,16 +118,32 @@ inline T Narrow(float x) {
   }
 }
 
-// XLA's max: NaN wins.
-inline float MaxNan(float acc, float x) { return (x > acc || x != x) ? x : acc; }
-
-// The map index of x / s (quantized.quantize): bucket count, plus one at the next midpoint.
-inline int Code(float x, float s, const uint8_t* keys, const float* above) {
-  const float y = x / (s > 0 ? s : 1.0f);
+// The bits of |x|: for floats >= 0 (and NaN) they order as the values do, so the
+// absmax is an integer max, which vectorises; a NaN (above every number) wins,
+// as in XLA's max (its payload may differ).
+inline uint32_t AbsBits(float x) {
   uint32_t bits;
-  std::memcpy(&bits, &y, sizeof bits);
-  const int low = keys[bits >> kKeyShift];
-  return low + (above[low] <= y ? 1 : 0);
+  std::memcpy(&bits, &x, sizeof bits);
+  return bits & 0x7fffffffu;
+}
+
+inline float FromBits(uint32_t bits) {
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// The map indices of x[i] / s (quantized.quantize): bucket count, plus one at the next midpoint.
+inline void Codes(const float* x, int64_t n, float s, const int32_t* keys, const float* above,
+                  int32_t* index) {
+  const float divisor = s > 0 ? s : 1.0f;
+  for (int64_t i = 0; i < n; ++i) {
+    const float y = x[i] / divisor;
+    uint32_t bits;
+    std::memcpy(&bits, &y, sizeof bits);
+    const int32_t low = keys[bits >> kKeyShift];
+    index[i] = low + (above[low] <= y ? 1 : 0);
+  }
 }
 
 template <typename G, typename P, Out kOut, bool kDecay>
@@ -137,22 +153,26 @@ void Step8(const Job8& j, int64_t first_block, int64_t last_block) {
   const float eps = j.h[kEps], step = j.h[kStep], wd = j.h[kWd];
   const Tables t = j.t;
   float m[kBlockSize], v[kBlockSize];
+  int32_t index[kBlockSize];
   for (int64_t b = first_block; b < last_block; ++b) {
     const int64_t lo = b * kBlockSize, n = std::min(kBlockSize, j.size - lo);
     const float sm = j.ms[b], sv = j.vs[b];
     const G* g_in = static_cast<const G*>(j.g) + lo;
     const int8_t* mc = j.mc + lo;
     const uint8_t* vc = j.vc + lo;
-    float am = 0.0f, av = 0.0f;
     for (int64_t i = 0; i < n; ++i) {
       const float g = Widen(g_in[i]);
       const float mq = t.map_m[mc[i] + 128] * sm;
       const float vq = t.map_v[vc[i]] * sv;
       m[i] = MulAdd(c1, g, b1 * mq);      // (1 - b1) * g + b1 * m
       v[i] = MulAdd(c2, g * g, b2 * vq);  // (1 - b2) * g**2 + b2 * v
-      am = MaxNan(am, std::fabs(m[i]));
-      av = MaxNan(av, v[i]);  // v >= 0 (NaN aside)
     }
+    uint32_t am_bits = 0, av_bits = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      am_bits = std::max(am_bits, AbsBits(m[i]));
+      av_bits = std::max(av_bits, AbsBits(v[i]));
+    }
+    const float am = FromBits(am_bits), av = FromBits(av_bits);
     // The update from the new float32 moments, before they are rounded to 8 bits.
     for (int64_t i = 0; i < n; ++i) {
       float u = (m[i] / bc1) / (std::sqrt(v[i] / bc2 + eps_root) + eps);
@@ -172,10 +192,10 @@ void Step8(const Job8& j, int64_t first_block, int64_t last_block) {
         }
       }
     }
-    for (int64_t i = 0; i < n; ++i) {
-      j.mc_out[lo + i] = static_cast<int8_t>(Code(m[i], am, t.key_m, t.above_m) - 128);
-      j.vc_out[lo + i] = static_cast<uint8_t>(Code(v[i], av, t.key_v, t.above_v));
-    }
+    Codes(m, n, am, t.key_m, t.above_m, index);
+    for (int64_t i = 0; i < n; ++i) j.mc_out[lo + i] = static_cast<int8_t>(index[i] - 128);
+    Codes(v, n, av, t.key_v, t.above_v, index);
+    for (int64_t i = 0; i < n; ++i) j.vc_out[lo + i] = static_cast<uint8_t>(index[i]);
     j.ms_out[b] = am;
     j.vs_out[b] = av;
   }
@@ -227,7 +247,7 @@ bool F32OrBf16(ffi::DataType t) { return t == ffi::DataType::F32 || t == ffi::Da
 ffi::Error Step8Impl(ffi::ThreadPool pool, ffi::AnyBuffer g, ffi::Buffer<ffi::S8> mc,
                      ffi::Buffer<ffi::F32> ms, ffi::Buffer<ffi::U8> vc, ffi::Buffer<ffi::F32> vs,
                      ffi::Buffer<ffi::F32> w, ffi::AnyBuffer low, ffi::Buffer<ffi::F32> maps,
-                     ffi::Buffer<ffi::F32> above, ffi::Buffer<ffi::U8> keys,
+                     ffi::Buffer<ffi::F32> above, ffi::Buffer<ffi::S32> keys,
                      ffi::Buffer<ffi::F32> hyper, ffi::Result<ffi::AnyBuffer> result,
                      ffi::ResultBuffer<ffi::S8> mc_out, ffi::ResultBuffer<ffi::F32> ms_out,
                      ffi::ResultBuffer<ffi::U8> vc_out, ffi::ResultBuffer<ffi::F32> vs_out,
@@ -298,7 +318,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OfflaxAdam8Step, Step8Impl,
                                   .Arg<ffi::AnyBuffer>()         // the low-precision param
                                   .Arg<ffi::Buffer<ffi::F32>>()  // the two maps
                                   .Arg<ffi::Buffer<ffi::F32>>()  // the two midpoint tables
-                                  .Arg<ffi::Buffer<ffi::U8>>()   // the two bucket tables
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // the two bucket tables
                                   .Arg<ffi::Buffer<ffi::F32>>()  // hyperparameters
                                   .Ret<ffi::AnyBuffer>()         // update, new param or delta
                                   .Ret<ffi::Buffer<ffi::S8>>()   // mu codes
