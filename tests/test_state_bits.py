@@ -3,7 +3,7 @@
 The reference here is written independently of `offlax/_src/quantized.py`: the
 code maps as bitsandbytes' `create_dynamic_map` builds them, and a per-block
 NumPy quantizer with the documented rule (the index is the number of float32
-midpoints <= x / absmax).
+midpoints <= x * (1 / absmax)).
 """
 
 import jax
@@ -52,7 +52,7 @@ def _ref_quantize(x, signed):
   for start in range(0, flat.size, B):
     block = flat[start : start + B]
     s = np.float32(np.max(np.abs(block)))
-    y = block / (s if s > 0 else np.float32(1))
+    y = block * (np.float32(1) / (s if s > 0 else np.float32(1)))
     codes[start : start + B] = np.searchsorted(mids, y, side="right")
     scales.append(s)
   codes = (codes - 128).astype(np.int8) if signed else codes.astype(np.uint8)
@@ -99,7 +99,7 @@ def test_quantize_matches_reference_bit_for_bit(signed):
 def test_ties_go_to_the_larger_entry_and_codes_are_nearest(signed):
   table = _bnb_map(signed).astype(np.float64)
   mids = ((table[:-1] + table[1:]) / 2).astype(np.float32)
-  # Two blocks, each led by 1.0 so that x / absmax is x itself: the midpoints, the entries.
+  # Two blocks, each led by 1.0 so that x * (1 / absmax) is x itself: the midpoints, the entries.
   x = np.concatenate([[1.0], mids, [1.0], table[1:-1], [0.0]]).astype(np.float32)
   codes, scales = quantized.quantize(x, signed)
   index = np.asarray(codes).astype(np.int64) + (128 if signed else 0)
@@ -290,6 +290,20 @@ def test_host_tier_state_equals_on_device_state(compute, mode):
   assert_trees_equal(jax.device_get(got.inner_state), jax.device_get(want))
   kinds = {x.sharding.memory_kind for x in jax.tree.leaves(got.inner_state) if x.ndim}
   assert kinds == {"pinned_host"}
+
+
+@pytest.mark.parametrize("chunk_bytes", [4096, 1 << 20])
+def test_host_compute_runs_the_native_kernel_on_slices(chunk_bytes):
+  """Slices of one leaf, and of several (the others masked in every tree of the state)."""
+  from offlax._src import ffi
+
+  params = _params()
+  inner = offlax.adamw(1e-3, weight_decay=0.1, state_bits=8)
+  tx = offlax.offload(inner, offlax.HostTier(compute="host", chunk_bytes=chunk_bytes))
+  state = tx.init(params)
+  step = jax.jit(lambda p, s, g: offlax.update_and_apply(tx, g, s, p))
+  text = step.lower(params, state, params).as_text()
+  assert text.count("offlax_adam8_step") == (3 if ffi.available() else 0)
 
 
 @pytest.mark.slow

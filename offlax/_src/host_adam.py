@@ -223,8 +223,10 @@ def _eight_bit(where, learning_rate, betas, mu_dtype, nesterov, weight_decay=Non
     leaves, treedef = jax.tree.flatten(grads)
     adam_state = state[0]
     m, v = jax.tree.leaves(adam_state.mu), jax.tree.leaves(adam_state.nu)
-    scale = lambda t: jax.tree.leaves(t, is_leaf=lambda x: isinstance(x, optax.MaskedNode))
-    ms, vs = scale(adam_state.mu_scale), scale(adam_state.nu_scale)
+    # Each leaf's scales (an array, or MaskedNode for float moments), aligned with its codes:
+    # a slice's state masks the leaves outside it in every tree, these too.
+    scales = lambda codes, t: [b.value for b in jax.tree.leaves(jax.tree.map(_Box, codes, t))]
+    ms, vs = scales(adam_state.mu, adam_state.mu_scale), scales(adam_state.nu, adam_state.nu_scale)
     w = [None] * len(leaves) if weights is None else jax.tree.leaves(weights)
     lo = w if low is None else jax.tree.leaves(low)
     if not (fusable and leaves and flags is not False and ffi.available()):
@@ -306,6 +308,15 @@ def _eight_bit(where, learning_rate, betas, mu_dtype, nesterov, weight_decay=Non
     return done[0], done[1]
 
   return AdamTransformation(tx.init, update_fn, update_and_apply_fn, whole_step)
+
+
+class _Box:
+  """One leaf's value as a pytree leaf (MaskedNode is a node without leaves; a list, a node)."""
+
+  __slots__ = ("value",)
+
+  def __init__(self, _, value):
+    self.value = value
 
 
 def _check_32(state) -> None:

@@ -7,9 +7,10 @@ The scheme of Dettmers et al., "8-bit Optimizers via Block-wise Quantization"
   consecutive elements; the last block may be shorter.
 * Each block keeps one float32 scale, its absmax ``s = max |x|``.
 * Each element keeps one byte: the index of the entry of a 256-entry code map
-  (values in [-1, 1], or [0, 1]) nearest to ``x / s`` (division rounded to
-  float32). Ties go to the larger entry: the index is the number of float32
-  midpoints between neighbouring entries that are <= ``x / s``.
+  (values in [-1, 1], or [0, 1]) nearest to ``y = x * r``, where ``r = 1 / s``
+  (both rounded to float32: one division a block, a multiply an element).
+  Ties go to the larger entry: the index is the number of float32 midpoints
+  between neighbouring entries that are <= ``y``.
 * Dequantized: ``map[code] * s`` (one float32 multiply).
 
 The code map is bitsandbytes' `create_dynamic_map` (dynamic tree
@@ -182,7 +183,9 @@ def quantize(x: jax.Array, signed: bool, block: int = BLOCK) -> tuple[jax.Array,
   flat = jnp.ravel(x).astype(jnp.float32)
   blocks = _blocks(flat, block)
   scales = jnp.max(jnp.abs(blocks), axis=1)
-  y = blocks / jnp.where(scales > 0, scales, jnp.float32(1))[:, None]
+  # A multiply by the block's reciprocal, not a division: the native kernel's
+  # arithmetic too, and a division an element was most of its time.
+  y = blocks * (jnp.float32(1) / jnp.where(scales > 0, scales, jnp.float32(1)))[:, None]
   # The index is the number of midpoints <= y. A table keyed by y's top 17
   # bits (sign, exponent, 8 mantissa bits) gives that count at the low end of
   # y's bucket; a bucket holds at most one midpoint, so one comparison with the
@@ -219,8 +222,8 @@ def max_error(scales: jax.Array, signed: bool) -> jax.Array:
 
   The widest gap is in the top decade (0.9 / 64 for the signed map, 0.9 / 128
   unsigned; ``y = -1`` lies that half gap below the lowest signed entry), plus
-  ``2**-22 s`` for the float32 rounding of ``x / s`` and of ``map[code] * s``
-  (each under an ulp of ``s``, ``2**-23 s``).
+  ``2**-22 s`` for the float32 rounding of ``x * (1 / s)`` and of
+  ``map[code] * s`` (each under an ulp of ``s``, ``2**-23 s``).
 
   Args:
     scales: per-block scales (`quantize`'s).

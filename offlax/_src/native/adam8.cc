@@ -133,12 +133,13 @@ inline float FromBits(uint32_t bits) {
   return f;
 }
 
-// The map indices of x[i] / s (quantized.quantize): bucket count, plus one at the next midpoint.
+// The map indices of x[i] * (1 / s) (quantized.quantize): bucket count, plus one at the next
+// midpoint.
 inline void Codes(const float* x, int64_t n, float s, const int32_t* keys, const float* above,
                   int32_t* index) {
-  const float divisor = s > 0 ? s : 1.0f;
+  const float r = 1.0f / (s > 0 ? s : 1.0f);
   for (int64_t i = 0; i < n; ++i) {
-    const float y = x[i] / divisor;
+    const float y = x[i] * r;
     uint32_t bits;
     std::memcpy(&bits, &y, sizeof bits);
     const int32_t low = keys[bits >> kKeyShift];
