@@ -499,3 +499,29 @@ def test_native_step_equals_the_jax_chain_bit_for_bit(case, kernel, monkeypatch)
   assert calls == (3 if kernel == "native" and ffi.available() else 0)  # the quantized leaves
   assert_trees_equal(got_params, want_params)
   assert_trees_equal(got_state, want_state)
+
+
+def test_planner_counts_8bit_state(capsys):
+  from offlax.__main__ import main as cli
+
+  params = {"w": jax.ShapeDtypeStruct((4096, 4096), jnp.float32)}
+  for bits, per_param in ((32, 8.0), (8, 2 + 8 / 256)):
+    p = offlax.plan(
+      params, offlax.adamw(1e-3, state_bits=bits), device_bytes=2**30, host_bytes=2**34
+    )
+    assert p.assumptions["state_bytes"] == int(per_param * 4096 * 4096) + 4  # + the count
+  args = ["plan", "--params", "7e9", "--device-mem", "80GB", "--host-mem", "256GB", "--master"]
+  args += ["--activations", "2GB"]  # (no working set to guess)
+  assert cli(args) == 0
+  assert "optimizer state 84.0 GB" in capsys.readouterr().out  # master + 2 fp32 moments
+  assert cli([*args, "--state-bits", "8"]) == 0
+  out = capsys.readouterr().out
+  assert "optimizer state 42.2 GB" in out  # master + ~1 byte a moment
+  assert "offlax.master_weights(offlax.adamw(1e-3, state_bits=8))" in out or "mode: device" in out
+  assert "host Adam 0.40 G params/s" in out  # the 8-bit host step's measured figure
+  with pytest.raises(SystemExit):
+    cli([*args, "--state-bits", "4"])
+  assert "invalid choice: 4" in capsys.readouterr().err
+  with pytest.raises(SystemExit):
+    cli([*args, "--state-bits", "8", "--optimizer", "sgd"])
+  assert "--state-bits 8 is for Adam's moments" in capsys.readouterr().err

@@ -122,7 +122,26 @@ def _build() -> pathlib.Path:
   # Built beside the target and renamed: concurrent builders never load half a file.
   with tempfile.TemporaryDirectory(dir=cache) as tmp:
     out = pathlib.Path(tmp) / target.name
-    cmd = [compiler, *flags, "-fPIC", "-shared", f"-I{include}", *map(str, sources), "-o", str(out)]
+    # Each source compiled by its own process, at once (the first use waits for the
+    # slowest, not the sum), then linked.
+    objects = [pathlib.Path(tmp) / f"{s.stem}.o" for s in sources]
+    compiles = [
+      [compiler, *flags, "-fPIC", "-c", f"-I{include}", str(s), "-o", str(o)]
+      for s, o in zip(sources, objects, strict=True)
+    ]
+    runs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for c in compiles]  # fmt: skip
+    try:
+      for cmd, proc in zip(compiles, runs, strict=True):
+        _, stderr = proc.communicate(timeout=600)
+        if proc.returncode != 0:
+          raise OSError(f"{' '.join(cmd)} failed: {stderr.strip()[-2000:]}")
+    finally:
+      for proc in runs:  # the others, after a failure
+        if proc.poll() is None:
+          proc.kill()
+          proc.wait()
+    cmd = [compiler, *flags, "-shared", *map(str, objects), "-o", str(out)]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if run.returncode != 0:
       raise OSError(f"{' '.join(cmd)} failed: {run.stderr.strip()[-2000:]}")
