@@ -525,3 +525,48 @@ def test_planner_counts_8bit_state(capsys):
   with pytest.raises(SystemExit):
     cli([*args, "--state-bits", "8", "--optimizer", "sgd"])
   assert "--state-bits 8 is for Adam's moments" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_standard_save_and_nvme_store_save_resume_bit_exactly(tmp_path):
+  """StandardSave of a host-tier state (MaskedNode scales and all), NVMeStoreSave of a store."""
+  params = _params()
+  inner = offlax.adamw(1e-3, weight_decay=0.1, state_bits=8)
+  want, _, _ = _train(inner, params, 4)
+
+  def steps(tx, params, state, start, stop):
+    step = jax.jit(lambda p, s, g: tx.update(g, s, p))
+    for i in range(start, stop):
+      updates, state = step(params, state, _grads(params, i))
+      params = optax.apply_updates(params, updates)
+    return params, state
+
+  tier = offlax.HostTier(chunk_bytes=4096)
+  tx = offlax.offload(inner, tier)
+  p2, s2 = steps(tx, params, tx.init(params), 0, 2)
+  with ocp.CheckpointManager(tmp_path / "std") as m:
+    m.save(2, args=ocp.args.StandardSave(s2))
+    m.wait_until_finished()
+    restored = m.restore(
+      2, args=ocp.args.StandardRestore(offlax.abstract_state(inner, params, tier))
+    )
+  assert_trees_equal(jax.device_get(restored), jax.device_get(s2))
+  assert_trees_equal(steps(tx, p2, restored, 2, 4)[0], want)
+
+  options = dict(chunk_bytes=4096, cache_bytes=600, progress=False, fsync=False)
+  tier = offlax.NVMeTier(str(tmp_path / "store"), **options)
+  tx = offlax.offload(inner, tier)
+  p2, s2 = steps(tx, params, tx.init(params), 0, 2)
+  with ocp.CheckpointManager(tmp_path / "ckpt") as m:
+    m.save(2, args=ocp.args.Composite(opt=offlax.NVMeStoreSave(tier)))
+    m.wait_until_finished()
+    tier.close()
+    got = m.restore(
+      2,
+      args=ocp.args.Composite(opt=offlax.NVMeStoreRestore(str(tmp_path / "back"), progress=False)),
+    )
+  assert got.opt == 2
+  tier = offlax.NVMeTier(str(tmp_path / "back"), resume=True, **options)
+  tx = offlax.offload(inner, tier)
+  assert_trees_equal(steps(tx, p2, tx.init(params), 2, 4)[0], want)
+  tier.close()
