@@ -570,3 +570,30 @@ def test_standard_save_and_nvme_store_save_resume_bit_exactly(tmp_path):
   tx = offlax.offload(inner, tier)
   assert_trees_equal(steps(tx, p2, tx.init(params), 2, 4)[0], want)
   tier.close()
+
+
+@pytest.mark.parametrize(
+  "problem, p0, lr, steps, tol",
+  [
+    ("parabola", [-1.0, 10.0, 1.0], 1e-1, 1000, 1e-5),
+    ("rosenbrock", [-1.2, 1.0], 1e-2, 10000, 2e-4),
+  ],
+)
+def test_optax_alias_problems_converge_with_8bit_state(problem, p0, lr, steps, tol):
+  """optax's alias-test problems, every leaf quantized (min_size=0: one short block)."""
+  target = jnp.array([1.0, -1.0, 2.0] if problem == "parabola" else [1.0, 1.0])
+  loss = {
+    "parabola": lambda p: jnp.sum((p - target) ** 2),
+    "rosenbrock": lambda p: (1 - p[0]) ** 2 + 100 * (p[1] - p[0] ** 2) ** 2,
+  }[problem]
+  tx = optax.chain(adam8.scale_by_adam_8bit(min_size=0), optax.scale_by_learning_rate(lr))
+
+  def body(carry, _):
+    p, s = carry
+    updates, s = tx.update(jax.grad(loss)(p), s, p)
+    return (optax.apply_updates(p, updates), s), None
+
+  p0 = jnp.array(p0)
+  assert tx.init(p0)[0].mu.dtype == jnp.int8
+  run = jax.jit(lambda p: jax.lax.scan(body, (p, tx.init(p)), None, steps)[0][0])
+  np.testing.assert_allclose(run(p0), target, atol=tol)
