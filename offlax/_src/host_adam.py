@@ -42,23 +42,30 @@ with the same results.
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from optax._src import numerics
 
-from offlax._src import adam8, errors, ffi
+from offlax._src import adam8, errors, ffi, host_adam8
 from offlax._src import apply as apply_lib
+from offlax._src.adam_maths import (  # noqa: F401 (OUT_*, Hyper, step_hyper: this module's API too)
+  OUT_DELTA,
+  OUT_NONE,
+  OUT_PARAM,
+  Hyper,
+  adam_leaf,
+  step_hyper,
+)
+from offlax._src.adam_maths import moments as _moments
+from offlax._src.adam_maths import placeholder as _placeholder
 
 _TARGET = "offlax_adam_f32"
 _MOMENTS = "offlax_adam_moments_f32"
 _WHOLE_STEP = "offlax_adam_step"
 
-# What the whole step writes besides the state (native/adam.cc `Out`).
-OUT_NONE, OUT_DELTA, OUT_PARAM = 0, 1, 2
 _STEP_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
@@ -209,8 +216,6 @@ def _eight_bit(where, learning_rate, betas, mu_dtype, nesterov, weight_decay=Non
       f"{where}: mu_dtype={mu_dtype!r} does not go with state_bits=8 (the first moment is "
       "stored in 8 bits, computed in float32); leave mu_dtype unset."
     )
-  from offlax._src import host_adam8  # imports this module
-
   tx = adam8.adam_8bit(learning_rate, betas, weight_decay, mask, nesterov=nesterov)
   decays = weight_decay is not None and not (
     isinstance(weight_decay, (int, float)) and weight_decay == 0.0
@@ -438,12 +443,6 @@ class AdamTransformation(apply_lib.FusedTransformation):
     return self
 
 
-@functools.partial(jax.jit, inline=True)
-def _bias_correction(decay, count):
-  # As optax.tree.bias_correction computes it (a jitted function of the decay).
-  return 1 - decay**count
-
-
 def _all_f32(leaves, mu, nu) -> bool:
   others = jax.tree.leaves(mu) + jax.tree.leaves(nu)
   return len(others) == 2 * len(leaves) and all(
@@ -478,66 +477,6 @@ def _decay_flags(updates, mask) -> list[bool] | bool:
   return [bool(m) for m in flat]
 
 
-def step_hyper(state, learning_rate, betas, weight_decay):
-  """(new count, new schedule state, `Hyper`) of this step of an Adam chain, as optax computes them.
-
-  `state`: the chain's state (the Adam state first, the learning rate's last).
-  """
-  b1, b2, eps, eps_root = betas
-  adam_state, lr_state = state[0], state[-1]
-  count_inc = numerics.safe_increment(adam_state.count)
-  if callable(learning_rate):
-    step_size = -1 * learning_rate(lr_state.count)
-    lr_state = type(lr_state)(count=numerics.safe_increment(lr_state.count))
-  else:
-    step_size = -1 * learning_rate
-  bc1, bc2 = _bias_correction(b1, count_inc), _bias_correction(b2, count_inc)
-  scheduled = callable(learning_rate)
-  hyper = Hyper(b1, b2, bc1, bc2, eps, eps_root, step_size, scheduled, weight_decay)
-  return count_inc, lr_state, hyper
-
-
-class Hyper(NamedTuple):
-  """One step's hyperparameters, as optax holds them (Python floats or arrays)."""
-
-  b1: Any
-  b2: Any
-  bc1: Any  # 1 - b1**count, float32
-  bc2: Any
-  eps: Any
-  eps_root: Any
-  step_size: Any  # -learning_rate
-  scheduled: bool  # step_size is a schedule's value (optax casts it)
-  weight_decay: Any
-
-  def vector(self, moments_only: bool = True) -> jax.Array:
-    """The float32 values native/adam.cc reads, in its order.
-
-    Only constants for the moments: sharing the bias corrections with the
-    update would change how XLA rewrites the update (and round it differently).
-    """
-    values: tuple[Any, ...] = (1 - self.b1, self.b1, 1 - self.b2, self.b2)
-    if not moments_only:
-      values += (self.bc1, self.bc2, self.eps_root, self.eps, self.step_size, self.weight_decay)
-    return jnp.stack([jnp.asarray(x, jnp.float32) for x in values])
-
-
-def _moments(g, m, v, hyper: Hyper):
-  return (1 - hyper.b1) * g + hyper.b1 * m, (1 - hyper.b2) * (g * g) + hyper.b2 * v
-
-
-def _adam(g, m, v, p, hyper: Hyper, decay: bool, moments=None):
-  """(update, m, v) of one leaf in optax's expressions; `moments(g, m, v)`: the moments."""
-  m, v = _moments(g, m, v, hyper) if moments is None else moments(g, m, v)
-  u = (m / hyper.bc1.astype(m.dtype)) / (
-    jnp.sqrt(v / hyper.bc2.astype(v.dtype) + hyper.eps_root) + hyper.eps
-  )
-  if decay:
-    u = u + hyper.weight_decay * p
-  step_size = jnp.array(hyper.step_size, u.dtype) if hyper.scheduled else hyper.step_size
-  return step_size * u, m, v
-
-
 def _step(g, m, v, p, hyper: Hyper, vector, decay: bool, native_update: bool):
   """One leaf: moments by the native kernel on XLA:CPU, else by JAX; update by JAX.
 
@@ -546,7 +485,7 @@ def _step(g, m, v, p, hyper: Hyper, vector, decay: bool, native_update: bool):
   rewrites it exactly as it rewrites optax's program; with `native_update`
   the kernel writes it too.
   """
-  whole = lambda g, m, v, p, vector: _adam(g, m, v, p, hyper, decay)
+  whole = lambda g, m, v, p, vector: adam_leaf(g, m, v, p, hyper, decay)
   if not g.size:
     return whole(g, m, v, p, vector)
   if native_update:
@@ -555,7 +494,7 @@ def _step(g, m, v, p, hyper: Hyper, vector, decay: bool, native_update: bool):
     return ffi.on_cpu(kernel, whole, g, m, v, p, vector)
   plain = lambda g, m, v, vector: _moments(g, m, v, hyper)
   moments = lambda g, m, v: ffi.on_cpu(_native_moments, plain, g, m, v, vector)
-  return _adam(g, m, v, p, hyper, decay, moments)
+  return adam_leaf(g, m, v, p, hyper, decay, moments)
 
 
 def _whole_step(g, m, v, w, low, hyper: Hyper, vector, decay: bool, out: int):
@@ -567,7 +506,7 @@ def _whole_step(g, m, v, w, low, hyper: Hyper, vector, decay: bool, out: int):
 
   def plain(g, m, v, w, low, vector):
     del vector
-    update, m, v = _adam(g.astype(jnp.float32), m, v, w, hyper, decay)
+    update, m, v = adam_leaf(g.astype(jnp.float32), m, v, w, hyper, decay)
     new_w = optax.apply_updates(w, update)
     if out == OUT_NONE:
       return new_w, m, v, new_w
@@ -593,21 +532,6 @@ def _whole_step(g, m, v, w, low, hyper: Hyper, vector, decay: bool, out: int):
     return (new_w if out == OUT_NONE else r), m, v, new_w
 
   return ffi.on_cpu(native, plain, g, m, v, w, low, vector)
-
-
-def adam_leaf(g, m, v, p, hyper: Hyper, decay: bool):
-  """(update, m, v) of one leaf in optax's expressions (what the native kernels compute)."""
-  return _adam(g, m, v, p, hyper, decay)
-
-
-def placeholder() -> jax.Array:
-  """An operand a kernel does not read (see `_placeholder`)."""
-  return _placeholder()
-
-
-def _placeholder() -> jax.Array:
-  """An operand the kernel does not read: a constant, so slicing its leaf is plainly safe."""
-  return jnp.zeros((1,), jnp.float32)
 
 
 def _native_moments(g, m, v, vector):

@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from offlax._src import adam_maths as ha
 from offlax._src import ffi, quantized
-from offlax._src import host_adam as ha
 
 _TARGET = "offlax_adam8_step"
 OUT_UPDATE = 3  # besides host_adam's OUT_NONE, OUT_DELTA, OUT_PARAM: the update
