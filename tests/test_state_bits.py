@@ -597,3 +597,30 @@ def test_optax_alias_problems_converge_with_8bit_state(problem, p0, lr, steps, t
   assert tx.init(p0)[0].mu.dtype == jnp.int8
   run = jax.jit(lambda p: jax.lax.scan(body, (p, tx.init(p)), None, steps)[0][0])
   np.testing.assert_allclose(run(p0), target, atol=tol)
+
+
+def test_retier_moves_8bit_state_between_tiers_exactly(tmp_path):
+  params = _params()
+  inner = offlax.adamw(1e-3, weight_decay=0.1, state_bits=8)
+  want, _, _ = _train(inner, params, 3)
+  _, plain, _ = _train(inner, params, 1)
+  on_host = offlax.retier(plain, inner, params, offlax.HostTier(chunk_bytes=4096))
+  assert_trees_equal(jax.device_get(on_host.inner_state), jax.device_get(plain))
+  tx = offlax.offload(inner, offlax.HostTier(chunk_bytes=4096))
+  p1 = optax.apply_updates(params, _train(inner, params, 1)[2])
+  step = jax.jit(lambda p, s, g: tx.update(g, s, p))
+  state = on_host
+  for i in (1, 2):
+    updates, state = step(p1, state, _grads(p1, i))
+    p1 = optax.apply_updates(p1, updates)
+  assert_trees_equal(p1, want)
+  with pytest.raises(offlax.TreeMismatchError, match="holds an 8-bit Adam state.*state_bits=8"):
+    offlax.retier(plain, offlax.adamw(1e-3), params, offlax.HostTier())
+
+
+def test_layer_store_refuses_8bit_state(tmp_path):
+  layers = {"w": jnp.zeros((3, 64, 64))}  # a block of 256 may not span two layers: refused
+  with pytest.raises(offlax.InvalidOptionError, match="not elementwise"):
+    offlax.LayerStore.create(
+      str(tmp_path / "s"), layers, optimizer=offlax.adam(1e-3, state_bits=8), progress=False
+    )
