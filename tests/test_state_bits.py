@@ -469,11 +469,7 @@ def _run(tx, params, mode, steps=2):
   return params, state, text.count("offlax_adam8_step")
 
 
-_DEFAULT_RUN = {
-  ("adamw_update", "native"),
-  ("master_apply", "native"),
-  ("master_apply", "leafwise_jax"),
-}
+_DEFAULT_RUN = {("adamw_update", "native"), ("adamw_schedule_apply", "leafwise_jax")}
 
 
 @pytest.mark.parametrize(
@@ -599,6 +595,7 @@ def test_optax_alias_problems_converge_with_8bit_state(problem, p0, lr, steps, t
   np.testing.assert_allclose(run(p0), target, atol=tol)
 
 
+@pytest.mark.slow
 def test_retier_moves_8bit_state_between_tiers_exactly(tmp_path):
   params = _params()
   inner = offlax.adamw(1e-3, weight_decay=0.1, state_bits=8)
