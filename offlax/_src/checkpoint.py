@@ -13,7 +13,7 @@ import optax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from offlax._src import errors, flax_glue
+from offlax._src import adam8, errors, flax_glue
 from offlax._src import layout as layout_lib
 from offlax._src import sharding as sharding_lib
 from offlax._src import tier as tier_lib
@@ -314,7 +314,7 @@ def _check_state(want: Any, state: Any) -> None:
   if str(want_def) != str(got_def):  # (PyTreeDef has no typed __ne__)
     raise errors.TreeMismatchError(
       f"retier: the state is not one of this optimizer for these params: its structure is "
-      f"{got_def}, expected {want_def}."
+      f"{got_def}, expected {want_def}." + adam8.bits_hint([str(got_def)], [str(want_def)])
     )
   for (path, w), (_, g) in zip(want_flat, got_flat, strict=True):
     if (np.shape(g), np.dtype(g.dtype)) != (w.shape, np.dtype(w.dtype)):

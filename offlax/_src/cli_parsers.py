@@ -78,6 +78,10 @@ def _plan_step(p: argparse.ArgumentParser) -> None:
     "--master", action="store_true",
     help="fp32 master weights in the state (offlax.master_weights), as mixed precision does",
   )  # fmt: skip
+  p.add_argument(
+    "--state-bits", type=int, choices=(32, 8), default=32,
+    help="Adam's moments in 32 bits, or 8 (offlax.adamw(..., state_bits=8): ~1 byte each)",
+  )  # fmt: skip
   p.add_argument("--chunk", default="64MiB", help="slice size (64MiB; 4KiB to 16GiB)")
   p.add_argument(
     "--layers", default=None,

@@ -1,8 +1,9 @@
 """offlax's native library: XLA FFI handlers for XLA:CPU, built on first use.
 
-The sources in `native/` (`adam.cc`: the host Adam kernel; `slices.cc`: the
-NVMe tier's copies between XLA's buffers and its slice buffers; `transpose.cc`:
-a matrix transpose for checkpoint loads and saves, called by ctypes) are compiled
+The sources in `native/` (`adam.cc`: the host Adam kernel; `adam8.cc`: its 8-bit
+state version; `slices.cc`: the NVMe tier's copies between XLA's buffers and its
+slice buffers; `transpose.cc`: a matrix transpose for checkpoint loads and saves,
+called by ctypes) are compiled
 into one shared library with the system C++ compiler, cached in
 ``$OFFLAX_CACHE_DIR`` (default ``~/.cache/offlax``) under a name keyed by the
 sources, the flags, the jaxlib headers and the CPU, and registered with XLA
@@ -31,7 +32,7 @@ from offlax._src import plugin_ffi
 
 _LOG = logging.getLogger("offlax")
 _NATIVE = pathlib.Path(__file__).parent / "native"
-_SOURCES = ("adam.cc", "slices.cc", "transpose.cc")
+_SOURCES = ("adam.cc", "adam8.cc", "slices.cc", "transpose.cc")
 _FLAGS = ["-std=c++17", "-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno"]
 
 # FFI target name -> the handler's symbol in the library.
@@ -39,6 +40,7 @@ TARGETS = {
   "offlax_adam_f32": "OfflaxAdamF32",
   "offlax_adam_moments_f32": "OfflaxAdamMomentsF32",
   "offlax_adam_step": "OfflaxAdamStep",
+  "offlax_adam8_step": "OfflaxAdam8Step",
   "offlax_to_slice": "OfflaxToSlice",
   "offlax_from_slice": "OfflaxFromSlice",
 }
@@ -145,7 +147,26 @@ def _build() -> pathlib.Path:
   # Built beside the target and renamed: concurrent builders never load half a file.
   with tempfile.TemporaryDirectory(dir=cache) as tmp:
     out = pathlib.Path(tmp) / target.name
-    cmd = [compiler, *flags, "-fPIC", "-shared", f"-I{include}", *map(str, sources), "-o", str(out)]
+    # Each source compiled by its own process, at once (the first use waits for the
+    # slowest, not the sum), then linked.
+    objects = [pathlib.Path(tmp) / f"{s.stem}.o" for s in sources]
+    compiles = [
+      [compiler, *flags, "-fPIC", "-c", f"-I{include}", str(s), "-o", str(o)]
+      for s, o in zip(sources, objects, strict=True)
+    ]
+    runs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for c in compiles]  # fmt: skip
+    try:
+      for cmd, proc in zip(compiles, runs, strict=True):
+        _, stderr = proc.communicate(timeout=600)
+        if proc.returncode != 0:
+          raise OSError(f"{' '.join(cmd)} failed: {stderr.strip()[-2000:]}")
+    finally:
+      for proc in runs:  # the others, after a failure
+        if proc.poll() is None:
+          proc.kill()
+          proc.wait()
+    cmd = [compiler, *flags, "-shared", *map(str, objects), "-o", str(out)]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if run.returncode != 0:
       raise OSError(f"{' '.join(cmd)} failed: {run.stderr.strip()[-2000:]}")

@@ -42,23 +42,30 @@ with the same results.
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from optax._src import numerics
 
+from offlax._src import adam8, errors, ffi, host_adam8
 from offlax._src import apply as apply_lib
-from offlax._src import ffi
+from offlax._src.adam_maths import (  # noqa: F401 (OUT_*, Hyper, step_hyper: this module's API too)
+  OUT_DELTA,
+  OUT_NONE,
+  OUT_PARAM,
+  Hyper,
+  adam_leaf,
+  step_hyper,
+)
+from offlax._src.adam_maths import moments as _moments
+from offlax._src.adam_maths import placeholder as _placeholder
 
 _TARGET = "offlax_adam_f32"
 _MOMENTS = "offlax_adam_moments_f32"
 _WHOLE_STEP = "offlax_adam_step"
 
-# What the whole step writes besides the state (native/adam.cc `Out`).
-OUT_NONE, OUT_DELTA, OUT_PARAM = 0, 1, 2
 _STEP_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
@@ -72,6 +79,7 @@ def adam(
   *,
   nesterov: bool = False,
   native_update: bool = False,
+  state_bits: int | None = None,
 ) -> AdamTransformation:
   """`optax.adam`, with the moments updated by one native pass on XLA:CPU.
 
@@ -101,6 +109,10 @@ def adam(
       host's share of a ZeRO-Offload step). The moments stay bit-identical to
       optax's; the update agrees with optax's to 2e-6 relative, since XLA
       rounds optax's update in a form that depends on the program around it.
+    state_bits: 32 (or None: float32 moments, optax's state) or 8: both moments
+      stored blockwise-quantized in one byte an element (docs/state_bits.md;
+      `adam8.py`), updated as "dequantize, optax's Adam, quantize"; leaves
+      of fewer than 4096 elements keep float32 moments.
 
   Returns:
     An `AdamTransformation` (an `optax.GradientTransformationExtraArgs`, with
@@ -116,6 +128,8 @@ def adam(
     >>> bool((u["w"] == r["w"]).all())
     True
   """
+  if adam8.check_state_bits(state_bits, "offlax.adam") == 8:
+    return _eight_bit("offlax.adam", learning_rate, (b1, b2, eps, eps_root), mu_dtype, nesterov)
   reference = optax.adam(learning_rate, b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov)
   return _fused(
     reference, learning_rate, (b1, b2, eps, eps_root), None, None, nesterov, mu_dtype, native_update
@@ -134,6 +148,7 @@ def adamw(
   *,
   nesterov: bool = False,
   native_update: bool = False,
+  state_bits: int | None = None,
 ) -> AdamTransformation:
   """`optax.adamw`, with the moments updated by one native pass on XLA:CPU.
 
@@ -153,6 +168,7 @@ def adamw(
     mask: which leaves are decayed, as in `optax.adamw`.
     nesterov: Nesterov momentum; True runs `optax.adamw` itself.
     native_update: the kernel writes the update too (see `adam`).
+    state_bits: 32 or 8 (see `adam`).
 
   Returns:
     An `AdamTransformation` (an `optax.GradientTransformationExtraArgs`, with
@@ -170,6 +186,9 @@ def adamw(
     >>> all(bool((u[k] == r[k]).all()) for k in params)
     True
   """
+  if adam8.check_state_bits(state_bits, "offlax.adamw") == 8:
+    betas = (b1, b2, eps, eps_root)
+    return _eight_bit("offlax.adamw", learning_rate, betas, mu_dtype, nesterov, weight_decay, mask)
   reference = optax.adamw(
     learning_rate, b1, b2, eps, eps_root, mu_dtype, weight_decay, mask, nesterov=nesterov
   )
@@ -185,6 +204,132 @@ def adamw(
   )
 
 
+def _eight_bit(where, learning_rate, betas, mu_dtype, nesterov, weight_decay=None, mask=None):
+  """`adam`/`adamw` with 8-bit moments (`adam8.py`), with the native step on XLA:CPU.
+
+  optax's chain around `scale_by_adam_8bit`; where the native library runs
+  (`host_adam8.py`), each step's leaves run its kernels instead, with the
+  chain's results.
+  """
+  if mu_dtype is not None and jnp.dtype(mu_dtype) != jnp.float32:
+    raise errors.InvalidOptionError(
+      f"{where}: mu_dtype={mu_dtype!r} does not go with state_bits=8 (the first moment is "
+      "stored in 8 bits, computed in float32); leave mu_dtype unset."
+    )
+  tx = adam8.adam_8bit(learning_rate, betas, weight_decay, mask, nesterov=nesterov)
+  decays = weight_decay is not None and not (
+    isinstance(weight_decay, (int, float)) and weight_decay == 0.0
+  )
+  fusable = not nesterov and not callable(weight_decay)
+
+  def leaves_of(grads, state, weights, low):
+    """Per leaf (g, m, v, scales, w, low, decay), or None where the native path does not apply."""
+    flags = _decay_flags(grads, mask) if decays else None
+    leaves, treedef = jax.tree.flatten(grads)
+    adam_state = state[0]
+    m, v = jax.tree.leaves(adam_state.mu), jax.tree.leaves(adam_state.nu)
+    # Each leaf's scales (an array, or MaskedNode for float moments), aligned with its codes:
+    # a slice's state masks the leaves outside it in every tree, these too.
+    scales = lambda codes, t: [b.value for b in jax.tree.leaves(jax.tree.map(_Box, codes, t))]
+    ms, vs = scales(adam_state.mu, adam_state.mu_scale), scales(adam_state.nu, adam_state.nu_scale)
+    w = [None] * len(leaves) if weights is None else jax.tree.leaves(weights)
+    lo = w if low is None else jax.tree.leaves(low)
+    if not (fusable and leaves and flags is not False and ffi.available()):
+      return None
+    if not len(m) == len(v) == len(ms) == len(vs) == len(w) == len(lo) == len(leaves):
+      return None
+    rows = zip(leaves, m, v, ms, vs, w, lo, flags or [False] * len(leaves), strict=True)
+    return treedef, list(rows)
+
+  def eligible(rows, whole: bool) -> bool:
+    for g, m, v, _, _, w, lo, d in rows:
+      if host_adam8.native_leaf(g, m, v):
+        if (whole or d) and not (w.dtype == jnp.float32 and lo.dtype in _STEP_DTYPES):
+          return False
+      elif whole and not _step_dtypes([g], [m], [v], [w], [lo]):
+        return False
+      elif not whole and not (_all_f32([g], [m], [v]) and (not d or w.dtype == jnp.float32)):
+        return False
+    return True
+
+  def update_fn(updates, state, params=None, **extra_args):
+    if (error := adam8.mismatch(state[0], 8, f"{where} update")) is not None:
+      raise error
+    if decays and params is None:
+      raise ValueError(f"{where}: update needs params (the weight decay reads them).")
+    found = leaves_of(updates, state, params if decays else None, None)
+    if found is None or not eligible(found[1], whole=False):
+      return tx.update(updates, state, params, **extra_args)
+    treedef, rows = found
+    count_inc, lr_state, hyper = step_hyper(
+      state, learning_rate, betas, weight_decay if decays else 0.0
+    )
+    vector = hyper.vector(moments_only=False)
+    moments_vector = hyper.vector(moments_only=True)
+    out = []
+    for g, m, v, ms, vs, w, _, d in rows:
+      if host_adam8.native_leaf(g, m, v):
+        u, (m, ms, vs_codes, vs_scale), _ = host_adam8.leaf_step(
+          g, (m, ms, v, vs), w, None, hyper, vector, d, host_adam8.OUT_UPDATE
+        )
+        out.append((u, m, ms, vs_codes, vs_scale))
+      else:
+        u, m, v = _step(g, m, v, w, hyper, moments_vector, d, False)
+        out.append((u, m, ms, v, vs))
+    u, mu, mu_scale, nu, nu_scale = (treedef.unflatten(list(x)) for x in zip(*out, strict=True))
+    new = adam8.ScaleByAdam8bitState(count_inc, mu, mu_scale, nu, nu_scale)
+    return u, (new, *state[1:-1], lr_state)
+
+  def whole_step(grads, state, weights, low=None, *, out=OUT_NONE):
+    """As `AdamTransformation.whole_step`, on the 8-bit state."""
+    if (error := adam8.mismatch(state[0], 8, f"{where} update")) is not None:
+      raise error
+    found = leaves_of(grads, state, weights, low)
+    if found is None or not eligible(found[1], whole=True):
+      return None
+    treedef, rows = found
+    count_inc, lr_state, hyper = step_hyper(
+      state, learning_rate, betas, weight_decay if decays else 0.0
+    )
+    vector = hyper.vector(moments_only=False)
+    new = []
+    for g, m, v, ms, vs, w, lo, d in rows:
+      if host_adam8.native_leaf(g, m, v):
+        r, (m, ms, v, vs), w = host_adam8.leaf_step(g, (m, ms, v, vs), w, lo, hyper, vector, d, out)
+      else:
+        r, m, v, w = _whole_step(g, m, v, w, lo, hyper, vector, d, out)
+      new.append((r, m, ms, v, vs, w))
+    result, mu, mu_scale, nu, nu_scale, w = (
+      treedef.unflatten(list(x)) for x in zip(*new, strict=True)
+    )
+    adam_state = adam8.ScaleByAdam8bitState(count_inc, mu, mu_scale, nu, nu_scale)
+    return result, (adam_state, *state[1:-1], lr_state), w
+
+  def update_and_apply_fn(grads, state, params, **extra_args):
+    done = whole_step(grads, state, params)
+    if done is None:
+      updates, state = update_fn(grads, state, params, **extra_args)
+      return optax.apply_updates(params, updates), state
+    return done[0], done[1]
+
+  return AdamTransformation(tx.init, update_fn, update_and_apply_fn, whole_step)
+
+
+class _Box:
+  """One leaf's value as a pytree leaf (MaskedNode is a node without leaves; a list, a node)."""
+
+  __slots__ = ("value",)
+
+  def __init__(self, _, value):
+    self.value = value
+
+
+def _check_32(state) -> None:
+  """Refuses an 8-bit state (`state_bits=8`) handed to this float32-state Adam."""
+  if (error := adam8.mismatch(state[0], 32, "offlax.adam/adamw update")) is not None:
+    raise error
+
+
 def _fused(reference, learning_rate, betas, weight_decay, mask, nesterov, mu_dtype, native_update):
   b1, b2, eps, eps_root = betas
   fusable = (
@@ -198,29 +343,11 @@ def _fused(reference, learning_rate, betas, weight_decay, mask, nesterov, mu_dty
   )
 
   def hyperparameters(state):
-    """(new count, new schedule state, `Hyper`) of this step, as optax computes them."""
-    adam_state, lr_state = state[0], state[-1]
-    count_inc = numerics.safe_increment(adam_state.count)
-    if callable(learning_rate):
-      step_size = -1 * learning_rate(lr_state.count)
-      lr_state = type(lr_state)(count=numerics.safe_increment(lr_state.count))
-    else:
-      step_size = -1 * learning_rate
-    hyper = Hyper(
-      b1,
-      b2,
-      _bias_correction(b1, count_inc),
-      _bias_correction(b2, count_inc),
-      eps,
-      eps_root,
-      step_size,
-      callable(learning_rate),
-      weight_decay if decays else 0.0,
-    )
-    return count_inc, lr_state, hyper
+    return step_hyper(state, learning_rate, betas, weight_decay if decays else 0.0)
 
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args
+    _check_32(state)
     adam_state = state[0]
     if decays and params is None:
       raise ValueError("offlax.adamw: update needs params (the weight decay reads them).")
@@ -256,6 +383,7 @@ def _fused(reference, learning_rate, betas, weight_decay, mask, nesterov, mu_dty
     params, the new master rounded). Returns ``(result, new_state,
     new_weights)``.
     """
+    _check_32(state)
     adam_state = state[0]
     flags = _decay_flags(grads, mask) if decays else None
     leaves, treedef = jax.tree.flatten(grads)
@@ -315,12 +443,6 @@ class AdamTransformation(apply_lib.FusedTransformation):
     return self
 
 
-@functools.partial(jax.jit, inline=True)
-def _bias_correction(decay, count):
-  # As optax.tree.bias_correction computes it (a jitted function of the decay).
-  return 1 - decay**count
-
-
 def _all_f32(leaves, mu, nu) -> bool:
   others = jax.tree.leaves(mu) + jax.tree.leaves(nu)
   return len(others) == 2 * len(leaves) and all(
@@ -355,47 +477,6 @@ def _decay_flags(updates, mask) -> list[bool] | bool:
   return [bool(m) for m in flat]
 
 
-class Hyper(NamedTuple):
-  """One step's hyperparameters, as optax holds them (Python floats or arrays)."""
-
-  b1: Any
-  b2: Any
-  bc1: Any  # 1 - b1**count, float32
-  bc2: Any
-  eps: Any
-  eps_root: Any
-  step_size: Any  # -learning_rate
-  scheduled: bool  # step_size is a schedule's value (optax casts it)
-  weight_decay: Any
-
-  def vector(self, moments_only: bool = True) -> jax.Array:
-    """The float32 values native/adam.cc reads, in its order.
-
-    Only constants for the moments: sharing the bias corrections with the
-    update would change how XLA rewrites the update (and round it differently).
-    """
-    values: tuple[Any, ...] = (1 - self.b1, self.b1, 1 - self.b2, self.b2)
-    if not moments_only:
-      values += (self.bc1, self.bc2, self.eps_root, self.eps, self.step_size, self.weight_decay)
-    return jnp.stack([jnp.asarray(x, jnp.float32) for x in values])
-
-
-def _moments(g, m, v, hyper: Hyper):
-  return (1 - hyper.b1) * g + hyper.b1 * m, (1 - hyper.b2) * (g * g) + hyper.b2 * v
-
-
-def _adam(g, m, v, p, hyper: Hyper, decay: bool, moments=None):
-  """(update, m, v) of one leaf in optax's expressions; `moments(g, m, v)`: the moments."""
-  m, v = _moments(g, m, v, hyper) if moments is None else moments(g, m, v)
-  u = (m / hyper.bc1.astype(m.dtype)) / (
-    jnp.sqrt(v / hyper.bc2.astype(v.dtype) + hyper.eps_root) + hyper.eps
-  )
-  if decay:
-    u = u + hyper.weight_decay * p
-  step_size = jnp.array(hyper.step_size, u.dtype) if hyper.scheduled else hyper.step_size
-  return step_size * u, m, v
-
-
 def _step(g, m, v, p, hyper: Hyper, vector, decay: bool, native_update: bool):
   """One leaf: moments by the native kernel on XLA:CPU, else by JAX; update by JAX.
 
@@ -404,7 +485,7 @@ def _step(g, m, v, p, hyper: Hyper, vector, decay: bool, native_update: bool):
   rewrites it exactly as it rewrites optax's program; with `native_update`
   the kernel writes it too.
   """
-  whole = lambda g, m, v, p, vector: _adam(g, m, v, p, hyper, decay)
+  whole = lambda g, m, v, p, vector: adam_leaf(g, m, v, p, hyper, decay)
   if not g.size:
     return whole(g, m, v, p, vector)
   if native_update:
@@ -413,7 +494,7 @@ def _step(g, m, v, p, hyper: Hyper, vector, decay: bool, native_update: bool):
     return ffi.on_cpu(kernel, whole, g, m, v, p, vector)
   plain = lambda g, m, v, vector: _moments(g, m, v, hyper)
   moments = lambda g, m, v: ffi.on_cpu(_native_moments, plain, g, m, v, vector)
-  return _adam(g, m, v, p, hyper, decay, moments)
+  return adam_leaf(g, m, v, p, hyper, decay, moments)
 
 
 def _whole_step(g, m, v, w, low, hyper: Hyper, vector, decay: bool, out: int):
@@ -425,7 +506,7 @@ def _whole_step(g, m, v, w, low, hyper: Hyper, vector, decay: bool, out: int):
 
   def plain(g, m, v, w, low, vector):
     del vector
-    update, m, v = _adam(g.astype(jnp.float32), m, v, w, hyper, decay)
+    update, m, v = adam_leaf(g.astype(jnp.float32), m, v, w, hyper, decay)
     new_w = optax.apply_updates(w, update)
     if out == OUT_NONE:
       return new_w, m, v, new_w
@@ -451,11 +532,6 @@ def _whole_step(g, m, v, w, low, hyper: Hyper, vector, decay: bool, out: int):
     return (new_w if out == OUT_NONE else r), m, v, new_w
 
   return ffi.on_cpu(native, plain, g, m, v, w, low, vector)
-
-
-def _placeholder() -> jax.Array:
-  """An operand the kernel does not read: a constant, so slicing its leaf is plainly safe."""
-  return jnp.zeros((1,), jnp.float32)
 
 
 def _native_moments(g, m, v, vector):

@@ -21,7 +21,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from offlax._src import errors
+from offlax._src import adam8, errors
 from offlax._src.checkpoint import placed
 from offlax._src.nvme import array_files
 from offlax._src.nvme.format import write_json
@@ -204,6 +204,7 @@ def _assemble(x: Any, sharding: Any, stored: list[Index], devices: dict, arrays:
 
 
 def _check_target(path: str, saved: list[dict], leaves: list[tuple[str, Any]]) -> None:
+  hint = adam8.bits_hint([m["path"] for m in saved], [key for key, _ in leaves])
   for n, (meta, (key, x)) in enumerate(zip(saved, leaves, strict=False)):
     want = (meta["path"], tuple(meta["shape"]), meta["dtype"])
     have = (key, tuple(x.shape), np.dtype(x.dtype).name)
@@ -212,11 +213,11 @@ def _check_target(path: str, saved: list[dict], leaves: list[tuple[str, Any]]) -
         f"HostStateRestore: leaf {n} of the target is {have[0]} {have[2]}{list(have[1])}, "
         f"but {path} holds {want[0]} {want[2]}{list(want[1])} there: restore into the "
         "state this checkpoint was saved from (offlax.abstract_state of the same optimizer "
-        "and params)."
+        "and params)." + hint
       )
   if len(saved) != len(leaves):
     raise errors.TreeMismatchError(
-      f"HostStateRestore: the target has {len(leaves)} leaves, {path} holds {len(saved)}."
+      f"HostStateRestore: the target has {len(leaves)} leaves, {path} holds {len(saved)}." + hint
     )
 
 

@@ -49,6 +49,11 @@ def options(args: Any) -> Options:
     )  # fmt: skip
     if text is not None
   }
+  if getattr(args, "state_bits", 32) == 8 and args.optimizer not in ("adam", "adamw"):
+    raise errors.InvalidOptionError(
+      f"plan: --state-bits 8 is for Adam's moments (offlax.adam/adamw(..., state_bits=8)), "
+      f"not --optimizer {args.optimizer}: give --optimizer adam or adamw, or leave --state-bits"
+    )
   tokens = int(plan_options.parse("tokens", args.tokens))
   layers = None if args.layers is None else int(plan_options.parse("layers", args.layers))
   if args.hf_config is not None:
@@ -122,12 +127,16 @@ def run(args: Any, opts: Options) -> int:
   if shape is not None:
     print(f"shape: {shape.source}: {plan_models.describe(shape.model)}")
   rates.update(_measured(args))
+  bits = getattr(args, "state_bits", 32)
   inner = {
-    "adam": lambda: optax.adam(1e-3),
-    "adamw": lambda: optax.adamw(1e-3),
+    "adam": lambda: offlax.adam(1e-3, state_bits=bits) if bits == 8 else optax.adam(1e-3),
+    "adamw": lambda: offlax.adamw(1e-3, state_bits=bits) if bits == 8 else optax.adamw(1e-3),
     "sgd": lambda: optax.sgd(1e-3, momentum=0.9),
     "adafactor": lambda: optax.adafactor(1e-3),
   }[args.optimizer]()
+  if bits == 8 and "host_adam_params_per_s" not in rates:
+    # The 8-bit host step is compute-bound where the fp32 one is memory-bound.
+    rates["host_adam_params_per_s"] = planner.HOST_ADAM8_PARAMS_PER_S
   tx = offlax.master_weights(inner) if args.master else inner
   if shape is not None:
     model, n, layers = shape.model, shape.model.n_params, shape.model.layers
@@ -163,6 +172,8 @@ def run(args: Any, opts: Options) -> int:
     )
     result, model, n = other, guess.model, guess.model.n_params
   inner_code = INNER_CODE[args.optimizer]
+  if bits == 8:
+    inner_code = f"offlax.{args.optimizer}(1e-3, state_bits=8)"
   if args.master:
     inner_code = f"offlax.master_weights({inner_code})"
   print(result.table(inner=inner_code))
