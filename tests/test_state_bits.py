@@ -18,6 +18,8 @@ import offlax
 from offlax._src import adam8, quantized
 from offlax._src.layout import ParamSpec, StateLayout
 from offlax._src.nvme.store import Store
+from offlax.checkpoint import NVMeStoreRestore
+from offlax.errors import InvalidOptionError, TreeMismatchError
 
 B = 256
 
@@ -343,37 +345,37 @@ def test_host_state_save_round_trip_is_exact_and_other_bits_refused(tmp_path):
   tx = offlax.offload(inner, offlax.HostTier(chunk_bytes=4096))
   _, state, _ = _train(tx, params, 2)
   with ocp.CheckpointManager(tmp_path) as m:
-    m.save(2, args=ocp.args.Composite(opt=offlax.HostStateSave(state, progress=False)))
+    m.save(2, args=ocp.args.Composite(opt=offlax.checkpoint.HostStateSave(state, progress=False)))
     m.wait_until_finished()
   with ocp.CheckpointManager(tmp_path) as m:
     target = offlax.abstract_state(inner, params)
-    restored = m.restore(2, args=ocp.args.Composite(opt=offlax.HostStateRestore(target)))
+    restored = m.restore(2, args=ocp.args.Composite(opt=offlax.checkpoint.HostStateRestore(target)))
     assert_trees_equal(jax.device_get(restored.opt), jax.device_get(state))
     fp32 = offlax.abstract_state(offlax.adamw(1e-3), params)
-    with pytest.raises(offlax.TreeMismatchError, match="8-bit Adam state.*state_bits=8"):
-      m.restore(2, args=ocp.args.Composite(opt=offlax.HostStateRestore(fp32)))
+    with pytest.raises(TreeMismatchError, match="8-bit Adam state.*state_bits=8"):
+      m.restore(2, args=ocp.args.Composite(opt=offlax.checkpoint.HostStateRestore(fp32)))
 
 
 def test_state_of_the_other_bit_width_is_refused():
   params = _params()
   eight, fp32 = offlax.adam(1e-3, state_bits=8), offlax.adam(1e-3)
   g = _grads(params, 0)
-  with pytest.raises(offlax.TreeMismatchError, match=r"state_bits=32\) got an 8-bit Adam state"):
+  with pytest.raises(TreeMismatchError, match=r"state_bits=32\) got an 8-bit Adam state"):
     fp32.update(g, eight.init(params), params)
-  with pytest.raises(offlax.TreeMismatchError, match=r"state_bits=8\) got a ScaleByAdamState"):
+  with pytest.raises(TreeMismatchError, match=r"state_bits=8\) got a ScaleByAdamState"):
     eight.update(g, fp32.init(params), params)
   master = offlax.master_weights(fp32)
   state = offlax.master_weights(eight).init(params)
-  with pytest.raises(offlax.TreeMismatchError, match="state_bits=8"):
+  with pytest.raises(TreeMismatchError, match="state_bits=8"):
     offlax.update_and_apply(master, g, state, params)
 
 
 @pytest.mark.parametrize("bits", [4, 16, 0, True, "8", 8.5])
 def test_bad_state_bits_are_refused_by_name(bits):
   for make in (offlax.adam, offlax.adamw):
-    with pytest.raises(offlax.InvalidOptionError, match=rf"state_bits must be 8 .*{bits!r}"):
+    with pytest.raises(InvalidOptionError, match=rf"state_bits must be 8 .*{bits!r}"):
       make(1e-3, state_bits=bits)
-  with pytest.raises(offlax.InvalidOptionError, match="mu_dtype.*state_bits=8"):
+  with pytest.raises(InvalidOptionError, match="mu_dtype.*state_bits=8"):
     offlax.adam(1e-3, mu_dtype=jnp.bfloat16, state_bits=8)
 
 
@@ -381,7 +383,7 @@ def test_state_bits_under_inject_hyperparams():
   params = _params()
   # Not injected by default (None is not a number); traced, it is refused with the way out.
   injected = optax.inject_hyperparams(offlax.adam)(learning_rate=1e-3, state_bits=8)
-  with pytest.raises(offlax.InvalidOptionError, match="static_args=\\('state_bits',\\)"):
+  with pytest.raises(InvalidOptionError, match="static_args=\\('state_bits',\\)"):
     injected.init(params)
   tx = optax.inject_hyperparams(offlax.adam, static_args=("state_bits",))(1e-3, state_bits=8)
   state = tx.init(params)
@@ -554,12 +556,12 @@ def test_standard_save_and_nvme_store_save_resume_bit_exactly(tmp_path):
   tx = offlax.offload(inner, tier)
   p2, s2 = steps(tx, params, tx.init(params), 0, 2)
   with ocp.CheckpointManager(tmp_path / "ckpt") as m:
-    m.save(2, args=ocp.args.Composite(opt=offlax.NVMeStoreSave(tier)))
+    m.save(2, args=ocp.args.Composite(opt=offlax.checkpoint.NVMeStoreSave(tier)))
     m.wait_until_finished()
     tier.close()
     got = m.restore(
       2,
-      args=ocp.args.Composite(opt=offlax.NVMeStoreRestore(str(tmp_path / "back"), progress=False)),
+      args=ocp.args.Composite(opt=NVMeStoreRestore(str(tmp_path / "back"), progress=False)),
     )
   assert got.opt == 2
   tier = offlax.NVMeTier(str(tmp_path / "back"), resume=True, **options)
@@ -601,7 +603,7 @@ def test_retier_moves_8bit_state_between_tiers_exactly(tmp_path):
   inner = offlax.adamw(1e-3, weight_decay=0.1, state_bits=8)
   want, _, _ = _train(inner, params, 3)
   _, plain, _ = _train(inner, params, 1)
-  on_host = offlax.retier(plain, inner, params, offlax.HostTier(chunk_bytes=4096))
+  on_host = offlax.checkpoint.retier(inner, params, plain, offlax.HostTier(chunk_bytes=4096))
   assert_trees_equal(jax.device_get(on_host.inner_state), jax.device_get(plain))
   tx = offlax.offload(inner, offlax.HostTier(chunk_bytes=4096))
   p1 = optax.apply_updates(params, _train(inner, params, 1)[2])
@@ -611,13 +613,13 @@ def test_retier_moves_8bit_state_between_tiers_exactly(tmp_path):
     updates, state = step(p1, state, _grads(p1, i))
     p1 = optax.apply_updates(p1, updates)
   assert_trees_equal(p1, want)
-  with pytest.raises(offlax.TreeMismatchError, match="holds an 8-bit Adam state.*state_bits=8"):
-    offlax.retier(plain, offlax.adamw(1e-3), params, offlax.HostTier())
+  with pytest.raises(TreeMismatchError, match="holds an 8-bit Adam state.*state_bits=8"):
+    offlax.checkpoint.retier(offlax.adamw(1e-3), params, plain, offlax.HostTier())
 
 
 def test_layer_store_refuses_8bit_state(tmp_path):
   layers = {"w": jnp.zeros((3, 64, 64))}  # a block of 256 may not span two layers: refused
-  with pytest.raises(offlax.InvalidOptionError, match="not elementwise"):
+  with pytest.raises(InvalidOptionError, match="not elementwise"):
     offlax.LayerStore.create(
       str(tmp_path / "s"), layers, optimizer=offlax.adam(1e-3, state_bits=8), progress=False
     )
