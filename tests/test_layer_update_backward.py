@@ -7,10 +7,14 @@ store's byte counters); the step commits at its end, and only then.
 """
 
 import errno
+import signal
+import threading
+import time
 import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from test_layer_update import (
@@ -197,3 +201,65 @@ def test_no_warning_when_each_step_is_committed(tmp_path):
       store.update()
     assert store.step == 2
     assert_bits(store.read_params(), reference(tx, layers, 2, jnp.float32)[0])
+
+
+# The store's callbacks driven directly, as a jitted step calls them (fetch, put_grads): the
+# hand-off's edges, without compiling a model.
+TINY = {"w": jnp.full((4, 8, 8), 0.1, jnp.float32), "b": jnp.zeros((4, 8), jnp.float32)}
+GRADS = [np.full((8,), 0.5, np.float32), np.ones((8, 8), np.float32)]  # leaves: b, w
+
+
+def tiny(path, update="backward"):
+  return offlax.LayerStore.create(str(path), TINY, optimizer=optax.adam(1e-2), update=update,
+                                  progress=False)  # fmt: skip
+
+
+def backward_pass(store, grads=GRADS):
+  """Layer L-1 down to 0: each read (the rematerialised forward), then its gradient handed off."""
+  for i in range(3, -1, -1):
+    store.fetch(i)
+    store.put_grads(False, i, *grads)
+
+
+def explicit_step(path):
+  """The params after one step of the explicit mode from the same gradients."""
+  with tiny(path, "explicit") as store:
+    backward_pass(store)
+    store.update()
+    return store.read_params()
+
+
+def test_ctrl_c_in_update_leaves_no_worker_behind(tmp_path, monkeypatch):
+  store = tiny(tmp_path / "s")
+  real, slow = slots_lib.Slots.read_slot, threading.Event()
+
+  def read_slot(self, kind, gen, k, i):
+    if kind == "state" and i == 1 and not slow.is_set():
+      slow.set()
+      time.sleep(0.3)  # the worker is busy when Ctrl-C comes
+    return real(self, kind, gen, k, i)
+
+  def ctrl_c(*_):
+    raise KeyboardInterrupt
+
+  monkeypatch.setattr(slots_lib.Slots, "read_slot", read_slot)
+  backward_pass(store)
+  old = signal.signal(signal.SIGALRM, ctrl_c)
+  try:
+    signal.setitimer(signal.ITIMER_REAL, 0.05)
+    with pytest.raises(KeyboardInterrupt):
+      store.update()
+  finally:
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    signal.signal(signal.SIGALRM, old)
+  assert store.step == 0
+  # The step again (a notebook's next cell): its gradients go to its own worker, not the old one.
+  again = threading.Thread(target=backward_pass, args=(store,), daemon=True)
+  again.start()
+  again.join(10)
+  assert not again.is_alive(), "the backward pass after Ctrl-C hung"
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    assert store.update() == 1
+  assert_bits(store.read_params(), explicit_step(tmp_path / "e"))
+  store.close()

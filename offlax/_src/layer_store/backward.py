@@ -121,17 +121,12 @@ class _Aborted(Exception):
 class Handoff:
   """The gradients handed off by the backward pass, in its order, until the worker takes them."""
 
-  def __init__(self, n_layers: int, queued: int):
+  def __init__(self, n_layers: int, queued: int, last: bool):
     self._n, self._queued = n_layers, queued
     self._cond = threading.Condition()
     self._layers: dict[int, list[np.ndarray]] = {}
-    self._next, self._aborted = n_layers - 1, False
-    self.last = False  # the step ends an accumulation: its gradients add to those on disk
-
-  def start(self, last: bool) -> None:
-    """A new step (`last`: of an accumulation): layer L-1's gradient comes first."""
-    with self._cond:
-      self._layers, self._next, self._aborted, self.last = {}, self._n - 1, False, last
+    self._next, self._aborted = n_layers - 1, False  # layer L-1's gradient comes first
+    self.last = last  # the step ends an accumulation: its gradients add to those on disk
 
   @property
   def complete(self) -> bool:
@@ -231,10 +226,13 @@ class BackwardStep:
                writer: GradientWriter, drop_reads: Callable[[], None]):  # fmt: skip
     self._slots, self._commits, self._drop_reads = slots, commits, drop_reads
     self._updates = layer_step.layer_update(optimizer, treedef, slots.records)
-    self._writer, self._handoff = writer, Handoff(slots.n_layers, writer.queued)
+    self._writer = writer
+    # The step in flight's hand-off: one per step, so a worker of a step dropped (or cut
+    # short by Ctrl-C) never takes the next step's gradients.
+    self._handoff = Handoff(slots.n_layers, writer.queued, last=False)
     self._worker = concurrent.futures.ThreadPoolExecutor(1, "offlax-backward-update")
     self._lock = threading.RLock()
-    self._run: concurrent.futures.Future | None = None  # the step in flight
+    self._run: concurrent.futures.Future | None = None  # the step in flight's worker
     self._target = 0
     self._kept = KeptReads(writer.queued + 2)  # the layers the model read last, for `_param`
 
@@ -250,11 +248,11 @@ class BackwardStep:
     self._kept.put(int(i), leaves)
     return leaves
 
-  def _handed(self, gen: int, i: int, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Leaf `k` of layer `i`'s gradient (plus the sum on disk, ending an accumulation) and
-    its params of generation `gen`, as the model read them (else read now)."""
-    grad = self._handoff.take(i, k)
-    if self._handoff.last:
+  def _handed(self, handoff: Handoff, gen: int, i: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Leaf `k` of layer `i`'s gradient from its step's `handoff` (plus the sum on disk, ending
+    an accumulation) and its params of generation `gen`, as the model read them (else read now)."""
+    grad = handoff.take(i, k)
+    if handoff.last:
       grad = grads_lib.add(self._slots.read_slot("grads", 0, k, i), grad)
     param = self._kept.take(i, k)
     if param is None:  # not kept (another reader's order): read now
@@ -283,25 +281,26 @@ class BackwardStep:
           f"LayerStore(update='backward'): layer {i}'s gradient reached the host outside a "
           f"step (layer {self._slots.n_layers - 1}'s comes first); nothing was updated."
         )
-    self._handoff.put(i, leaves)
+      handoff = self._handoff  # this step's, taken under the lock
+    handoff.put(i, leaves)
     return np.zeros((), np.float32)
 
   def _start(self, last: bool) -> None:
     commits = self._commits
     self._target = commits.free_generation()
-    self._handoff.start(last)
+    self._handoff = Handoff(self._slots.n_layers, self._writer.queued, last)
     layers = range(self._slots.n_layers - 1, -1, -1)
     self._run = self._worker.submit(
-      self._work, commits.generation, self._target, commits.step + 1, layers
+      self._work, self._handoff, commits.generation, self._target, commits.step + 1, layers
     )
 
-  def _work(self, gen: int, target: int, step: int, layers: Any) -> layer_step.Stats:
+  def _work(self, handoff: Handoff, gen: int, target: int, step: int, layers: Any) -> Any:
     try:
-      handed = lambda i, k: self._handed(gen, i, k)
+      handed = lambda i, k: self._handed(handoff, gen, i, k)
       return layer_step.run(self._slots, self._updates, gen, target, step=step, show=False,
                             layers=layers, handed=handed)  # fmt: skip
     except BaseException:
-      self._handoff.abort()  # the backward pass's hand-offs no longer wait for it
+      handoff.abort()  # the backward pass's hand-offs no longer wait for it
       raise
 
   def before_read(self) -> bool:
@@ -342,10 +341,13 @@ class BackwardStep:
           "backward pass and update() commits them). The store holds step "
           f"{commits.step}, whole: run the step's forward and backward pass, then update()."
         )
-      run, self._run = self._run, None
+      run = self._run
       self._drop_reads()  # of the generation this step replaces
       try:
-        stats = run.result()
+        try:
+          stats = self._result(run)
+        finally:
+          self._run = None  # the worker ended (`_result`): committed below, or dropped
         rest_records = None
         if rest is not None:
           rest_records = layer_rest.write(commits.path, self._target, rest, fsync=commits.fsync)
@@ -363,16 +365,27 @@ class BackwardStep:
       self._kept.clear()  # of the generation before
       return stats
 
+  def _result(self, run: concurrent.futures.Future) -> Any:
+    """The worker's result; interrupted (Ctrl-C) or failed, its step's hand-off is aborted and
+    the worker waited for before the error goes on: no worker outlives its step."""
+    try:
+      return run.result()
+    except BaseException:
+      self._handoff.abort()
+      concurrent.futures.wait([run])
+      raise
+
   def _drop(self, warn: bool) -> None:
-    """Drops the step in flight, not committed: the worker stopped, its writes left."""
-    run, self._run = self._run, None
+    """Drops the step in flight, not committed: the worker stopped, its writes left.
+
+    ``_run`` is cleared once the worker has ended (interrupted while waiting, a later call
+    waits again)."""
+    run = self._run
     if run is None:
       return
     self._handoff.abort()
-    try:
-      run.result()
-    except Exception:  # _Aborted, or the worker's own error
-      pass  # its error was the backward pass's, or is moot: nothing of it is committed
+    concurrent.futures.wait([run])  # _Aborted, or the worker's own error: nothing committed
+    self._run = None
     if warn:
       warnings.warn(
         errors.StepNotCommittedWarning(
