@@ -263,3 +263,15 @@ def test_ctrl_c_in_update_leaves_no_worker_behind(tmp_path, monkeypatch):
     assert store.update() == 1
   assert_bits(store.read_params(), explicit_step(tmp_path / "e"))
   store.close()
+
+
+def test_a_second_backward_pass_before_update_is_refused(tmp_path):
+  store = tiny(tmp_path / "s")
+  backward_pass(store)
+  with pytest.raises(errors.IncompleteStepError, match=r"step 1's, all handed off and updated, "
+                     r"were not committed: call update\(\) between backward passes"):  # fmt: skip
+    store.put_grads(False, 3, *GRADS)  # no read between: two gradients in one program
+  assert store.step == 0
+  assert store.update() == 1  # the step kept, committed against the params it was taken at
+  assert_bits(store.read_params(), explicit_step(tmp_path / "e"))
+  store.close()

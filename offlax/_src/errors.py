@@ -104,7 +104,8 @@ class StepNotCommittedWarning(UserWarning):
 
 
 class IncompleteStepError(OffloadError, RuntimeError):
-  """A `LayerStore(update="backward")` step lacks layers: nothing to commit, nothing committed."""
+  """A `LayerStore(update="backward")` step lacks layers (nothing to commit, nothing committed),
+  or a backward pass came before `update()` committed the step before it (refused)."""
 
 
 class CheckpointNotFoundError(OffloadError, FileNotFoundError):

@@ -17,8 +17,10 @@ before leaves the last committed step whole. The step's end must come before
 the next step's forward pass reads the layers: a read that finds a step whose
 layers are all updated and not committed commits it first (without ``rest``)
 and warns (`StepNotCommittedWarning`), so a forgotten `update()` is never
-silent, and the forward pass always reads committed layers. `close` drops a
-step not committed, and warns.
+silent, and the forward pass always reads committed layers. A backward pass
+that finds a step handed off whole and not committed, no read between (two
+gradients of one source in one program), is refused: its gradients are of
+the params before that step. `close` drops a step not committed, and warns.
 
 RAM: the gradients of at most ``queued`` layers wait for the worker (the
 backward pass waits beyond: the device's hand-off blocks), the params of at
@@ -262,8 +264,10 @@ class BackwardStep:
   def put(self, accumulate: bool, i: Any, *grads: np.ndarray) -> np.ndarray:
     """Layer `i`'s gradients (a callback): copied out, the layer updated by the worker.
 
-    A micro-step before the last (``accumulate`` True) adds them into those on disk instead
-    (`grads.GradientWriter`); the last (``"last"``) adds those on disk to them.
+    Raises `IncompleteStepError` where a step before, handed off whole, is not committed
+    (`_refuse_second_pass`). A micro-step before the last (``accumulate`` True) adds them
+    into those on disk instead (`grads.GradientWriter`); the last (``"last"``) adds those
+    on disk to them.
     """
     if accumulate is True:
       return self._writer.put(True, i, *grads)
@@ -271,7 +275,7 @@ class BackwardStep:
     leaves = [np.array(g) for g in grads]  # a copy: the callback's buffers are XLA's
     with self._lock:
       if i == self._slots.n_layers - 1:  # a new step's first layer
-        self.before_read()  # the step before, whole and not committed: committed first
+        self._refuse_second_pass()
         self._drop(warn=True)  # one cut short (its backward pass failed): dropped
         if accumulate == "last":
           self._writer.wait_writes()  # the micro-steps' sums on disk before the worker reads
@@ -284,6 +288,29 @@ class BackwardStep:
       handoff = self._handoff  # this step's, taken under the lock
     handoff.put(i, leaves)
     return np.zeros((), np.float32)
+
+  def _refuse_second_pass(self) -> None:
+    """Raises `IncompleteStepError` where a step handed off whole is not committed.
+
+    With no read between (two gradients of one source in one program), committing it here
+    would update the second pass's gradients, taken at the params before, against the
+    params after: a silent error. The step stays; `update()` commits it.
+    """
+    run = self._run
+    if run is None or not self._handoff.complete:
+      return
+    if run.done() and run.exception() is not None:
+      return  # its worker failed: nothing to keep (dropped by the caller)
+    step = self._commits.step + 1
+    raise errors.IncompleteStepError(
+      f"LayerStore(update='backward') {self._commits.path}: a backward pass began handing "
+      f"off the layers while step {step}'s, all handed off and updated, were not committed: "
+      "call update() between backward passes. This mode refuses two backward passes of one "
+      "source in one program (the second's gradients, of the params before, would update "
+      f"the params after); nothing of this pass was used, and step {step} is kept: "
+      "store.update() commits it. Take one gradient per step, or accumulate them with "
+      "source(accumulate=True) and source(accumulate=True, last=True)."
+    )
 
   def _start(self, last: bool) -> None:
     commits = self._commits
