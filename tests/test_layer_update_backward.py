@@ -31,6 +31,7 @@ from test_layer_update import (
 
 import offlax
 from offlax._src import errors
+from offlax._src.layer_store import rest as layer_rest
 from offlax._src.layer_store import slots as slots_lib
 
 
@@ -273,5 +274,72 @@ def test_a_second_backward_pass_before_update_is_refused(tmp_path):
     store.put_grads(False, 3, *GRADS)  # no read between: two gradients in one program
   assert store.step == 0
   assert store.update() == 1  # the step kept, committed against the params it was taken at
+  assert_bits(store.read_params(), explicit_step(tmp_path / "e"))
+  store.close()
+
+
+REST = {"embed": np.arange(3, dtype=np.float32)}
+
+
+def test_a_bad_or_failed_rest_keeps_the_step_for_a_retry(tmp_path, monkeypatch):
+  store = tiny(tmp_path / "s")
+  backward_pass(store)
+  with pytest.raises(errors.LeafTypeError, match=r"rest leaf \['embed'\] must be an array"):
+    store.update(rest={"embed": "not an array"})
+  real = layer_rest.write
+
+  def full_disk(*args, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+  monkeypatch.setattr(layer_rest, "write", full_disk)
+  want = r"step 1 was not committed .*holds step 0, whole, and step 1's layers, updated: free "
+  with pytest.raises(errors.StoreError, match=want + r"space .*call update\(\) again"):
+    store.update(rest=REST)
+  monkeypatch.setattr(layer_rest, "write", real)
+  assert store.step == 0
+  assert store.update(rest=REST) == 1  # the step kept: committed now
+  assert_bits(store.read_rest(REST), REST)
+  assert_bits(store.read_params(), explicit_step(tmp_path / "e"))
+  store.close()
+
+
+def test_rest_after_a_read_committed_the_step_goes_into_it(tmp_path):
+  store = tiny(tmp_path / "s")
+  backward_pass(store)
+  want = r"without rest= \(a store.update\(rest=...\) before the next backward pass still writes"
+  with pytest.warns(errors.StepNotCommittedWarning, match=want):
+    store.fetch(0)  # a validation forward pass between the backward pass and update()
+  assert store.step == 1
+  assert store.update(rest=REST) == 1  # the rest written into step 1, not a new step
+  assert store.last_update.step == 1
+  assert_bits(store.read_rest(REST), REST)
+  store.close()
+  like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), TINY)
+  with offlax.LayerStore.open(str(tmp_path / "s"), like, optimizer=optax.adam(1e-2)) as store:
+    assert store.step == 1
+    assert_bits(store.read_rest(REST), REST)
+    assert_bits(store.read_params(), explicit_step(tmp_path / "e"))
+
+
+def test_a_failed_worker_is_named_at_the_next_read(tmp_path, monkeypatch):
+  store = tiny(tmp_path / "s")
+  real = slots_lib.Slots.read_slot
+
+  def read_slot(self, kind, gen, k, i):
+    if kind == "state" and i == 1:
+      raise errors.StoreError(errno.EIO, "Input/output error")
+    return real(self, kind, gen, k, i)
+
+  monkeypatch.setattr(slots_lib.Slots, "read_slot", read_slot)
+  backward_pass(store)  # the hand-offs go on: the worker's failure is not the device's
+  monkeypatch.setattr(slots_lib.Slots, "read_slot", real)
+  with pytest.raises(errors.StoreError, match=r"step 1 was not committed: the update in the "
+                     r"backward pass failed at layer 1, leaf \['b'\] \(Input/output error\); "
+                     r"nothing of it was committed.*run the step again") as e:  # fmt: skip
+    store.fetch(3)  # the next step's forward pass
+  assert e.value.errno == errno.EIO
+  assert store.step == 0
+  backward_pass(store)  # the step again
+  assert store.update() == 1
   assert_bits(store.read_params(), explicit_step(tmp_path / "e"))
   store.close()

@@ -129,6 +129,7 @@ class Handoff:
     self._layers: dict[int, list[np.ndarray]] = {}
     self._next, self._aborted = n_layers - 1, False  # layer L-1's gradient comes first
     self.last = last  # the step ends an accumulation: its gradients add to those on disk
+    self.where: list[tuple[int, int]] = []  # the unit where its worker failed (`step.run`)
 
   @property
   def complete(self) -> bool:
@@ -236,6 +237,7 @@ class BackwardStep:
     self._lock = threading.RLock()
     self._run: concurrent.futures.Future | None = None  # the step in flight's worker
     self._target = 0
+    self._late: layer_step.Stats | None = None  # a step a read committed, without rest
     self._kept = KeptReads(writer.queued + 2)  # the layers the model read last, for `_param`
 
   def read(self, i: Any, fetch: Callable[[Any], list[np.ndarray]]) -> list[np.ndarray]:
@@ -299,8 +301,8 @@ class BackwardStep:
     run = self._run
     if run is None or not self._handoff.complete:
       return
-    if run.done() and run.exception() is not None:
-      return  # its worker failed: nothing to keep (dropped by the caller)
+    if run.done() and run.exception() is not None:  # nothing to keep: dropped, said
+      raise self._failed("LayerStore (the next backward pass)")
     step = self._commits.step + 1
     raise errors.IncompleteStepError(
       f"LayerStore(update='backward') {self._commits.path}: a backward pass began handing "
@@ -314,7 +316,7 @@ class BackwardStep:
 
   def _start(self, last: bool) -> None:
     commits = self._commits
-    self._target = commits.free_generation()
+    self._target, self._late = commits.free_generation(), None
     self._handoff = Handoff(self._slots.n_layers, self._writer.queued, last)
     layers = range(self._slots.n_layers - 1, -1, -1)
     self._run = self._worker.submit(
@@ -325,32 +327,65 @@ class BackwardStep:
     try:
       handed = lambda i, k: self._handed(handoff, gen, i, k)
       return layer_step.run(self._slots, self._updates, gen, target, step=step, show=False,
-                            layers=layers, handed=handed)  # fmt: skip
+                            layers=layers, handed=handed, where=handoff.where)  # fmt: skip
     except BaseException:
       handoff.abort()  # the backward pass's hand-offs no longer wait for it
       raise
 
   def before_read(self) -> bool:
-    """Commits a step whose layers are all updated (a model's read, `put`), warning; or False."""
+    """Commits a step whose layers are all updated (a model's read, `zero`), warning; or False.
+
+    Raises:
+      StoreError, IncompleteStepError: the worker of that step failed (`_failed`): dropped.
+    """
     with self._lock:
       if self._run is None or not self._handoff.complete:
         return False
+      if self._run.exception() is not None:  # waits for the worker, as the commit would
+        raise self._failed("LayerStore (a read of the layers)")
       step = self._commits.step + 1
-      self(None)
+      self._late = self(None)  # `update(rest=)` may still add the rest to it
       warnings.warn(
         errors.StepNotCommittedWarning(
           f"LayerStore {self._commits.path}: step {step}'s layers were updated in the "
           "backward pass, and the next pass read the layers before store.update() committed "
-          "them: committed now, without rest=. Call store.update(rest=...) at each step's "
-          "end (after its backward pass, before the next step) to commit the rest of the "
-          "model with the layers."
+          "them: committed now, without rest= (a store.update(rest=...) before the next "
+          f"backward pass still writes the rest of the model into step {step}). Call "
+          "store.update(rest=...) at each step's end (after its backward pass, before the "
+          "next read of the layers) to commit the rest of the model with the layers."
         ),
         stacklevel=2,
       )
       return True
 
+  def _failed(self, where: str) -> Exception:
+    """The worker's failure, its step dropped: the error that says where and the way out."""
+    run, step, commits = self._run, self._commits.step + 1, self._commits
+    assert run is not None
+    e = run.exception()
+    self._run = None
+    self._kept.clear()
+    at = ""
+    if self._handoff.where:
+      i, k = self._handoff.where[0]
+      at = f" at layer {i}, leaf {self._slots.records[k]['path']}"
+    full = isinstance(e, OSError) and e.errno == errno.ENOSPC
+    msg = (
+      f"{where}: step {step} was not committed: the update in the backward pass failed{at} "
+      f"({getattr(e, 'strerror', None) or e}); nothing of it was committed, {commits.path} "
+      f"still holds step {commits.step}, whole: "
+      + ("free space on the disk, then " if full else "")
+      + "run the step again (update='backward' keeps no gradients to update from)."
+    )
+    if isinstance(e, OSError):
+      return errors.StoreError(e.errno, msg)
+    return errors.IncompleteStepError(msg)
+
   def __call__(self, rest: Any) -> layer_step.Stats:
     """Waits for the step in flight's last layer, writes `rest`, flushes and commits.
+
+    Where a read committed the step already (`before_read`), writes `rest` into it. A rest
+    that cannot be written, or a failed commit, keeps the step for a later call.
 
     Raises:
       IncompleteStepError: no backward pass handed off every layer since the last commit.
@@ -358,6 +393,8 @@ class BackwardStep:
     """
     commits = self._commits
     with self._lock:
+      if self._run is None and self._late is not None:
+        return self._late_rest(rest)
       if self._run is None or not self._handoff.complete:
         arrived = self._handoff.started and self._run is not None
         self._drop(warn=False)
@@ -368,33 +405,56 @@ class BackwardStep:
           "backward pass and update() commits them). The store holds step "
           f"{commits.step}, whole: run the step's forward and backward pass, then update()."
         )
-      run = self._run
+      layer_rest.check_leaves(rest)  # before the step is waited for: it stays
       self._drop_reads()  # of the generation this step replaces
       try:
-        try:
-          stats = self._result(run)
-        finally:
-          self._run = None  # the worker ended (`_result`): committed below, or dropped
+        stats = self._result(self._run)
+      except KeyboardInterrupt:
+        self._run = None  # the worker ended (`_result`): the step dropped
+        raise
+      except Exception as e:
+        raise self._failed("LayerStore.update") from e
+      try:
         rest_records = None
         if rest is not None:
           rest_records = layer_rest.write(commits.path, self._target, rest, fsync=commits.fsync)
         if commits.fsync:
           self._slots.sync(self._target)
+        commits.commit(self._target, rest_records)
       except OSError as e:
         raise errors.StoreError(
           e.errno,
           f"LayerStore.update: step {commits.step + 1} was not committed ({e.strerror or e}); "
-          f"{commits.path} still holds step {commits.step}, whole: "
+          f"{commits.path} still holds step {commits.step}, whole, and step "
+          f"{commits.step + 1}'s layers, updated: "
           + ("free space on the disk, then " if e.errno == errno.ENOSPC else "")
-          + "run the step again (update='backward' keeps no gradients to update from).",
+          + "call update() again.",
         ) from e
-      commits.commit(self._target, rest_records)
+      self._run = None
       self._kept.clear()  # of the generation before
       return stats
 
+  def _late_rest(self, rest: Any) -> layer_step.Stats:
+    """`rest` written into the step a read committed without it (`before_read`)."""
+    late, commits = self._late, self._commits
+    assert late is not None
+    if rest is not None:
+      try:
+        records = layer_rest.write(commits.path, commits.generation, rest, fsync=commits.fsync)
+        commits.add_rest(records)
+      except OSError as e:
+        raise errors.StoreError(
+          e.errno,
+          f"LayerStore.update: the rest of step {commits.step} (committed by a read of the "
+          f"layers, without rest=) was not written ({e.strerror or e}); {commits.path} holds "
+          f"step {commits.step} without it: call update(rest=...) again.",
+        ) from e
+    self._late = None
+    return late
+
   def _result(self, run: concurrent.futures.Future) -> Any:
-    """The worker's result; interrupted (Ctrl-C) or failed, its step's hand-off is aborted and
-    the worker waited for before the error goes on: no worker outlives its step."""
+    """The worker's result; interrupted (Ctrl-C), its step's hand-off is aborted and the
+    worker waited for before the error goes on: no worker outlives its step."""
     try:
       return run.result()
     except BaseException:
@@ -406,7 +466,8 @@ class BackwardStep:
     """Drops the step in flight, not committed: the worker stopped, its writes left.
 
     ``_run`` is cleared once the worker has ended (interrupted while waiting, a later call
-    waits again)."""
+    waits again).
+    """
     run = self._run
     if run is None:
       return

@@ -68,6 +68,13 @@ class Commits:
     self.write()
     return self.step
 
+  def add_rest(self, rest_records: Any) -> None:
+    """Names the rest written late into the committed step's generation (`backward`): the
+    manifest on disk first, then in memory."""
+    rest = {**self.manifest.get("rest", {}), str(self.generation): rest_records}
+    files.write_manifest(self.path, {**self.manifest, "rest": rest}, fsync=self.fsync)
+    self.manifest["rest"] = rest
+
   def replace(self, target: int, rest_records: Any) -> None:
     """Makes `target` (written whole, flushed) the committed step's generation, its number kept.
 
