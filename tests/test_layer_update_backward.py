@@ -7,10 +7,12 @@ store's byte counters); the step commits at its end, and only then.
 """
 
 import errno
+import gc
 import signal
 import threading
 import time
 import warnings
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -343,3 +345,22 @@ def test_a_failed_worker_is_named_at_the_next_read(tmp_path, monkeypatch):
   assert store.update() == 1
   assert_bits(store.read_params(), explicit_step(tmp_path / "e"))
   store.close()
+
+
+def test_close_warns_of_a_step_cut_short_and_forgets_the_layers_kept(tmp_path):
+  store = tiny(tmp_path / "s")
+  for i in (3, 2):  # a backward pass stopped (an error in the step) after two layers
+    store.fetch(i)
+    store.put_grads(False, i, *GRADS)
+  read = weakref.ref(store.fetch(1)[0])  # kept for the update: the params of a layer read
+  with pytest.warns(errors.StepNotCommittedWarning, match=r"step 1 was dropped, not committed: "
+                    r"its backward pass had handed off 2 of the 4 layers' gradients when "
+                    r"close\(\) came\. The store holds step 0"):  # fmt: skip
+    store.close()
+  gc.collect()
+  assert read() is None  # not held in RAM after close()
+  with tiny(tmp_path / "t") as store:
+    read = weakref.ref(store.fetch(3)[0])
+    store.drop_read_ahead()  # (a commit or a rewrite of the layers) forgets the layers kept
+    gc.collect()
+    assert read() is None

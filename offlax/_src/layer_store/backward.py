@@ -53,7 +53,9 @@ from offlax._src.layer_store import rest as layer_rest
 from offlax._src.layer_store import step as layer_step
 from offlax._src.layer_store.commits import Commits
 from offlax._src.layer_store.grads import GradientWriter
+from offlax._src.layer_store.read_ahead import ReadAhead
 from offlax._src.layer_store.slots import Slots
+from offlax._src.nvme.pipeline import wait_for_dispatched_steps
 
 MODES = ("explicit", "backward")
 
@@ -99,7 +101,7 @@ def hand_off(accumulate: bool, last: bool, path: str) -> bool | str:
 
 def step_parts(
   update: str, optimizer: Any, treedef: Any, slots: Slots, commits: Commits, queued: int,
-  progress: bool, drop_reads: Callable[[], None],
+  progress: bool, reads: ReadAhead,
 ) -> tuple[Any, Any]:  # fmt: skip
   """A store's step (`update()`'s, or None) and what takes the backward pass's gradients.
 
@@ -108,7 +110,7 @@ def step_parts(
   """
   writer = GradientWriter(slots, queued, lambda: commits.step, optimizer is not None)
   if update == "backward":  # the writer for accumulation's micro-steps
-    both = BackwardStep(optimizer, treedef, slots, commits, writer, drop_reads)
+    both = BackwardStep(optimizer, treedef, slots, commits, writer, reads)
     return both, both
   step = None
   if optimizer is not None:
@@ -140,6 +142,11 @@ class Handoff:
   def started(self) -> bool:
     """Whether some layer's gradient has arrived."""
     return self._next < self._n - 1
+
+  @property
+  def arrived(self) -> int:
+    """How many layers' gradients have arrived."""
+    return self._n - 1 - self._next
 
   def put(self, i: int, leaves: list[np.ndarray]) -> None:
     """Layer `i`'s gradient, waiting while ``queued`` layers wait for the worker."""
@@ -222,12 +229,13 @@ class BackwardStep:
     commits: the store's manifest and committed step.
     writer: the gradients' writer, for accumulation's micro-steps before the last (its
       ``queued``: the most layers' gradients waiting for the worker too).
-    drop_reads: forgets the model's layers read ahead (before a commit).
+    reads: the model's reads (`read_ahead.ReadAhead`): dropped before a commit, and with
+      them the layers kept here.
   """
 
   def __init__(self, optimizer: Any, treedef: Any, slots: Slots, commits: Commits,
-               writer: GradientWriter, drop_reads: Callable[[], None]):  # fmt: skip
-    self._slots, self._commits, self._drop_reads = slots, commits, drop_reads
+               writer: GradientWriter, reads: ReadAhead):  # fmt: skip
+    self._slots, self._commits, self._drop_reads = slots, commits, reads.drop
     self._updates = layer_step.layer_update(optimizer, treedef, slots.records)
     self._writer = writer
     # The step in flight's hand-off: one per step, so a worker of a step dropped (or cut
@@ -239,6 +247,7 @@ class BackwardStep:
     self._target = 0
     self._late: layer_step.Stats | None = None  # a step a read committed, without rest
     self._kept = KeptReads(writer.queued + 2)  # the layers the model read last, for `_param`
+    reads.on_drop(self._forget_kept)  # a commit or a rewrite: of the generation before
 
   def read(self, i: Any, fetch: Callable[[Any], list[np.ndarray]]) -> list[np.ndarray]:
     """Layer `i` for the model (a callback, by `fetch`), kept: the update's params.
@@ -251,6 +260,12 @@ class BackwardStep:
     leaves = fetch(i)
     self._kept.put(int(i), leaves)
     return leaves
+
+  def _forget_kept(self) -> None:
+    """Forgets the layers kept, unless a step's worker, in flight, is to take them."""
+    with self._lock:
+      if self._run is None:
+        self._kept.clear()
 
   def _handed(self, handoff: Handoff, gen: int, i: int, k: int) -> tuple[np.ndarray, np.ndarray]:
     """Leaf `k` of layer `i`'s gradient from its step's `handoff` (plus the sum on disk, ending
@@ -278,7 +293,8 @@ class BackwardStep:
     with self._lock:
       if i == self._slots.n_layers - 1:  # a new step's first layer
         self._refuse_second_pass()
-        self._drop(warn=True)  # one cut short (its backward pass failed): dropped
+        # one cut short (its backward pass failed): dropped
+        self._drop("its backward pass stopped before handing off every layer")
         if accumulate == "last":
           self._writer.wait_writes()  # the micro-steps' sums on disk before the worker reads
         self._start(accumulate == "last")
@@ -397,7 +413,7 @@ class BackwardStep:
         return self._late_rest(rest)
       if self._run is None or not self._handoff.complete:
         arrived = self._handoff.started and self._run is not None
-        self._drop(warn=False)
+        self._drop(None)
         what = "only some layers' gradients" if arrived else "the layers' gradients"
         raise errors.IncompleteStepError(
           f"LayerStore.update: no step to commit: no backward pass handed off {what}"
@@ -462,7 +478,7 @@ class BackwardStep:
       concurrent.futures.wait([run])
       raise
 
-  def _drop(self, warn: bool) -> None:
+  def _drop(self, why: str | None) -> None:
     """Drops the step in flight, not committed: the worker stopped, its writes left.
 
     ``_run`` is cleared once the worker has ended (interrupted while waiting, a later call
@@ -474,12 +490,12 @@ class BackwardStep:
     self._handoff.abort()
     concurrent.futures.wait([run])  # _Aborted, or the worker's own error: nothing committed
     self._run = None
-    if warn:
+    self._kept.clear()
+    if why is not None:  # `why`: what became of the step, for the warning
       warnings.warn(
         errors.StepNotCommittedWarning(
           f"LayerStore {self._commits.path}: step {self._commits.step + 1} was dropped, not "
-          "committed: its backward pass stopped before handing off every layer (or update() "
-          f"was not called before close()). The store holds step {self._commits.step}."
+          f"committed: {why}. The store holds step {self._commits.step}."
         ),
         stacklevel=3,
       )
@@ -501,8 +517,19 @@ class BackwardStep:
     self._writer.zero()
 
   def close(self) -> None:
-    """Drops a step not committed (warning where its layers were all updated); ends the worker."""
+    """Waits for the steps dispatched (their hand-offs); drops a step not committed, warning
+    where its backward pass handed off any layer; ends the worker, forgets the layers kept."""
+    wait_for_dispatched_steps()  # a jitted backward pass returns before its callbacks run
     with self._lock:
-      self._drop(warn=self._run is not None and self._handoff.complete)
+      handoff, why = self._handoff, None
+      if self._run is not None and handoff.complete:
+        why = "its layers were all updated, and update() was not called before close()"
+      elif self._run is not None and handoff.started:
+        why = (
+          f"its backward pass had handed off {handoff.arrived} of the {self._slots.n_layers} "
+          "layers' gradients when close() came"
+        )
+      self._drop(why)
+      self._kept.clear()
     self._worker.shutdown(wait=True)
     self._writer.close()

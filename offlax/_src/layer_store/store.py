@@ -135,7 +135,7 @@ class LayerStore(_Parts):
     self._slots, self._commits = slots, commits
     self._reads = ReadAhead(lambda i: self.read_layer(i), slots.n_layers, pool_layers)
     self._update, self._grads = backward.step_parts(
-      update, optimizer, treedef, slots, commits, pool_layers, progress, self.drop_read_ahead
+      update, optimizer, treedef, slots, commits, pool_layers, progress, self._reads
     )
 
   @classmethod
@@ -213,9 +213,10 @@ class LayerStore(_Parts):
                               progress=progress, update=update)  # fmt: skip
 
   def close(self) -> None:
-    """Waits for the gradient writes, ends the reads and closes the files."""
+    """Waits for the gradient writes (the steps dispatched too, `update="backward"`), then ends
+    the reads and closes the files."""
+    self._grads.close()  # first: a step dispatched and not run yet still reads the layers
     self._reads.close()
-    self._grads.close()
     self._slots.close()
 
   def __enter__(self) -> LayerStore:
@@ -337,7 +338,7 @@ class LayerStore(_Parts):
     return self.step
 
   def drop_read_ahead(self) -> None:
-    """Forgets the layers read ahead (before a commit replaces their generation)."""
+    """Forgets the layers read ahead and kept (before a commit replaces their generation)."""
     self._reads.drop()
 
   def rewrite(self) -> Rewrite:
