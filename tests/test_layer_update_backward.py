@@ -33,6 +33,7 @@ from test_layer_update import (
 
 import offlax
 from offlax._src import errors
+from offlax._src.layer_store import files as layer_files
 from offlax._src.layer_store import rest as layer_rest
 from offlax._src.layer_store import slots as slots_lib
 
@@ -364,3 +365,33 @@ def test_close_warns_of_a_step_cut_short_and_forgets_the_layers_kept(tmp_path):
     store.drop_read_ahead()  # (a commit or a rewrite of the layers) forgets the layers kept
     gc.collect()
     assert read() is None
+
+
+@pytest.mark.parametrize("update", ["explicit", "backward"])
+def test_a_full_disk_at_the_manifest_leaves_memory_at_the_step_before(
+  tmp_path, monkeypatch, update
+):
+  store = tiny(tmp_path / "s", update)
+  backward_pass(store)
+  real = layer_files.write_manifest
+
+  def full_disk(*args, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+  monkeypatch.setattr(layer_files, "write_manifest", full_disk)
+  with pytest.raises(OSError, match="No space left on device"):
+    store.update()
+  monkeypatch.setattr(layer_files, "write_manifest", real)
+  assert (store.step, store.generation, store.kept) == (0, 0, [(0, 0)])  # as on disk
+  assert store.update() == 1  # the step again (the explicit mode's gradients, or kept)
+  backward_pass(store)
+  assert store.update() == 2  # into the generation free on disk too
+  store.close()
+  with tiny(tmp_path / "e", "explicit") as want:
+    for _ in range(2):
+      backward_pass(want)
+      want.update()
+    like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), TINY)
+    with offlax.LayerStore.open(str(tmp_path / "s"), like, optimizer=optax.adam(1e-2)) as store:
+      assert store.step == 2
+      assert_bits(store.read_params(), want.read_params())
