@@ -319,16 +319,7 @@ class BackwardStep:
       return
     if run.done() and run.exception() is not None:  # nothing to keep: dropped, said
       raise self._failed("LayerStore (the next backward pass)")
-    step = self._commits.step + 1
-    raise errors.IncompleteStepError(
-      f"LayerStore(update='backward') {self._commits.path}: a backward pass began handing "
-      f"off the layers while step {step}'s, all handed off and updated, were not committed: "
-      "call update() between backward passes. This mode refuses two backward passes of one "
-      "source in one program (the second's gradients, of the params before, would update "
-      f"the params after); nothing of this pass was used, and step {step} is kept: "
-      "store.update() commits it. Take one gradient per step, or accumulate them with "
-      "source(accumulate=True) and source(accumulate=True, last=True)."
-    )
+    raise _second_pass(self._commits.path, self._commits.step + 1)
 
   def _start(self, last: bool) -> None:
     commits = self._commits
@@ -361,41 +352,17 @@ class BackwardStep:
         raise self._failed("LayerStore (a read of the layers)")
       step = self._commits.step + 1
       self._late = self(None)  # `update(rest=)` may still add the rest to it
-      warnings.warn(
-        errors.StepNotCommittedWarning(
-          f"LayerStore {self._commits.path}: step {step}'s layers were updated in the "
-          "backward pass, and the next pass read the layers before store.update() committed "
-          "them: committed now, without rest= (a store.update(rest=...) before the next "
-          f"backward pass still writes the rest of the model into step {step}). Call "
-          "store.update(rest=...) at each step's end (after its backward pass, before the "
-          "next read of the layers) to commit the rest of the model with the layers."
-        ),
-        stacklevel=2,
-      )
+      warnings.warn(_committed_late(self._commits.path, step), stacklevel=2)
       return True
 
   def _failed(self, where: str) -> Exception:
     """The worker's failure, its step dropped: the error that says where and the way out."""
-    run, step, commits = self._run, self._commits.step + 1, self._commits
+    run, commits = self._run, self._commits
     assert run is not None
     e = run.exception()
     self._run = None
     self._kept.clear()
-    at = ""
-    if self._handoff.where:
-      i, k = self._handoff.where[0]
-      at = f" at layer {i}, leaf {self._slots.records[k]['path']}"
-    full = isinstance(e, OSError) and e.errno == errno.ENOSPC
-    msg = (
-      f"{where}: step {step} was not committed: the update in the backward pass failed{at} "
-      f"({getattr(e, 'strerror', None) or e}); nothing of it was committed, {commits.path} "
-      f"still holds step {commits.step}, whole: "
-      + ("free space on the disk, then " if full else "")
-      + "run the step again (update='backward' keeps no gradients to update from)."
-    )
-    if isinstance(e, OSError):
-      return errors.StoreError(e.errno, msg)
-    return errors.IncompleteStepError(msg)
+    return _failure(where, commits, self._slots.records, self._handoff.where, e)
 
   def __call__(self, rest: Any) -> layer_step.Stats:
     """Waits for the step in flight's last layer, writes `rest`, flushes and commits.
@@ -410,21 +377,20 @@ class BackwardStep:
     commits = self._commits
     with self._lock:
       if self._run is None and self._late is not None:
-        return self._late_rest(rest)
+        late, self._late = self._late, None  # (kept where the rest's write fails)
+        try:
+          return _late_rest(self._commits, rest, late)
+        except BaseException:
+          self._late = late
+          raise
       if self._run is None or not self._handoff.complete:
         arrived = self._handoff.started and self._run is not None
         self._drop(None)
-        what = "only some layers' gradients" if arrived else "the layers' gradients"
-        raise errors.IncompleteStepError(
-          f"LayerStore.update: no step to commit: no backward pass handed off {what}"
-          f" since step {commits.step} (update='backward' updates each layer in the "
-          "backward pass and update() commits them). The store holds step "
-          f"{commits.step}, whole: run the step's forward and backward pass, then update()."
-        )
+        raise _incomplete(commits.step, arrived)
       layer_rest.check_leaves(rest)  # before the step is waited for: it stays
       self._drop_reads()  # of the generation this step replaces
       try:
-        stats = self._result(self._run)
+        stats = _result(self._run, self._handoff)
       except KeyboardInterrupt:
         self._run = None  # the worker ended (`_result`): the step dropped
         raise
@@ -438,45 +404,10 @@ class BackwardStep:
           self._slots.sync(self._target)
         commits.commit(self._target, rest_records)
       except OSError as e:
-        raise errors.StoreError(
-          e.errno,
-          f"LayerStore.update: step {commits.step + 1} was not committed ({e.strerror or e}); "
-          f"{commits.path} still holds step {commits.step}, whole, and step "
-          f"{commits.step + 1}'s layers, updated: "
-          + ("free space on the disk, then " if e.errno == errno.ENOSPC else "")
-          + "call update() again.",
-        ) from e
+        raise _not_committed(commits, e) from e
       self._run = None
       self._kept.clear()  # of the generation before
       return stats
-
-  def _late_rest(self, rest: Any) -> layer_step.Stats:
-    """`rest` written into the step a read committed without it (`before_read`)."""
-    late, commits = self._late, self._commits
-    assert late is not None
-    if rest is not None:
-      try:
-        records = layer_rest.write(commits.path, commits.generation, rest, fsync=commits.fsync)
-        commits.add_rest(records)
-      except OSError as e:
-        raise errors.StoreError(
-          e.errno,
-          f"LayerStore.update: the rest of step {commits.step} (committed by a read of the "
-          f"layers, without rest=) was not written ({e.strerror or e}); {commits.path} holds "
-          f"step {commits.step} without it: call update(rest=...) again.",
-        ) from e
-    self._late = None
-    return late
-
-  def _result(self, run: concurrent.futures.Future) -> Any:
-    """The worker's result; interrupted (Ctrl-C), its step's hand-off is aborted and the
-    worker waited for before the error goes on: no worker outlives its step."""
-    try:
-      return run.result()
-    except BaseException:
-      self._handoff.abort()
-      concurrent.futures.wait([run])
-      raise
 
   def _drop(self, why: str | None) -> None:
     """Drops the step in flight, not committed: the worker stopped, its writes left.
@@ -533,3 +464,93 @@ class BackwardStep:
       self._kept.clear()
     self._worker.shutdown(wait=True)
     self._writer.close()
+
+
+def _second_pass(path: str, step: int) -> Exception:
+  return errors.IncompleteStepError(
+    f"LayerStore(update='backward') {path}: a backward pass began handing "
+    f"off the layers while step {step}'s, all handed off and updated, were not committed: "
+    "call update() between backward passes. This mode refuses two backward passes of one "
+    "source in one program (the second's gradients, of the params before, would update "
+    f"the params after); nothing of this pass was used, and step {step} is kept: "
+    "store.update() commits it. Take one gradient per step, or accumulate them with "
+    "source(accumulate=True) and source(accumulate=True, last=True)."
+  )
+
+
+def _committed_late(path: str, step: int) -> Warning:
+  return errors.StepNotCommittedWarning(
+    f"LayerStore {path}: step {step}'s layers were updated in the "
+    "backward pass, and the next pass read the layers before store.update() committed "
+    "them: committed now, without rest= (a store.update(rest=...) before the next "
+    f"backward pass still writes the rest of the model into step {step}). Call "
+    "store.update(rest=...) at each step's end (after its backward pass, before the "
+    "next read of the layers) to commit the rest of the model with the layers."
+  )
+
+
+def _failure(where: str, commits: Commits, records: list, at_unit: list, e: Any) -> Exception:
+  """The worker's failure `e`: the error that says where (`at_unit`) and the way out."""
+  at = ""
+  if at_unit:
+    i, k = at_unit[0]
+    at = f" at layer {i}, leaf {records[k]['path']}"
+  full = isinstance(e, OSError) and e.errno == errno.ENOSPC
+  msg = (
+    f"{where}: step {commits.step + 1} was not committed: the update in the backward pass "
+    f"failed{at} ({getattr(e, 'strerror', None) or e}); nothing of it was committed, "
+    f"{commits.path} still holds step {commits.step}, whole: "
+    + ("free space on the disk, then " if full else "")
+    + "run the step again (update='backward' keeps no gradients to update from)."
+  )
+  if isinstance(e, OSError):
+    return errors.StoreError(e.errno, msg)
+  return errors.IncompleteStepError(msg)
+
+
+def _incomplete(step: int, arrived: bool) -> Exception:
+  what = "only some layers' gradients" if arrived else "the layers' gradients"
+  return errors.IncompleteStepError(
+    f"LayerStore.update: no step to commit: no backward pass handed off {what}"
+    f" since step {step} (update='backward' updates each layer in the "
+    "backward pass and update() commits them). The store holds step "
+    f"{step}, whole: run the step's forward and backward pass, then update()."
+  )
+
+
+def _not_committed(commits: Commits, e: OSError) -> Exception:
+  return errors.StoreError(
+    e.errno,
+    f"LayerStore.update: step {commits.step + 1} was not committed ({e.strerror or e}); "
+    f"{commits.path} still holds step {commits.step}, whole, and step "
+    f"{commits.step + 1}'s layers, updated: "
+    + ("free space on the disk, then " if e.errno == errno.ENOSPC else "")
+    + "call update() again.",
+  )
+
+
+def _result(run: concurrent.futures.Future, handoff: Handoff) -> Any:
+  """The worker's result; interrupted (Ctrl-C), its step's `handoff` is aborted and the
+  worker waited for before the error goes on: no worker outlives its step."""
+  try:
+    return run.result()
+  except BaseException:
+    handoff.abort()
+    concurrent.futures.wait([run])
+    raise
+
+
+def _late_rest(commits: Commits, rest: Any, late: layer_step.Stats) -> layer_step.Stats:
+  """`rest` written into the step a read committed without it (`before_read`); its stats."""
+  if rest is not None:
+    try:
+      records = layer_rest.write(commits.path, commits.generation, rest, fsync=commits.fsync)
+      commits.add_rest(records)
+    except OSError as e:
+      raise errors.StoreError(
+        e.errno,
+        f"LayerStore.update: the rest of step {commits.step} (committed by a read of the "
+        f"layers, without rest=) was not written ({e.strerror or e}); {commits.path} holds "
+        f"step {commits.step} without it: call update(rest=...) again.",
+      ) from e
+  return late

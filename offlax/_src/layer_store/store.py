@@ -213,8 +213,7 @@ class LayerStore(_Parts):
                               progress=progress, update=update)  # fmt: skip
 
   def close(self) -> None:
-    """Waits for the gradient writes (the steps dispatched too, `update="backward"`), then ends
-    the reads and closes the files."""
+    """Waits for the gradient writes (and steps dispatched: backward), ends reads, closes."""
     self._grads.close()  # first: a step dispatched and not run yet still reads the layers
     self._reads.close()
     self._slots.close()
