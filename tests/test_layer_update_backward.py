@@ -121,7 +121,8 @@ def test_a_failed_write_commits_nothing(tmp_path, monkeypatch):
 
     monkeypatch.setattr(slots_lib, "pwrite_all", full_disk)
     grad(store.source(), batch(1, jnp.float32))  # the backward pass goes on; its worker failed
-    with pytest.raises(errors.StoreError, match=r"step 2 was not committed .*still holds step 1, "
+    with pytest.raises(errors.StoreError, match=r"step 2 was not committed: the update in the "
+                       r"backward pass failed at layer 4, leaf \['b'\] .*still holds step 1, "
                        r"whole: free space on the disk, then run the step again"):  # fmt: skip
       store.update()
     monkeypatch.setattr(slots_lib, "pwrite_all", real)
