@@ -396,3 +396,30 @@ def test_a_full_disk_at_the_manifest_leaves_memory_at_the_step_before(
     with offlax.LayerStore.open(str(tmp_path / "s"), like, optimizer=optax.adam(1e-2)) as store:
       assert store.step == 2
       assert_bits(store.read_params(), want.read_params())
+
+
+def test_the_explicit_mode_compiles_one_step_for_every_micro_step(tmp_path):
+  with tiny(tmp_path / "s", "explicit") as store:  # the jit cache key: the source's treedef
+    kinds = {jax.tree.structure(store.source(accumulate=True, last=last)) for last in (0, 1)}
+    assert len(kinds) == 1
+  with tiny(tmp_path / "b") as store:  # the backward mode's last micro-step updates: its own
+    kinds = {jax.tree.structure(store.source(accumulate=True, last=last)) for last in (0, 1)}
+    assert len(kinds) == 2
+
+
+def test_a_step_cut_short_says_which_layers_came(tmp_path):
+  with tiny(tmp_path / "s") as store:
+    for i in (3, 2):
+      store.fetch(i)
+      store.put_grads(False, i, *GRADS)
+    want = r"since step 0 handed off the gradients of layers 3 down to 2 only \(2 of 4; layer 1's"
+    with pytest.raises(errors.IncompleteStepError, match=want + " was due next"):
+      store.update()
+    with pytest.raises(errors.IncompleteStepError, match=r"layer 2's gradient reached the host "
+                       r"outside a step .* Run the step's backward pass whole"):  # fmt: skip
+      store.put_grads(False, 2, *GRADS)
+    backward_pass(store)
+    assert store.update() == 1
+    # What the update read from disk: the state only (the params kept, the gradients handed).
+    state = sum(np.prod(r["shape"]) * np.dtype(r["dtype"]).itemsize for r in store.state_records)
+    assert store.last_update.bytes_read == 4 * state

@@ -88,15 +88,19 @@ def refuse(mode: str, what: str, path: str) -> None:
     )
 
 
-def hand_off(accumulate: bool, last: bool, path: str) -> bool | str:
-  """What `LayerStore.source(accumulate=, last=)` asks of the hand-off: False, True or "last"."""
+def hand_off(accumulate: bool, last: bool, path: str, mode: str) -> bool | str:
+  """What `LayerStore.source(accumulate=, last=)` asks of the hand-off: False, True or "last".
+
+  "last" only in the ``"backward"`` mode: in the explicit one the last micro-step adds its
+  gradients as those before do, and the same value keeps one compiled step for both.
+  """
   if last and not accumulate:
     raise errors.InvalidOptionError(
       f"LayerStore {path}: source(last=True) ends a gradient accumulation: pass "
       "source(accumulate=True, last=True) for the last micro-step, source(accumulate=True) "
       "for those before (store.zero_grads() first), or neither for a step of one batch."
     )
-  return "last" if last else bool(accumulate)
+  return "last" if last and mode == "backward" else bool(accumulate)
 
 
 def step_parts(
@@ -132,6 +136,7 @@ class Handoff:
     self._next, self._aborted = n_layers - 1, False  # layer L-1's gradient comes first
     self.last = last  # the step ends an accumulation: its gradients add to those on disk
     self.where: list[tuple[int, int]] = []  # the unit where its worker failed (`step.run`)
+    self.read_bytes = 0  # what its update read from disk beside `step.run`'s own reads
 
   @property
   def complete(self) -> bool:
@@ -147,6 +152,11 @@ class Handoff:
   def arrived(self) -> int:
     """How many layers' gradients have arrived."""
     return self._n - 1 - self._next
+
+  @property
+  def due(self) -> int:
+    """The layer whose gradient comes next (-1: none, the step whole)."""
+    return self._next
 
   def put(self, i: int, leaves: list[np.ndarray]) -> None:
     """Layer `i`'s gradient, waiting while ``queued`` layers wait for the worker."""
@@ -272,10 +282,13 @@ class BackwardStep:
     an accumulation) and its params of generation `gen`, as the model read them (else read now)."""
     grad = handoff.take(i, k)
     if handoff.last:
-      grad = grads_lib.add(self._slots.read_slot("grads", 0, k, i), grad)
+      on_disk = self._slots.read_slot("grads", 0, k, i)
+      handoff.read_bytes += on_disk.nbytes
+      grad = grads_lib.add(on_disk, grad)
     param = self._kept.take(i, k)
     if param is None:  # not kept (another reader's order): read now
       param = self._slots.read_slot("params", gen, k, i)
+      handoff.read_bytes += param.nbytes
     return grad, param
 
   def put(self, accumulate: bool, i: Any, *grads: np.ndarray) -> np.ndarray:
@@ -299,10 +312,7 @@ class BackwardStep:
           self._writer.wait_writes()  # the micro-steps' sums on disk before the worker reads
         self._start(accumulate == "last")
       elif self._run is None:
-        raise errors.IncompleteStepError(
-          f"LayerStore(update='backward'): layer {i}'s gradient reached the host outside a "
-          f"step (layer {self._slots.n_layers - 1}'s comes first); nothing was updated."
-        )
+        raise _outside(i, self._slots.n_layers)
       handoff = self._handoff  # this step's, taken under the lock
     handoff.put(i, leaves)
     return np.zeros((), np.float32)
@@ -333,8 +343,9 @@ class BackwardStep:
   def _work(self, handoff: Handoff, gen: int, target: int, step: int, layers: Any) -> Any:
     try:
       handed = lambda i, k: self._handed(handoff, gen, i, k)
-      return layer_step.run(self._slots, self._updates, gen, target, step=step, show=False,
-                            layers=layers, handed=handed, where=handoff.where)  # fmt: skip
+      stats = layer_step.run(self._slots, self._updates, gen, target, step=step, show=False,
+                             layers=layers, handed=handed, where=handoff.where)  # fmt: skip
+      return stats._replace(bytes_read=stats.bytes_read + handoff.read_bytes)
     except BaseException:
       handoff.abort()  # the backward pass's hand-offs no longer wait for it
       raise
@@ -386,7 +397,7 @@ class BackwardStep:
       if self._run is None or not self._handoff.complete:
         arrived = self._handoff.started and self._run is not None
         self._drop(None)
-        raise _incomplete(commits.step, arrived)
+        raise _incomplete(commits.step, self._handoff if arrived else None)
       layer_rest.check_leaves(rest)  # before the step is waited for: it stays
       self._drop_reads()  # of the generation this step replaces
       try:
@@ -508,13 +519,21 @@ def _failure(where: str, commits: Commits, records: list, at_unit: list, e: Any)
   return errors.IncompleteStepError(msg)
 
 
-def _incomplete(step: int, arrived: bool) -> Exception:
-  what = "only some layers' gradients" if arrived else "the layers' gradients"
+def _incomplete(step: int, cut: Handoff | None) -> Exception:
+  """`update()` with no step whole: none begun, or one cut short (`cut`, dropped)."""
+  if cut is None:
+    what = f"no backward pass handed off the layers' gradients since step {step}"
+  else:
+    n = cut.arrived + cut.due + 1
+    what = (
+      f"the backward pass since step {step} handed off the gradients of layers {n - 1} "
+      f"down to {cut.due + 1} only ({cut.arrived} of {n}; layer {cut.due}'s was due next: "
+      "it stopped, an error in the step?); its updates are dropped"
+    )
   return errors.IncompleteStepError(
-    f"LayerStore.update: no step to commit: no backward pass handed off {what}"
-    f" since step {step} (update='backward' updates each layer in the "
-    "backward pass and update() commits them). The store holds step "
-    f"{step}, whole: run the step's forward and backward pass, then update()."
+    f"LayerStore.update: no step to commit: {what} (update='backward' updates each layer in "
+    f"the backward pass and update() commits them). The store holds step {step}, whole: "
+    "run the step's forward and backward pass, then update()."
   )
 
 
@@ -554,3 +573,12 @@ def _late_rest(commits: Commits, rest: Any, late: layer_step.Stats) -> layer_ste
         f"step {commits.step} without it: call update(rest=...) again.",
       ) from e
   return late
+
+
+def _outside(i: int, n: int) -> Exception:
+  return errors.IncompleteStepError(
+    f"LayerStore(update='backward'): layer {i}'s gradient reached the host outside a step "
+    f"(layer {n - 1}'s comes first); nothing was updated. Run the step's backward pass whole "
+    "(offlax.scan_layers hands layer L-1 off first), or open the store with "
+    "update='explicit' to hand the layers off in another order."
+  )

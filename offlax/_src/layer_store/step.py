@@ -66,7 +66,9 @@ class Stats(NamedTuple):
   Attributes:
     step: the step it committed.
     seconds: its wall time, reads, compute, writes and flushes together.
-    bytes_read: params, gradients and state read.
+    bytes_read: params, gradients and state read from disk (``update="backward"``: the state,
+      an accumulation's sum and the params the model's reads did not keep; the gradients
+      handed off and the params kept are not read).
     bytes_written: params and state written.
     read_seconds: time the read threads spent reading (summed over threads).
     write_seconds: time the writer spent writing.
