@@ -86,11 +86,6 @@ class Commits:
     kept = files.to_kept_step(self.path, self.step, self.kept, step)
     self._write(kept[0][0], kept[0][1], kept, self.manifest.get("rest", {}).get(str(kept[0][1])))
 
-  def write(self) -> None:
-    """Replaces the manifest on disk by the one in memory, naming the current step."""
-    self.manifest.update(step=self.step, generation=self.generation, kept=self.kept)
-    files.write_manifest(self.path, self.manifest, fsync=self.fsync)
-
   def _write(self, step: int, gen: int, kept: list[tuple[int, int]], rest_records: Any) -> None:
     """The manifest naming `step` in `gen` (its rest's records) written, then made the one in
     memory: nothing in memory changes where the write fails."""
