@@ -17,10 +17,14 @@ before leaves the last committed step whole. The step's end must come before
 the next step's forward pass reads the layers: a read that finds a step whose
 layers are all updated and not committed commits it first (without ``rest``)
 and warns (`StepNotCommittedWarning`), so a forgotten `update()` is never
-silent, and the forward pass always reads committed layers. A backward pass
-that finds a step handed off whole and not committed, no read between (two
-gradients of one source in one program), is refused: its gradients are of
-the params before that step. `close` drops a step not committed, and warns.
+silent, and the forward pass always reads committed layers; an `update(rest=)`
+after it writes the rest into that step. A backward pass that finds a step
+handed off whole and not committed, no read between (two gradients of one
+source in one program), is refused: its gradients are of the params before
+that step. A failed worker (a read or write of the disk) drops its step, said
+at `update()` or the next read (layer and leaf). A rest that cannot be written
+or a failed commit keeps the step for another `update()`. `close` waits for the
+steps dispatched, drops a step not committed, and warns where any layer came.
 
 RAM: the gradients of at most ``queued`` layers wait for the worker (the
 backward pass waits beyond: the device's hand-off blocks), the params of at

@@ -320,8 +320,8 @@ class LayerStore(_Parts):
     Raises:
       InvalidOptionError: the store is open without an optimizer.
       IncompleteStepError: ``update="backward"``, and no backward pass handed off every layer.
-      StoreError: a read or write failed (a full disk: ``errno.ENOSPC``); nothing was
-        committed, the store still holds the step before, and `update` may be called again.
+      StoreError: a read or write failed (a full disk: ``errno.ENOSPC``); nothing committed, the
+        store holds the step before: call `update` again (a layer's update failed: run the step).
       StoreCorruptedError: a slot read does not match its checksum; nothing
         was committed (the message names the slot and the way back).
     """
