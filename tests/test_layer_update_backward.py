@@ -7,10 +7,16 @@ store's byte counters); the step commits at its end, and only then.
 """
 
 import errno
+import gc
+import signal
+import threading
+import time
 import warnings
+import weakref
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from test_layer_update import (
@@ -27,6 +33,8 @@ from test_layer_update import (
 
 import offlax
 from offlax._src import errors
+from offlax._src.layer_store import files as layer_files
+from offlax._src.layer_store import rest as layer_rest
 from offlax._src.layer_store import slots as slots_lib
 
 
@@ -113,7 +121,8 @@ def test_a_failed_write_commits_nothing(tmp_path, monkeypatch):
 
     monkeypatch.setattr(slots_lib, "pwrite_all", full_disk)
     grad(store.source(), batch(1, jnp.float32))  # the backward pass goes on; its worker failed
-    with pytest.raises(errors.StoreError, match=r"step 2 was not committed .*still holds step 1, "
+    with pytest.raises(errors.StoreError, match=r"step 2 was not committed: the update in the "
+                       r"backward pass failed at layer 4, leaf \['b'\] .*still holds step 1, "
                        r"whole: free space on the disk, then run the step again"):  # fmt: skip
       store.update()
     monkeypatch.setattr(slots_lib, "pwrite_all", real)
@@ -197,3 +206,220 @@ def test_no_warning_when_each_step_is_committed(tmp_path):
       store.update()
     assert store.step == 2
     assert_bits(store.read_params(), reference(tx, layers, 2, jnp.float32)[0])
+
+
+# The store's callbacks driven directly, as a jitted step calls them (fetch, put_grads): the
+# hand-off's edges, without compiling a model.
+TINY = {"w": jnp.full((4, 8, 8), 0.1, jnp.float32), "b": jnp.zeros((4, 8), jnp.float32)}
+GRADS = [np.full((8,), 0.5, np.float32), np.ones((8, 8), np.float32)]  # leaves: b, w
+
+
+def tiny(path, update="backward"):
+  return offlax.LayerStore.create(str(path), TINY, optimizer=optax.adam(1e-2), update=update,
+                                  progress=False)  # fmt: skip
+
+
+def backward_pass(store, grads=GRADS):
+  """Layer L-1 down to 0: each read (the rematerialised forward), then its gradient handed off."""
+  for i in range(3, -1, -1):
+    store.fetch(i)
+    store.put_grads(False, i, *grads)
+
+
+def explicit_step(path):
+  """The params after one step of the explicit mode from the same gradients."""
+  with tiny(path, "explicit") as store:
+    backward_pass(store)
+    store.update()
+    return store.read_params()
+
+
+def test_ctrl_c_in_update_leaves_no_worker_behind(tmp_path, monkeypatch):
+  store = tiny(tmp_path / "s")
+  real, slow = slots_lib.Slots.read_slot, threading.Event()
+
+  def read_slot(self, kind, gen, k, i):
+    if kind == "state" and i == 1 and not slow.is_set():
+      slow.set()
+      time.sleep(0.3)  # the worker is busy when Ctrl-C comes
+    return real(self, kind, gen, k, i)
+
+  def ctrl_c(*_):
+    raise KeyboardInterrupt
+
+  monkeypatch.setattr(slots_lib.Slots, "read_slot", read_slot)
+  backward_pass(store)
+  old = signal.signal(signal.SIGALRM, ctrl_c)
+  try:
+    signal.setitimer(signal.ITIMER_REAL, 0.05)
+    with pytest.raises(KeyboardInterrupt):
+      store.update()
+  finally:
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    signal.signal(signal.SIGALRM, old)
+  assert store.step == 0
+  # The step again (a notebook's next cell): its gradients go to its own worker, not the old one.
+  again = threading.Thread(target=backward_pass, args=(store,), daemon=True)
+  again.start()
+  again.join(10)
+  assert not again.is_alive(), "the backward pass after Ctrl-C hung"
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    assert store.update() == 1
+  assert_bits(store.read_params(), explicit_step(tmp_path / "e"))
+  store.close()
+
+
+def test_a_second_backward_pass_before_update_is_refused(tmp_path):
+  store = tiny(tmp_path / "s")
+  backward_pass(store)
+  with pytest.raises(errors.IncompleteStepError, match=r"step 1's, all handed off and updated, "
+                     r"were not committed: call update\(\) between backward passes"):  # fmt: skip
+    store.put_grads(False, 3, *GRADS)  # no read between: two gradients in one program
+  assert store.step == 0
+  assert store.update() == 1  # the step kept, committed against the params it was taken at
+  assert_bits(store.read_params(), explicit_step(tmp_path / "e"))
+  store.close()
+
+
+REST = {"embed": np.arange(3, dtype=np.float32)}
+
+
+def test_a_bad_or_failed_rest_keeps_the_step_for_a_retry(tmp_path, monkeypatch):
+  store = tiny(tmp_path / "s")
+  backward_pass(store)
+  with pytest.raises(errors.LeafTypeError, match=r"rest leaf \['embed'\] must be an array"):
+    store.update(rest={"embed": "not an array"})
+  real = layer_rest.write
+
+  def full_disk(*args, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+  monkeypatch.setattr(layer_rest, "write", full_disk)
+  want = r"step 1 was not committed .*holds step 0, whole, and step 1's layers, updated: free "
+  with pytest.raises(errors.StoreError, match=want + r"space .*call update\(\) again"):
+    store.update(rest=REST)
+  monkeypatch.setattr(layer_rest, "write", real)
+  assert store.step == 0
+  assert store.update(rest=REST) == 1  # the step kept: committed now
+  assert_bits(store.read_rest(REST), REST)
+  assert_bits(store.read_params(), explicit_step(tmp_path / "e"))
+  store.close()
+
+
+def test_rest_after_a_read_committed_the_step_goes_into_it(tmp_path):
+  store = tiny(tmp_path / "s")
+  backward_pass(store)
+  want = r"without rest= \(a store.update\(rest=...\) before the next backward pass still writes"
+  with pytest.warns(errors.StepNotCommittedWarning, match=want):
+    store.fetch(0)  # a validation forward pass between the backward pass and update()
+  assert store.step == 1
+  assert store.update(rest=REST) == 1  # the rest written into step 1, not a new step
+  assert store.last_update.step == 1
+  assert_bits(store.read_rest(REST), REST)
+  store.close()
+  like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), TINY)
+  with offlax.LayerStore.open(str(tmp_path / "s"), like, optimizer=optax.adam(1e-2)) as store:
+    assert store.step == 1
+    assert_bits(store.read_rest(REST), REST)
+    assert_bits(store.read_params(), explicit_step(tmp_path / "e"))
+
+
+def test_a_failed_worker_is_named_at_the_next_read(tmp_path, monkeypatch):
+  store = tiny(tmp_path / "s")
+  real = slots_lib.Slots.read_slot
+
+  def read_slot(self, kind, gen, k, i):
+    if kind == "state" and i == 1:
+      raise errors.StoreError(errno.EIO, "Input/output error")
+    return real(self, kind, gen, k, i)
+
+  monkeypatch.setattr(slots_lib.Slots, "read_slot", read_slot)
+  backward_pass(store)  # the hand-offs go on: the worker's failure is not the device's
+  monkeypatch.setattr(slots_lib.Slots, "read_slot", real)
+  with pytest.raises(errors.StoreError, match=r"step 1 was not committed: the update in the "
+                     r"backward pass failed at layer 1, leaf \['b'\] \(Input/output error\); "
+                     r"nothing of it was committed.*run the step again") as e:  # fmt: skip
+    store.fetch(3)  # the next step's forward pass
+  assert e.value.errno == errno.EIO
+  assert store.step == 0
+  backward_pass(store)  # the step again
+  assert store.update() == 1
+  assert_bits(store.read_params(), explicit_step(tmp_path / "e"))
+  store.close()
+
+
+def test_close_warns_of_a_step_cut_short_and_forgets_the_layers_kept(tmp_path):
+  store = tiny(tmp_path / "s")
+  for i in (3, 2):  # a backward pass stopped (an error in the step) after two layers
+    store.fetch(i)
+    store.put_grads(False, i, *GRADS)
+  read = weakref.ref(store.fetch(1)[0])  # kept for the update: the params of a layer read
+  with pytest.warns(errors.StepNotCommittedWarning, match=r"step 1 was dropped, not committed: "
+                    r"its backward pass had handed off 2 of the 4 layers' gradients when "
+                    r"close\(\) came\. The store holds step 0"):  # fmt: skip
+    store.close()
+  gc.collect()
+  assert read() is None  # not held in RAM after close()
+  with tiny(tmp_path / "t") as store:
+    read = weakref.ref(store.fetch(3)[0])
+    store.drop_read_ahead()  # (a commit or a rewrite of the layers) forgets the layers kept
+    gc.collect()
+    assert read() is None
+
+
+@pytest.mark.parametrize("update", ["explicit", "backward"])
+def test_a_full_disk_at_the_manifest_leaves_memory_at_the_step_before(
+  tmp_path, monkeypatch, update
+):
+  store = tiny(tmp_path / "s", update)
+  backward_pass(store)
+  real = layer_files.write_manifest
+
+  def full_disk(*args, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+  monkeypatch.setattr(layer_files, "write_manifest", full_disk)
+  with pytest.raises(OSError, match="No space left on device"):
+    store.update()
+  monkeypatch.setattr(layer_files, "write_manifest", real)
+  assert (store.step, store.generation, store.kept) == (0, 0, [(0, 0)])  # as on disk
+  assert store.update() == 1  # the step again (the explicit mode's gradients, or kept)
+  backward_pass(store)
+  assert store.update() == 2  # into the generation free on disk too
+  store.close()
+  with tiny(tmp_path / "e", "explicit") as want:
+    for _ in range(2):
+      backward_pass(want)
+      want.update()
+    like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), TINY)
+    with offlax.LayerStore.open(str(tmp_path / "s"), like, optimizer=optax.adam(1e-2)) as store:
+      assert store.step == 2
+      assert_bits(store.read_params(), want.read_params())
+
+
+def test_the_explicit_mode_compiles_one_step_for_every_micro_step(tmp_path):
+  with tiny(tmp_path / "s", "explicit") as store:  # the jit cache key: the source's treedef
+    kinds = {jax.tree.structure(store.source(accumulate=True, last=last)) for last in (0, 1)}
+    assert len(kinds) == 1
+  with tiny(tmp_path / "b") as store:  # the backward mode's last micro-step updates: its own
+    kinds = {jax.tree.structure(store.source(accumulate=True, last=last)) for last in (0, 1)}
+    assert len(kinds) == 2
+
+
+def test_a_step_cut_short_says_which_layers_came(tmp_path):
+  with tiny(tmp_path / "s") as store:
+    for i in (3, 2):
+      store.fetch(i)
+      store.put_grads(False, i, *GRADS)
+    want = r"since step 0 handed off the gradients of layers 3 down to 2 only \(2 of 4; layer 1's"
+    with pytest.raises(errors.IncompleteStepError, match=want + " was due next"):
+      store.update()
+    with pytest.raises(errors.IncompleteStepError, match=r"layer 2's gradient reached the host "
+                       r"outside a step .* Run the step's backward pass whole"):  # fmt: skip
+      store.put_grads(False, 2, *GRADS)
+    backward_pass(store)
+    assert store.update() == 1
+    # What the update read from disk: the state only (the params kept, the gradients handed).
+    state = sum(np.prod(r["shape"]) * np.dtype(r["dtype"]).itemsize for r in store.state_records)
+    assert store.last_update.bytes_read == 4 * state

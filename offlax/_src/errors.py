@@ -95,16 +95,19 @@ class GradientsOverwrittenWarning(UserWarning):
 
 
 class StepNotCommittedWarning(UserWarning):
-  """A `LayerStore(update="backward")` step was committed late (by the next read) or dropped.
+  """A `LayerStore(update="backward")` step was committed late or dropped.
 
   Its layers were updated in the backward pass and ``store.update()`` did not
-  commit them before the next pass read the layers (then they are committed
-  without ``rest``), or before ``close`` (then they are dropped).
+  commit them before the next read of the layers or ``zero_grads`` (then they
+  are committed without ``rest``; an ``update(rest=...)`` still adds it), or
+  before ``close`` (then they are dropped, as is a step whose backward pass
+  stopped short, at the next backward pass or ``close``).
   """
 
 
 class IncompleteStepError(OffloadError, RuntimeError):
-  """A `LayerStore(update="backward")` step lacks layers: nothing to commit, nothing committed."""
+  """A `LayerStore(update="backward")` step lacks layers (nothing to commit, nothing committed),
+  or a backward pass came before `update()` committed the step before it (refused)."""
 
 
 class CheckpointNotFoundError(OffloadError, FileNotFoundError):

@@ -17,8 +17,14 @@ before leaves the last committed step whole. The step's end must come before
 the next step's forward pass reads the layers: a read that finds a step whose
 layers are all updated and not committed commits it first (without ``rest``)
 and warns (`StepNotCommittedWarning`), so a forgotten `update()` is never
-silent, and the forward pass always reads committed layers. `close` drops a
-step not committed, and warns.
+silent, and the forward pass always reads committed layers; an `update(rest=)`
+after it writes the rest into that step. A backward pass that finds a step
+handed off whole and not committed, no read between (two gradients of one
+source in one program), is refused: its gradients are of the params before
+that step. A failed worker (a read or write of the disk) drops its step, said
+at `update()` or the next read (layer and leaf). A rest that cannot be written
+or a failed commit keeps the step for another `update()`. `close` waits for the
+steps dispatched, drops a step not committed, and warns where any layer came.
 
 RAM: the gradients of at most ``queued`` layers wait for the worker (the
 backward pass waits beyond: the device's hand-off blocks), the params of at
@@ -51,7 +57,9 @@ from offlax._src.layer_store import rest as layer_rest
 from offlax._src.layer_store import step as layer_step
 from offlax._src.layer_store.commits import Commits
 from offlax._src.layer_store.grads import GradientWriter
+from offlax._src.layer_store.read_ahead import ReadAhead
 from offlax._src.layer_store.slots import Slots
+from offlax._src.nvme.pipeline import wait_for_dispatched_steps
 
 MODES = ("explicit", "backward")
 
@@ -84,20 +92,24 @@ def refuse(mode: str, what: str, path: str) -> None:
     )
 
 
-def hand_off(accumulate: bool, last: bool, path: str) -> bool | str:
-  """What `LayerStore.source(accumulate=, last=)` asks of the hand-off: False, True or "last"."""
+def hand_off(accumulate: bool, last: bool, path: str, mode: str) -> bool | str:
+  """What `LayerStore.source(accumulate=, last=)` asks of the hand-off: False, True or "last".
+
+  "last" only in the ``"backward"`` mode: in the explicit one the last micro-step adds its
+  gradients as those before do, and the same value keeps one compiled step for both.
+  """
   if last and not accumulate:
     raise errors.InvalidOptionError(
       f"LayerStore {path}: source(last=True) ends a gradient accumulation: pass "
       "source(accumulate=True, last=True) for the last micro-step, source(accumulate=True) "
       "for those before (store.zero_grads() first), or neither for a step of one batch."
     )
-  return "last" if last else bool(accumulate)
+  return "last" if last and mode == "backward" else bool(accumulate)
 
 
 def step_parts(
   update: str, optimizer: Any, treedef: Any, slots: Slots, commits: Commits, queued: int,
-  progress: bool, drop_reads: Callable[[], None],
+  progress: bool, reads: ReadAhead,
 ) -> tuple[Any, Any]:  # fmt: skip
   """A store's step (`update()`'s, or None) and what takes the backward pass's gradients.
 
@@ -106,7 +118,7 @@ def step_parts(
   """
   writer = GradientWriter(slots, queued, lambda: commits.step, optimizer is not None)
   if update == "backward":  # the writer for accumulation's micro-steps
-    both = BackwardStep(optimizer, treedef, slots, commits, writer, drop_reads)
+    both = BackwardStep(optimizer, treedef, slots, commits, writer, reads)
     return both, both
   step = None
   if optimizer is not None:
@@ -121,17 +133,14 @@ class _Aborted(Exception):
 class Handoff:
   """The gradients handed off by the backward pass, in its order, until the worker takes them."""
 
-  def __init__(self, n_layers: int, queued: int):
+  def __init__(self, n_layers: int, queued: int, last: bool):
     self._n, self._queued = n_layers, queued
     self._cond = threading.Condition()
     self._layers: dict[int, list[np.ndarray]] = {}
-    self._next, self._aborted = n_layers - 1, False
-    self.last = False  # the step ends an accumulation: its gradients add to those on disk
-
-  def start(self, last: bool) -> None:
-    """A new step (`last`: of an accumulation): layer L-1's gradient comes first."""
-    with self._cond:
-      self._layers, self._next, self._aborted, self.last = {}, self._n - 1, False, last
+    self._next, self._aborted = n_layers - 1, False  # layer L-1's gradient comes first
+    self.last = last  # the step ends an accumulation: its gradients add to those on disk
+    self.where: list[tuple[int, int]] = []  # the unit where its worker failed (`step.run`)
+    self.read_bytes = 0  # what its update read from disk beside `step.run`'s own reads
 
   @property
   def complete(self) -> bool:
@@ -142,6 +151,16 @@ class Handoff:
   def started(self) -> bool:
     """Whether some layer's gradient has arrived."""
     return self._next < self._n - 1
+
+  @property
+  def arrived(self) -> int:
+    """How many layers' gradients have arrived."""
+    return self._n - 1 - self._next
+
+  @property
+  def due(self) -> int:
+    """The layer whose gradient comes next (-1: none, the step whole)."""
+    return self._next
 
   def put(self, i: int, leaves: list[np.ndarray]) -> None:
     """Layer `i`'s gradient, waiting while ``queued`` layers wait for the worker."""
@@ -224,19 +243,25 @@ class BackwardStep:
     commits: the store's manifest and committed step.
     writer: the gradients' writer, for accumulation's micro-steps before the last (its
       ``queued``: the most layers' gradients waiting for the worker too).
-    drop_reads: forgets the model's layers read ahead (before a commit).
+    reads: the model's reads (`read_ahead.ReadAhead`): dropped before a commit, and with
+      them the layers kept here.
   """
 
   def __init__(self, optimizer: Any, treedef: Any, slots: Slots, commits: Commits,
-               writer: GradientWriter, drop_reads: Callable[[], None]):  # fmt: skip
-    self._slots, self._commits, self._drop_reads = slots, commits, drop_reads
+               writer: GradientWriter, reads: ReadAhead):  # fmt: skip
+    self._slots, self._commits, self._drop_reads = slots, commits, reads.drop
     self._updates = layer_step.layer_update(optimizer, treedef, slots.records)
-    self._writer, self._handoff = writer, Handoff(slots.n_layers, writer.queued)
+    self._writer = writer
+    # The step in flight's hand-off: one per step, so a worker of a step dropped (or cut
+    # short by Ctrl-C) never takes the next step's gradients.
+    self._handoff = Handoff(slots.n_layers, writer.queued, last=False)
     self._worker = concurrent.futures.ThreadPoolExecutor(1, "offlax-backward-update")
     self._lock = threading.RLock()
-    self._run: concurrent.futures.Future | None = None  # the step in flight
+    self._run: concurrent.futures.Future | None = None  # the step in flight's worker
     self._target = 0
+    self._late: layer_step.Stats | None = None  # a step a read committed, without rest
     self._kept = KeptReads(writer.queued + 2)  # the layers the model read last, for `_param`
+    reads.on_drop(self._forget_kept)  # a commit or a rewrite: of the generation before
 
   def read(self, i: Any, fetch: Callable[[Any], list[np.ndarray]]) -> list[np.ndarray]:
     """Layer `i` for the model (a callback, by `fetch`), kept: the update's params.
@@ -250,22 +275,33 @@ class BackwardStep:
     self._kept.put(int(i), leaves)
     return leaves
 
-  def _handed(self, gen: int, i: int, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Leaf `k` of layer `i`'s gradient (plus the sum on disk, ending an accumulation) and
-    its params of generation `gen`, as the model read them (else read now)."""
-    grad = self._handoff.take(i, k)
-    if self._handoff.last:
-      grad = grads_lib.add(self._slots.read_slot("grads", 0, k, i), grad)
+  def _forget_kept(self) -> None:
+    """Forgets the layers kept, unless a step's worker, in flight, is to take them."""
+    with self._lock:
+      if self._run is None:
+        self._kept.clear()
+
+  def _handed(self, handoff: Handoff, gen: int, i: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Leaf `k` of layer `i`'s gradient from its step's `handoff` (plus the sum on disk, ending
+    an accumulation) and its params of generation `gen`, as the model read them (else read now)."""
+    grad = handoff.take(i, k)
+    if handoff.last:
+      on_disk = self._slots.read_slot("grads", 0, k, i)
+      handoff.read_bytes += on_disk.nbytes
+      grad = grads_lib.add(on_disk, grad)
     param = self._kept.take(i, k)
     if param is None:  # not kept (another reader's order): read now
       param = self._slots.read_slot("params", gen, k, i)
+      handoff.read_bytes += param.nbytes
     return grad, param
 
   def put(self, accumulate: bool, i: Any, *grads: np.ndarray) -> np.ndarray:
     """Layer `i`'s gradients (a callback): copied out, the layer updated by the worker.
 
-    A micro-step before the last (``accumulate`` True) adds them into those on disk instead
-    (`grads.GradientWriter`); the last (``"last"``) adds those on disk to them.
+    Raises `IncompleteStepError` where a step before, handed off whole, is not committed
+    (`_refuse_second_pass`). A micro-step before the last (``accumulate`` True) adds them
+    into those on disk instead (`grads.GradientWriter`); the last (``"last"``) adds those
+    on disk to them.
     """
     if accumulate is True:
       return self._writer.put(True, i, *grads)
@@ -273,58 +309,81 @@ class BackwardStep:
     leaves = [np.array(g) for g in grads]  # a copy: the callback's buffers are XLA's
     with self._lock:
       if i == self._slots.n_layers - 1:  # a new step's first layer
-        self.before_read()  # the step before, whole and not committed: committed first
-        self._drop(warn=True)  # one cut short (its backward pass failed): dropped
+        self._refuse_second_pass()
+        # one cut short (its backward pass failed): dropped
+        self._drop("its backward pass stopped before handing off every layer")
         if accumulate == "last":
           self._writer.wait_writes()  # the micro-steps' sums on disk before the worker reads
         self._start(accumulate == "last")
       elif self._run is None:
-        raise errors.IncompleteStepError(
-          f"LayerStore(update='backward'): layer {i}'s gradient reached the host outside a "
-          f"step (layer {self._slots.n_layers - 1}'s comes first); nothing was updated."
-        )
-    self._handoff.put(i, leaves)
+        raise _outside(i, self._slots.n_layers)
+      handoff = self._handoff  # this step's, taken under the lock
+    handoff.put(i, leaves)
     return np.zeros((), np.float32)
+
+  def _refuse_second_pass(self) -> None:
+    """Raises `IncompleteStepError` where a step handed off whole is not committed.
+
+    With no read between (two gradients of one source in one program), committing it here
+    would update the second pass's gradients, taken at the params before, against the
+    params after: a silent error. The step stays; `update()` commits it.
+    """
+    run = self._run
+    if run is None or not self._handoff.complete:
+      return
+    if run.done() and run.exception() is not None:  # nothing to keep: dropped, said
+      raise self._failed("LayerStore (the next backward pass)")
+    raise _second_pass(self._commits.path, self._commits.step + 1)
 
   def _start(self, last: bool) -> None:
     commits = self._commits
-    self._target = commits.free_generation()
-    self._handoff.start(last)
+    self._target, self._late = commits.free_generation(), None
+    self._handoff = Handoff(self._slots.n_layers, self._writer.queued, last)
     layers = range(self._slots.n_layers - 1, -1, -1)
     self._run = self._worker.submit(
-      self._work, commits.generation, self._target, commits.step + 1, layers
+      self._work, self._handoff, commits.generation, self._target, commits.step + 1, layers
     )
 
-  def _work(self, gen: int, target: int, step: int, layers: Any) -> layer_step.Stats:
+  def _work(self, handoff: Handoff, gen: int, target: int, step: int, layers: Any) -> Any:
     try:
-      handed = lambda i, k: self._handed(gen, i, k)
-      return layer_step.run(self._slots, self._updates, gen, target, step=step, show=False,
-                            layers=layers, handed=handed)  # fmt: skip
+      handed = lambda i, k: self._handed(handoff, gen, i, k)
+      stats = layer_step.run(self._slots, self._updates, gen, target, step=step, show=False,
+                             layers=layers, handed=handed, where=handoff.where)  # fmt: skip
+      return stats._replace(bytes_read=stats.bytes_read + handoff.read_bytes)
     except BaseException:
-      self._handoff.abort()  # the backward pass's hand-offs no longer wait for it
+      handoff.abort()  # the backward pass's hand-offs no longer wait for it
       raise
 
   def before_read(self) -> bool:
-    """Commits a step whose layers are all updated (a model's read, `put`), warning; or False."""
+    """Commits a step whose layers are all updated (a model's read, `zero`), warning; or False.
+
+    Raises:
+      StoreError, IncompleteStepError: the worker of that step failed (`_failed`): dropped.
+    """
     with self._lock:
       if self._run is None or not self._handoff.complete:
         return False
+      if self._run.exception() is not None:  # waits for the worker, as the commit would
+        raise self._failed("LayerStore (a read of the layers)")
       step = self._commits.step + 1
-      self(None)
-      warnings.warn(
-        errors.StepNotCommittedWarning(
-          f"LayerStore {self._commits.path}: step {step}'s layers were updated in the "
-          "backward pass, and the next pass read the layers before store.update() committed "
-          "them: committed now, without rest=. Call store.update(rest=...) at each step's "
-          "end (after its backward pass, before the next step) to commit the rest of the "
-          "model with the layers."
-        ),
-        stacklevel=2,
-      )
+      self._late = self(None)  # `update(rest=)` may still add the rest to it
+      warnings.warn(_committed_late(self._commits.path, step), stacklevel=2)
       return True
+
+  def _failed(self, where: str) -> Exception:
+    """The worker's failure, its step dropped: the error that says where and the way out."""
+    run, commits = self._run, self._commits
+    assert run is not None
+    e = run.exception()
+    self._run = None
+    self._kept.clear()
+    return _failure(where, commits, self._slots.records, self._handoff.where, e)
 
   def __call__(self, rest: Any) -> layer_step.Stats:
     """Waits for the step in flight's last layer, writes `rest`, flushes and commits.
+
+    Where a read committed the step already (`before_read`), writes `rest` into it. A rest
+    that cannot be written, or a failed commit, keeps the step for a later call.
 
     Raises:
       IncompleteStepError: no backward pass handed off every layer since the last commit.
@@ -332,53 +391,57 @@ class BackwardStep:
     """
     commits = self._commits
     with self._lock:
+      if self._run is None and self._late is not None:
+        late, self._late = self._late, None  # (kept where the rest's write fails)
+        try:
+          return _late_rest(self._commits, rest, late)
+        except BaseException:
+          self._late = late
+          raise
       if self._run is None or not self._handoff.complete:
         arrived = self._handoff.started and self._run is not None
-        self._drop(warn=False)
-        what = "only some layers' gradients" if arrived else "the layers' gradients"
-        raise errors.IncompleteStepError(
-          f"LayerStore.update: no step to commit: no backward pass handed off {what}"
-          f" since step {commits.step} (update='backward' updates each layer in the "
-          "backward pass and update() commits them). The store holds step "
-          f"{commits.step}, whole: run the step's forward and backward pass, then update()."
-        )
-      run, self._run = self._run, None
+        self._drop(None)
+        raise _incomplete(commits.step, self._handoff if arrived else None)
+      layer_rest.check_leaves(rest)  # before the step is waited for: it stays
       self._drop_reads()  # of the generation this step replaces
       try:
-        stats = run.result()
+        stats = _result(self._run, self._handoff)
+      except KeyboardInterrupt:
+        self._run = None  # the worker ended (`_result`): the step dropped
+        raise
+      except Exception as e:
+        raise self._failed("LayerStore.update") from e
+      try:
         rest_records = None
         if rest is not None:
           rest_records = layer_rest.write(commits.path, self._target, rest, fsync=commits.fsync)
         if commits.fsync:
           self._slots.sync(self._target)
+        commits.commit(self._target, rest_records)
       except OSError as e:
-        raise errors.StoreError(
-          e.errno,
-          f"LayerStore.update: step {commits.step + 1} was not committed ({e.strerror or e}); "
-          f"{commits.path} still holds step {commits.step}, whole: "
-          + ("free space on the disk, then " if e.errno == errno.ENOSPC else "")
-          + "run the step again (update='backward' keeps no gradients to update from).",
-        ) from e
-      commits.commit(self._target, rest_records)
+        raise _not_committed(commits, e) from e
+      self._run = None
       self._kept.clear()  # of the generation before
       return stats
 
-  def _drop(self, warn: bool) -> None:
-    """Drops the step in flight, not committed: the worker stopped, its writes left."""
-    run, self._run = self._run, None
+  def _drop(self, why: str | None) -> None:
+    """Drops the step in flight, not committed: the worker stopped, its writes left.
+
+    ``_run`` is cleared once the worker has ended (interrupted while waiting, a later call
+    waits again).
+    """
+    run = self._run
     if run is None:
       return
     self._handoff.abort()
-    try:
-      run.result()
-    except Exception:  # _Aborted, or the worker's own error
-      pass  # its error was the backward pass's, or is moot: nothing of it is committed
-    if warn:
+    concurrent.futures.wait([run])  # _Aborted, or the worker's own error: nothing committed
+    self._run = None
+    self._kept.clear()
+    if why is not None:  # `why`: what became of the step, for the warning
       warnings.warn(
         errors.StepNotCommittedWarning(
           f"LayerStore {self._commits.path}: step {self._commits.step + 1} was dropped, not "
-          "committed: its backward pass stopped before handing off every layer (or update() "
-          f"was not called before close()). The store holds step {self._commits.step}."
+          f"committed: {why}. The store holds step {self._commits.step}."
         ),
         stacklevel=3,
       )
@@ -400,8 +463,126 @@ class BackwardStep:
     self._writer.zero()
 
   def close(self) -> None:
-    """Drops a step not committed (warning where its layers were all updated); ends the worker."""
+    """Waits for the steps dispatched (their hand-offs); drops a step not committed, warning
+    where its backward pass handed off any layer; ends the worker, forgets the layers kept."""
+    wait_for_dispatched_steps()  # a jitted backward pass returns before its callbacks run
     with self._lock:
-      self._drop(warn=self._run is not None and self._handoff.complete)
+      handoff, why = self._handoff, None
+      if self._run is not None and handoff.complete:
+        why = "its layers were all updated, and update() was not called before close()"
+      elif self._run is not None and handoff.started:
+        why = (
+          f"its backward pass had handed off {handoff.arrived} of the {self._slots.n_layers} "
+          "layers' gradients when close() came"
+        )
+      self._drop(why)
+      self._kept.clear()
     self._worker.shutdown(wait=True)
     self._writer.close()
+
+
+def _second_pass(path: str, step: int) -> Exception:
+  return errors.IncompleteStepError(
+    f"LayerStore(update='backward') {path}: a backward pass began handing "
+    f"off the layers while step {step}'s, all handed off and updated, were not committed: "
+    "call update() between backward passes. This mode refuses two backward passes of one "
+    "source in one program (the second's gradients, of the params before, would update "
+    f"the params after); nothing of this pass was used, and step {step} is kept: "
+    "store.update() commits it. Take one gradient per step, or accumulate them with "
+    "source(accumulate=True) and source(accumulate=True, last=True)."
+  )
+
+
+def _committed_late(path: str, step: int) -> Warning:
+  return errors.StepNotCommittedWarning(
+    f"LayerStore {path}: step {step}'s layers were updated in the "
+    "backward pass, and the next pass read the layers before store.update() committed "
+    "them: committed now, without rest= (a store.update(rest=...) before the next "
+    f"backward pass still writes the rest of the model into step {step}). Call "
+    "store.update(rest=...) at each step's end (after its backward pass, before the "
+    "next read of the layers) to commit the rest of the model with the layers."
+  )
+
+
+def _failure(where: str, commits: Commits, records: list, at_unit: list, e: Any) -> Exception:
+  """The worker's failure `e`: the error that says where (`at_unit`) and the way out."""
+  at = ""
+  if at_unit:
+    i, k = at_unit[0]
+    at = f" at layer {i}, leaf {records[k]['path']}"
+  full = isinstance(e, OSError) and e.errno == errno.ENOSPC
+  msg = (
+    f"{where}: step {commits.step + 1} was not committed: the update in the backward pass "
+    f"failed{at} ({getattr(e, 'strerror', None) or e}); nothing of it was committed, "
+    f"{commits.path} still holds step {commits.step}, whole: "
+    + ("free space on the disk, then " if full else "")
+    + "run the step again (update='backward' keeps no gradients to update from)."
+  )
+  if isinstance(e, OSError):
+    return errors.StoreError(e.errno, msg)
+  return errors.IncompleteStepError(msg)
+
+
+def _incomplete(step: int, cut: Handoff | None) -> Exception:
+  """`update()` with no step whole: none begun, or one cut short (`cut`, dropped)."""
+  if cut is None:
+    what = f"no backward pass handed off the layers' gradients since step {step}"
+  else:
+    n = cut.arrived + cut.due + 1
+    what = (
+      f"the backward pass since step {step} handed off the gradients of layers {n - 1} "
+      f"down to {cut.due + 1} only ({cut.arrived} of {n}; layer {cut.due}'s was due next: "
+      "it stopped, an error in the step?); its updates are dropped"
+    )
+  return errors.IncompleteStepError(
+    f"LayerStore.update: no step to commit: {what} (update='backward' updates each layer in "
+    f"the backward pass and update() commits them). The store holds step {step}, whole: "
+    "run the step's forward and backward pass, then update()."
+  )
+
+
+def _not_committed(commits: Commits, e: OSError) -> Exception:
+  return errors.StoreError(
+    e.errno,
+    f"LayerStore.update: step {commits.step + 1} was not committed ({e.strerror or e}); "
+    f"{commits.path} still holds step {commits.step}, whole, and step "
+    f"{commits.step + 1}'s layers, updated: "
+    + ("free space on the disk, then " if e.errno == errno.ENOSPC else "")
+    + "call update() again.",
+  )
+
+
+def _result(run: concurrent.futures.Future, handoff: Handoff) -> Any:
+  """The worker's result; interrupted (Ctrl-C), its step's `handoff` is aborted and the
+  worker waited for before the error goes on: no worker outlives its step."""
+  try:
+    return run.result()
+  except BaseException:
+    handoff.abort()
+    concurrent.futures.wait([run])
+    raise
+
+
+def _late_rest(commits: Commits, rest: Any, late: layer_step.Stats) -> layer_step.Stats:
+  """`rest` written into the step a read committed without it (`before_read`); its stats."""
+  if rest is not None:
+    try:
+      records = layer_rest.write(commits.path, commits.generation, rest, fsync=commits.fsync)
+      commits.add_rest(records)
+    except OSError as e:
+      raise errors.StoreError(
+        e.errno,
+        f"LayerStore.update: the rest of step {commits.step} (committed by a read of the "
+        f"layers, without rest=) was not written ({e.strerror or e}); {commits.path} holds "
+        f"step {commits.step} without it: call update(rest=...) again.",
+      ) from e
+  return late
+
+
+def _outside(i: int, n: int) -> Exception:
+  return errors.IncompleteStepError(
+    f"LayerStore(update='backward'): layer {i}'s gradient reached the host outside a step "
+    f"(layer {n - 1}'s comes first); nothing was updated. Run the step's backward pass whole "
+    "(offlax.scan_layers hands layer L-1 off first), or open the store with "
+    "update='explicit' to hand the layers off in another order."
+  )

@@ -60,31 +60,37 @@ class Commits:
     return self.manifest.get("rest", {}).get(str(self.generation))
 
   def commit(self, target: int, rest_records: Any) -> int:
-    """Makes `target` (written whole, flushed) the next step's generation; returns that step."""
-    self.manifest.setdefault("rest", {})[str(target)] = rest_records
+    """Makes `target` (written whole, flushed) the next step's generation; returns that step.
+
+    The manifest on disk first, then in memory: a failed write (a full disk) leaves both at
+    the step before, so the next step is not written into the generation the disk names.
+    """
     keep = self.generations - 1
-    self.kept = [(self.step + 1, target)] + self.kept[: keep - 1]
-    self.step, self.generation = self.step + 1, target
-    self.write()
+    kept = [(self.step + 1, target)] + self.kept[: keep - 1]
+    self._write(self.step + 1, target, kept, rest_records)
     return self.step
+
+  def add_rest(self, rest_records: Any) -> None:
+    """Names the rest written late into the committed step's generation (`backward`)."""
+    self._write(self.step, self.generation, self.kept, rest_records)
 
   def replace(self, target: int, rest_records: Any) -> None:
     """Makes `target` (written whole, flushed) the committed step's generation, its number kept.
 
     The generation the step was in is free again; the older kept steps stay.
     """
-    self.manifest.setdefault("rest", {})[str(target)] = rest_records
-    self.kept = [(self.step, target)] + self.kept[1:]
-    self.generation = target
-    self.write()
+    self._write(self.step, target, [(self.step, target)] + self.kept[1:], rest_records)
 
   def go_to_step(self, step: int) -> None:
     """Makes kept `step` current again, dropping the steps after it (`LayerStore.open(step=)`)."""
-    self.kept = files.to_kept_step(self.path, self.step, self.kept, step)
-    self.step, self.generation = self.kept[0]
-    self.write()
+    kept = files.to_kept_step(self.path, self.step, self.kept, step)
+    self._write(kept[0][0], kept[0][1], kept, self.manifest.get("rest", {}).get(str(kept[0][1])))
 
-  def write(self) -> None:
-    """Replaces the manifest on disk by the one in memory, naming the current step."""
-    self.manifest.update(step=self.step, generation=self.generation, kept=self.kept)
-    files.write_manifest(self.path, self.manifest, fsync=self.fsync)
+  def _write(self, step: int, gen: int, kept: list[tuple[int, int]], rest_records: Any) -> None:
+    """The manifest naming `step` in `gen` (its rest's records) written, then made the one in
+    memory: nothing in memory changes where the write fails."""
+    rest = {**self.manifest.get("rest", {}), str(gen): rest_records}
+    new = {**self.manifest, "step": step, "generation": gen, "kept": kept, "rest": rest}
+    files.write_manifest(self.path, new, fsync=self.fsync)
+    self.manifest.update(new)
+    self.step, self.generation, self.kept = step, gen, kept

@@ -34,6 +34,7 @@ class ReadAhead:
     self._direction = 1
     self._held = 0
     self.peak_held = 0
+    self._forget: list[Callable[[], None]] = []  # more layers' copies to forget at `drop`
     self._pool = concurrent.futures.ThreadPoolExecutor(max(1, pool_layers - 1), "offlax-layers")
 
   def fetch(self, i: Any) -> list[np.ndarray]:
@@ -71,12 +72,19 @@ class ReadAhead:
       concurrent.futures.wait([future])
     self._held -= 1
 
+  def on_drop(self, forget: Callable[[], None]) -> None:
+    """Calls `forget` at each `drop`: it forgets other copies of the layers read."""
+    self._forget.append(forget)
+
   def drop(self) -> None:
-    """Forgets the layers read ahead (before a commit replaces their generation)."""
+    """Forgets the layers read ahead (before a commit replaces their generation), and the
+    copies kept elsewhere (`on_drop`)."""
     with self._lock:
       for j in list(self._ahead):
         self._drop(self._ahead.pop(j))
       self._last = None
+    for forget in self._forget:
+      forget()
 
   def close(self) -> None:
     """Ends the reads."""

@@ -23,18 +23,28 @@ from offlax._src.layer_store import files as layer_files
 FILE = "rest.bin"
 
 
+def check_leaves(tree: Any) -> None:
+  """Raises `LeafTypeError` unless every leaf of `tree` is an array (before a step is used)."""
+  for key, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    if not hasattr(leaf, "dtype"):
+      raise errors.LeafTypeError(
+        f"LayerStore.update: rest leaf {jax.tree_util.keystr(key)} must be an array, got "
+        f"{type(leaf).__name__}; nothing was committed."
+      )
+
+
 def write(path: str, gen: int, tree: Any, *, fsync: bool) -> list[dict[str, Any]]:
-  """Writes `tree`'s leaves into generation `gen`'s rest file; returns their records."""
+  """Writes `tree`'s leaves into generation `gen`'s rest file; returns their records.
+
+  `gen` is a free generation, or the committed one where its step has no rest (written
+  late, `backward`): the manifest names no rest file there either way.
+  """
+  check_leaves(tree)
   flat = jax.tree_util.tree_flatten_with_path(tree)[0]
   records, offset = [], 0
   name = os.path.join(path, f"gen{gen}", FILE)
-  with layer_files.open_private(name, "wb") as f:  # a free generation's, not the committed one
+  with layer_files.open_private(name, "wb") as f:
     for key, leaf in flat:
-      if not hasattr(leaf, "dtype"):
-        raise errors.LeafTypeError(
-          f"LayerStore.update: rest leaf {jax.tree_util.keystr(key)} must be an array, got "
-          f"{type(leaf).__name__}."
-        )
       data = np.asarray(jax.device_get(leaf))
       raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)  # (1-d: of a 0-d leaf too)
       f.write(raw.data)

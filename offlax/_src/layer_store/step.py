@@ -66,7 +66,9 @@ class Stats(NamedTuple):
   Attributes:
     step: the step it committed.
     seconds: its wall time, reads, compute, writes and flushes together.
-    bytes_read: params, gradients and state read.
+    bytes_read: params, gradients and state read from disk (``update="backward"``: the state,
+      an accumulation's sum and the params the model's reads did not keep; the gradients
+      handed off and the params kept are not read).
     bytes_written: params and state written.
     read_seconds: time the read threads spent reading (summed over threads).
     write_seconds: time the writer spent writing.
@@ -189,6 +191,7 @@ def run(
   show: bool,
   layers: Sequence[int] | None = None,
   handed: Callable[[int, int], tuple[np.ndarray, np.ndarray]] | None = None,
+  where: list[tuple[int, int]] | None = None,
 ) -> Stats:
   """Updates every layer of a store's `slots` from generation `gen` into `target`, as `step`.
 
@@ -203,6 +206,8 @@ def run(
   layer `i`'s gradient and param, waited for, in place of the store's gradient and param
   slots (the update in the backward pass, `backward.BackwardStep`: the gradient handed off,
   the param as the backward pass read it; the same units, the same update function).
+  Where it fails, the unit (layer, leaf) whose read, update or write failed is appended to
+  `where`, where given.
   """
   cpu = jax.devices("cpu")[0]  # the host's compute, whatever the default device
   nk = len(slots.records)
@@ -243,13 +248,15 @@ def run(
     concurrent.futures.ThreadPoolExecutor(IO_THREADS, "offlax-update-write") as writers,
   ):
     reads = {u: read(readers, u) for u in range(min(ahead, len(units)))}
-    writes: collections.deque[list[concurrent.futures.Future]] = collections.deque()
+    writes: collections.deque[tuple[tuple[int, int], list[concurrent.futures.Future]]]
+    writes = collections.deque()
     shared: list[Any] = []
+    at = units[0] if units else (0, 0)  # the unit waited for: where a failure is
     try:
       desc = f"offlax: updating {slots.path}"
       for j, i in enumerate(progress(order, show, moved_bytes(slots), desc)):
         for k in range(nk):
-          u = j * nk + k
+          u, at = j * nk + k, (i, k)
           ps, gs, owned, got = [[f.result() for f in futures] for futures in reads.pop(u)]
           shared = got if k == 0 else shared
           tally["read_bytes"] += sum(x.nbytes for x in [*ps, *gs, *owned, *got])
@@ -263,15 +270,19 @@ def run(
             new_shared = [np.asarray(x) for x in new_shared] if k == 0 else []
           tally["compute_seconds"] += time.perf_counter() - t
           while len(writes) >= 2:  # one unit written, one queued, while the next computes
-            [f.result() for f in writes.popleft()]
-          writes.append(write(writers, i, k, new_p, new_owned, new_shared))
+            at, done = writes.popleft()
+            [f.result() for f in done]
+          writes.append(((i, k), write(writers, i, k, new_p, new_owned, new_shared)))
           tally["write_bytes"] += sum(x.nbytes for x in [new_p, *new_owned, *new_shared])
       while writes:
-        [f.result() for f in writes.popleft()]
+        at, done = writes.popleft()
+        [f.result() for f in done]
     except BaseException:
+      if where is not None:
+        where.append(at)
       for f in [f for unit in reads.values() for fs in unit for f in fs]:
         f.cancel()
-      for f in [f for fs in writes for f in fs]:
+      for f in [f for _, fs in writes for f in fs]:
         f.cancel()
       raise
   return Stats(

@@ -135,7 +135,7 @@ class LayerStore(_Parts):
     self._slots, self._commits = slots, commits
     self._reads = ReadAhead(lambda i: self.read_layer(i), slots.n_layers, pool_layers)
     self._update, self._grads = backward.step_parts(
-      update, optimizer, treedef, slots, commits, pool_layers, progress, self.drop_read_ahead
+      update, optimizer, treedef, slots, commits, pool_layers, progress, self._reads
     )
 
   @classmethod
@@ -213,9 +213,9 @@ class LayerStore(_Parts):
                               progress=progress, update=update)  # fmt: skip
 
   def close(self) -> None:
-    """Waits for the gradient writes, ends the reads and closes the files."""
+    """Waits for the gradient writes (and steps dispatched: backward), ends reads, closes."""
+    self._grads.close()  # first: a step dispatched and not run yet still reads the layers
     self._reads.close()
-    self._grads.close()
     self._slots.close()
 
   def __enter__(self) -> LayerStore:
@@ -239,7 +239,7 @@ class LayerStore(_Parts):
       last: with ``accumulate``, the last micro-step: with ``update="backward"`` each layer is
         updated as its gradient's sum is known (`backward`); else the same as ``accumulate``.
     """
-    kind = backward.hand_off(accumulate, last, self.path)
+    kind = backward.hand_off(accumulate, last, self.path, self.update_mode)
     return LayerSource(jnp.zeros((self.n_layers,), jnp.float32), self, kind)
 
   def avals(self) -> list[jax.ShapeDtypeStruct]:
@@ -320,8 +320,8 @@ class LayerStore(_Parts):
     Raises:
       InvalidOptionError: the store is open without an optimizer.
       IncompleteStepError: ``update="backward"``, and no backward pass handed off every layer.
-      StoreError: a read or write failed (a full disk: ``errno.ENOSPC``); nothing was
-        committed, the store still holds the step before, and `update` may be called again.
+      StoreError: a read or write failed (a full disk: ``errno.ENOSPC``); nothing committed, the
+        store holds the step before: call `update` again (a layer's update failed: run the step).
       StoreCorruptedError: a slot read does not match its checksum; nothing
         was committed (the message names the slot and the way back).
     """
@@ -337,7 +337,7 @@ class LayerStore(_Parts):
     return self.step
 
   def drop_read_ahead(self) -> None:
-    """Forgets the layers read ahead (before a commit replaces their generation)."""
+    """Forgets the layers read ahead and kept (before a commit replaces their generation)."""
     self._reads.drop()
 
   def rewrite(self) -> Rewrite:
