@@ -159,7 +159,9 @@ struct RegTable {
   __m512 r[kRegs];
 
   void Load(const float* values) {
-    if constexpr (kN < 16) {
+    if constexpr (kN == 1) {
+      r[0] = _mm512_set1_ps(values[0]);
+    } else if constexpr (kN < 16) {
       float padded[16] = {};
       std::copy_n(values, kN, padded);
       r[0] = _mm512_loadu_ps(padded);
@@ -171,7 +173,7 @@ struct RegTable {
   // values[index] in each lane, for 0 <= index < kN.
   __m512 At(__m512i index) const {
     if constexpr (kN == 1) {
-      return _mm512_permutexvar_ps(_mm512_setzero_si512(), r[0]);
+      return r[0];  // Load broadcast it
     } else if constexpr (kN <= 16) {
       return _mm512_permutexvar_ps(index, r[0]);
     } else {
@@ -404,27 +406,32 @@ void Step8(const Job8& j, int64_t first_block, int64_t last_block) {
       av_bits = std::max(av_bits, AbsBits(v[i]));
     }
     const float am = FromBits(am_bits), av = FromBits(av_bits);
-    // The update from the new float32 moments, before they are rounded to 8 bits.
-    for (int64_t i = 0; i < n; ++i) {
-      float u = (m[i] / bc1) / (std::sqrt(v[i] / bc2 + eps_root) + eps);
-      if constexpr (kOut == Out::kUpdate) {
-        if constexpr (kDecay) u = MulAdd(wd, j.w[lo + i], u);  // add_decayed_weights
-        static_cast<float*>(j.out)[lo + i] = step * u;          // scale_by_learning_rate
-      } else {
-        const float w_in = j.w[lo + i];
-        if constexpr (kDecay) u = MulAdd(wd, w_in, u);
-        const float w = MulAdd(step, u, w_in);  // apply_updates(w, step * u)
-        j.w_out[lo + i] = w;
-        if constexpr (kOut == Out::kDelta) {
-          static_cast<float*>(j.out)[lo + i] =
-              Widen(Narrow<P>(w)) - Widen(static_cast<const P*>(j.low)[lo + i]);
-        } else if constexpr (kOut == Out::kParam) {
-          static_cast<P*>(j.out)[lo + i] = Narrow<P>(w);
+    // The update from the new float32 moments, before they are rounded to 8 bits,
+    // and the new codes, 64 elements at a time: the update is bound by the
+    // divider, the codes by the shuffle unit, and in one loop they overlap.
+    for (int64_t first = 0; first < n; first += 64) {
+      const int64_t last = std::min(n, first + 64);
+      for (int64_t i = first; i < last; ++i) {
+        float u = (m[i] / bc1) / (std::sqrt(v[i] / bc2 + eps_root) + eps);
+        if constexpr (kOut == Out::kUpdate) {
+          if constexpr (kDecay) u = MulAdd(wd, j.w[lo + i], u);  // add_decayed_weights
+          static_cast<float*>(j.out)[lo + i] = step * u;          // scale_by_learning_rate
+        } else {
+          const float w_in = j.w[lo + i];
+          if constexpr (kDecay) u = MulAdd(wd, w_in, u);
+          const float w = MulAdd(step, u, w_in);  // apply_updates(w, step * u)
+          j.w_out[lo + i] = w;
+          if constexpr (kOut == Out::kDelta) {
+            static_cast<float*>(j.out)[lo + i] =
+                Widen(Narrow<P>(w)) - Widen(static_cast<const P*>(j.low)[lo + i]);
+          } else if constexpr (kOut == Out::kParam) {
+            static_cast<P*>(j.out)[lo + i] = Narrow<P>(w);
+          }
         }
       }
+      Quantize(m + first, last - first, am, t.key_m, t.above_m, regs_m, j.mc_out + lo + first);
+      Quantize(v + first, last - first, av, t.key_v, t.above_v, regs_v, j.vc_out + lo + first);
     }
-    Quantize(m, n, am, t.key_m, t.above_m, regs_m, j.mc_out + lo);
-    Quantize(v, n, av, t.key_v, t.above_v, regs_v, j.vc_out + lo);
     j.ms_out[b] = am;
     j.vs_out[b] = av;
   }
