@@ -189,20 +189,21 @@ struct RegTable {
   }
 };
 
-// The index of y (the number of midpoints <= y) by binary search over the 255
-// midpoints: step 128 compares with one of 1 candidate, step 64 with one of 2,
-// ... step 1 with one of 128, so every level's candidates fit in registers
-// (19 in all) and a level costs a permute, a compare and an add. Exact for
-// |y| <= 1, where the bucket table gives the same count (quantized.bucket_counts).
+// The index of y (the number of midpoints <= y): a binary search over the 255
+// midpoints for its first five levels (step 128 compares with one of 1
+// candidate, step 64 with one of 2, ..., step 8 with one of 16: each level's
+// candidates fit in a register), which leaves y between midpoints 8c - 1 and
+// 8c + 7; then the 7 midpoints 8c .. 8c + 6 at once, each from a table of 32
+// (one `vpermi2ps` each, and no chain between them: three more levels would
+// take 11 permutes and blends, this takes 7). Exact for |y| <= 1, where the
+// bucket table gives the same count (quantized.bucket_counts).
 struct Search {
   RegTable<1> s128;
   RegTable<2> s64;
   RegTable<4> s32;
   RegTable<8> s16;
   RegTable<16> s8;
-  RegTable<32> s4;
-  RegTable<64> s2;
-  RegTable<128> s1;
+  RegTable<32> last[7];  // last[t][c] = midpoint 8c + t
 
   void Load(const float* above) {
     float level[128];
@@ -210,8 +211,11 @@ struct Search {
       for (int c = 0; c < 128 / step; ++c) level[c] = above[c * 2 * step + step - 1];
       table.Load(level);
     };
-    load(s128, 128), load(s64, 64), load(s32, 32), load(s16, 16);
-    load(s8, 8), load(s4, 4), load(s2, 2), load(s1, 1);
+    load(s128, 128), load(s64, 64), load(s32, 32), load(s16, 16), load(s8, 8);
+    for (int t = 0; t < 7; ++t) {
+      for (int c = 0; c < 32; ++c) level[c] = above[8 * c + t];
+      last[t].Load(level);
+    }
   }
 
   // One level for kK vectors at once: a level's permute and compare wait on the
@@ -236,9 +240,16 @@ struct Search {
     Level<32>(s32, y, index);
     Level<16>(s16, y, index);
     Level<8>(s8, y, index);
-    Level<4>(s4, y, index);
-    Level<2>(s2, y, index);
-    Level<1>(s1, y, index);
+    const __m512i one = _mm512_set1_epi32(1);
+    for (int k = 0; k < kK; ++k) {
+      const __m512i c = _mm512_srli_epi32(index[k], 3);
+      __m512i count = index[k];
+      for (int t = 0; t < 7; ++t) {
+        const __mmask16 reached = _mm512_cmp_ps_mask(last[t].At(c), y[k], _CMP_LE_OQ);
+        count = _mm512_mask_add_epi32(count, reached, count, one);
+      }
+      index[k] = count;
+    }
   }
 };
 
