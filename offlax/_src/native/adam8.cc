@@ -4,9 +4,19 @@
 // moments dequantized (map[code] * scale), updated as optax updates them, the
 // update (or the new param, or the new master and low-precision param) written
 // as optax's expression as written, and the new moments quantized again
-// (absmax scale; the code from the bucket table keyed by the top 17 bits of
-// m / scale, then one comparison with the next midpoint). Every table comes
-// from Python (`quantized.py`), so the codes are the JAX path's; every float
+// (absmax scale; the code is the number of midpoints <= m / scale).
+//
+// Lookups: with AVX-512 every table lives in registers: the code by a binary
+// search over the midpoints (Search), the dequantized value by byte-plane
+// permutes (BytePlanes, with VBMI) or float permutes (RegTable); no gathers,
+// which were most of the step's time (on AMD Zen 4 a 16-lane gather costs about
+// what 16 loads do). Without AVX-512, for the last partial vectors of a leaf,
+// and for |m / scale| > 1 (a non-finite or subnormal scale), the code comes
+// from quantized.py's bucket table (keyed by the top 17 bits of m / scale,
+// then one comparison with the next midpoint), which gives the same count for
+// every |y| <= 1 (checked on every float there, in the bench harness of issue
+// 45's kernel8 work). Every table comes from Python (`quantized.py`), so the
+// codes are the JAX path's; every float
 // operation is the JAX path's in its order, so with XLA told to evaluate as
 // written (no algebraic rewrites, no FMA: the tests' flags) the results are
 // bit-identical, and under XLA's defaults they agree to rounding (FMA
