@@ -14,7 +14,8 @@ speed drifts within a minute; see benchmarks/host_adam.py):
   without a C++ compiler runs).
 
 Each figure is the median params/s over the timed steps of every round (min and
-max beside it). Also recorded: the bytes of optimizer state a param (the
+max beside it), in wall time and per second of CPU time (all threads; steadier
+when other processes share the cores). Also recorded: the bytes of optimizer state a param (the
 moments, and the master for `mixed`). Writes `<out>/state_bits.json` and a bar
 chart `<out>/state_bits.png`.
 
@@ -68,14 +69,15 @@ def worker(name: str, n: int, steps: int, warmup: int) -> dict[str, Any]:
   state = tx.init(params)
   state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
   step = jax.jit(lambda p, s, g: offlax.update_and_apply(tx, g, s, p), donate_argnums=(0, 1))
-  times = []
+  times, cpu_times = [], []
   for i in range(warmup + steps):
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     params, state = step(params, state, grads)
     jax.block_until_ready((params, state))
     if i >= warmup:
       times.append(time.perf_counter() - start)
-  return {"times": times, "state_bytes_per_param": state_bytes / n}
+      cpu_times.append(time.process_time() - cpu_start)
+  return {"times": times, "cpu_times": cpu_times, "state_bytes_per_param": state_bytes / n}
 
 
 def run(name: str, n: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -120,14 +122,21 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         row[name] = {"error": errors[0]}
         continue
       rates = [n / t for g in got for t in g["times"]]
+      cpu_rates = [n / t for g in got for t in g["cpu_times"]]
       row[name] = {
         **_common.stats_of(rates, "_params_per_s"),
+        # Params per second of CPU time (all threads): steadier than wall time on a shared
+        # machine, where other processes take the cores for part of a step.
+        **_common.stats_of(cpu_rates, "_params_per_cpu_s"),
         "state_bytes_per_param": got[0]["state_bytes_per_param"],
       }
     for kind in ("full step", "mixed"):
       a, b = row.get(f"8-bit {kind}", {}), row.get(f"fp32 {kind}", {})
       if "median_params_per_s" in a and "median_params_per_s" in b:
         row[f"8-bit / fp32, {kind}"] = a["median_params_per_s"] / b["median_params_per_s"]
+        row[f"8-bit / fp32, {kind}, CPU time"] = (
+          a["median_params_per_cpu_s"] / b["median_params_per_cpu_s"]
+        )
     result["sizes"][f"{size:g}M"] = row
     print(f"{size:g}M params: {json.dumps(row, indent=1)}", flush=True)
   args.out.mkdir(parents=True, exist_ok=True)

@@ -623,3 +623,40 @@ def test_layer_store_refuses_8bit_state(tmp_path):
     offlax.LayerStore.create(
       str(tmp_path / "s"), layers, optimizer=offlax.adam(1e-3, state_bits=8), progress=False
     )
+
+
+def test_native_codes_at_every_midpoint_and_entry(monkeypatch):
+  """The kernel's in-register code search (adam8.cc) gives the JAX path's codes at every midpoint
+  and entry of the signed map and one float either side of each.
+
+  With b1 = b2 = 0 the new first moment is the gradient itself, and each block of 256 holds a
+  1.0, so its scale is 1 and the values quantized are exactly the gradient's.
+  """
+  from offlax._src import ffi
+
+  signed = [quantized.midpoints(True), quantized.code_map(True)]
+  points = np.concatenate(signed).astype(np.float32)
+  points = np.concatenate(
+    [points, np.nextafter(points, np.float32(np.inf)), np.nextafter(points, np.float32(-np.inf))]
+  )
+  points = points[np.abs(points) <= 1]
+  rows = max(-(-points.size // 255), quantized.MIN_SIZE // 256)  # a leaf big enough to quantize
+  values = np.zeros((rows, 256), np.float32)
+  values[:, 0] = 1.0
+  values[:, 1:].flat[: points.size] = points
+  params = {"w": jnp.zeros(values.size, jnp.float32)}
+  grads = {"w": jnp.asarray(values.reshape(-1))}
+  tx = offlax.adam(1.0, b1=0.0, b2=0.0, state_bits=8)
+
+  def step():
+    run = jax.jit(lambda p, s, g: offlax.update_and_apply(tx, g, s, p))
+    state = tx.init(params)
+    return run(params, state, grads), run.lower(params, state, grads).as_text()
+
+  got, text = step()
+  assert text.count("offlax_adam8_step") == (1 if ffi.available() else 0)
+  monkeypatch.setattr(ffi, "on_cpu", lambda native, default, *args: default(*args))
+  want, text = step()
+  assert "offlax_adam8_step" not in text
+  assert_trees_equal(got, want)
+  assert any(x.dtype == jnp.int8 for x in jax.tree.leaves(got[1]))  # the moment is quantized

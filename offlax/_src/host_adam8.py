@@ -35,7 +35,8 @@ def _tables() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   above = np.concatenate(
     [np.append(quantized.midpoints(True), inf), np.append(quantized.midpoints(False), inf)]
   )
-  # int32 (not quantized.py's uint8): the kernel's vector gathers read 32-bit lanes.
+  # int32 (not quantized.py's uint8): 32-bit lanes for the kernel's scalar path (no AVX-512,
+  # partial vectors, |y| > 1); with AVX-512 it searches the midpoints in registers instead.
   keys = np.concatenate([quantized.bucket_counts(True), quantized.bucket_counts(False)])
   return maps, above.astype(np.float32), keys.astype(np.int32)
 

@@ -4,9 +4,19 @@
 // moments dequantized (map[code] * scale), updated as optax updates them, the
 // update (or the new param, or the new master and low-precision param) written
 // as optax's expression as written, and the new moments quantized again
-// (absmax scale; the code from the bucket table keyed by the top 17 bits of
-// m / scale, then one comparison with the next midpoint). Every table comes
-// from Python (`quantized.py`), so the codes are the JAX path's; every float
+// (absmax scale; the code is the number of midpoints <= m / scale).
+//
+// Lookups: with AVX-512 every table lives in registers: the code by a binary
+// search over the midpoints (Search), the dequantized value by byte-plane
+// permutes (BytePlanes, with VBMI) or float permutes (RegTable); no gathers,
+// which were most of the step's time (on AMD Zen 4 a 16-lane gather costs about
+// what 16 loads do). Without AVX-512, for the last partial vectors of a leaf,
+// and for |m / scale| > 1 (a non-finite or subnormal scale), the code comes
+// from quantized.py's bucket table (keyed by the top 17 bits of m / scale,
+// then one comparison with the next midpoint), which gives the same count for
+// every |y| <= 1 (checked on every float there, in the bench harness of issue
+// 45's kernel8 work). Every table comes from Python (`quantized.py`), so the
+// codes are the JAX path's; every float
 // operation is the JAX path's in its order, so with XLA told to evaluate as
 // written (no algebraic rewrites, no FMA: the tests' flags) the results are
 // bit-identical, and under XLA's defaults they agree to rounding (FMA
@@ -24,6 +34,10 @@
 #include <memory>
 #include <mutex>
 #include <type_traits>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 #include "xla/ffi/api/ffi.h"
 
@@ -133,18 +147,258 @@ inline float FromBits(uint32_t bits) {
   return f;
 }
 
-// The map indices of x[i] * (1 / s) (quantized.quantize): bucket count, plus one at the next
-// midpoint.
-inline void Codes(const float* x, int64_t n, float s, const int32_t* keys, const float* above,
-                  int32_t* index) {
-  const float r = 1.0f / (s > 0 ? s : 1.0f);
-  for (int64_t i = 0; i < n; ++i) {
-    const float y = x[i] * r;
-    uint32_t bits;
-    std::memcpy(&bits, &y, sizeof bits);
-    const int32_t low = keys[bits >> kKeyShift];
-    index[i] = low + (above[low] <= y ? 1 : 0);
+// The map index of y (quantized.quantize): the bucket's count, plus one at the next midpoint.
+inline int32_t IndexOf(float y, const int32_t* keys, const float* above) {
+  uint32_t bits;
+  std::memcpy(&bits, &y, sizeof bits);
+  const int32_t low = keys[bits >> kKeyShift];
+  return low + (above[low] <= y ? 1 : 0);
+}
+
+#ifdef __AVX512F__
+// Lookups in registers, not gathers. The step reads map[code] twice and finds
+// two codes an element; as 16-lane gathers (six per 16 elements, from tables of
+// 1 KiB and 512 KiB) they were most of its time: a gather costs about what 16
+// loads do. A 256-entry float table fits in 16 zmm registers, and `vpermi2ps`
+// picks, per lane, one of 32 entries in one instruction.
+
+// kN floats (1, a power of two up to 16, or 32, 64, 128, 256), in registers.
+template <int kN>
+struct RegTable {
+  static constexpr int kRegs = (kN + 15) / 16;
+  __m512 r[kRegs];
+
+  void Load(const float* values) {
+    if constexpr (kN == 1) {
+      r[0] = _mm512_set1_ps(values[0]);
+    } else if constexpr (kN < 16) {
+      float padded[16] = {};
+      std::copy_n(values, kN, padded);
+      r[0] = _mm512_loadu_ps(padded);
+    } else {
+      for (int k = 0; k < kRegs; ++k) r[k] = _mm512_loadu_ps(values + 16 * k);
+    }
   }
+
+  // values[index] in each lane, for 0 <= index < kN.
+  __m512 At(__m512i index) const {
+    if constexpr (kN == 1) {
+      return r[0];  // Load broadcast it
+    } else if constexpr (kN <= 16) {
+      return _mm512_permutexvar_ps(index, r[0]);
+    } else {
+      // 32 entries a pair of registers (index bits 0-4), then a blend per higher bit.
+      __m512 q[kRegs / 2];
+      for (int k = 0; k < kRegs / 2; ++k) q[k] = _mm512_permutex2var_ps(r[2 * k], index, r[2 * k + 1]);
+      for (int bit = 32, n = kRegs / 2; n > 1; bit *= 2, n /= 2) {
+        const __mmask16 high = _mm512_test_epi32_mask(index, _mm512_set1_epi32(bit));
+        for (int k = 0; k < n / 2; ++k) q[k] = _mm512_mask_blend_ps(high, q[2 * k], q[2 * k + 1]);
+      }
+      return q[0];
+    }
+  }
+};
+
+// The index of y (the number of midpoints <= y): a binary search over the 255
+// midpoints for its first five levels (step 128 compares with one of 1
+// candidate, step 64 with one of 2, ..., step 8 with one of 16: each level's
+// candidates fit in a register), which leaves y between midpoints 8c - 1 and
+// 8c + 7; then the 7 midpoints 8c .. 8c + 6 at once, each from a table of 32
+// (one `vpermi2ps` each, and no chain between them: three more levels would
+// take 11 permutes and blends, this takes 7). Exact for |y| <= 1, where the
+// bucket table gives the same count (quantized.bucket_counts).
+struct Search {
+  RegTable<1> s128;
+  RegTable<2> s64;
+  RegTable<4> s32;
+  RegTable<8> s16;
+  RegTable<16> s8;
+  RegTable<32> last[7];  // last[t][c] = midpoint 8c + t
+
+  void Load(const float* above) {
+    float level[128];
+    auto load = [&](auto& table, int step) {
+      for (int c = 0; c < 128 / step; ++c) level[c] = above[c * 2 * step + step - 1];
+      table.Load(level);
+    };
+    load(s128, 128), load(s64, 64), load(s32, 32), load(s16, 16), load(s8, 8);
+    for (int t = 0; t < 7; ++t) {
+      for (int c = 0; c < 32; ++c) level[c] = above[8 * c + t];
+      last[t].Load(level);
+    }
+  }
+
+  // One level for kK vectors at once: a level's permute and compare wait on the
+  // last level's add, so a single vector's search is a chain of latencies; kK
+  // independent chains keep the vector units busy.
+  template <int kStep, int kK, typename Table>
+  static void Level(const Table& table, const __m512 (&y)[kK], __m512i (&index)[kK]) {
+    const __m512i step = _mm512_set1_epi32(kStep);
+    for (int k = 0; k < kK; ++k) {
+      // index is a multiple of 2 * kStep here: its candidate is number index / (2 * kStep).
+      const __m512i c = _mm512_srli_epi32(index[k], __builtin_ctz(2 * kStep));
+      const __mmask16 reached = _mm512_cmp_ps_mask(table.At(c), y[k], _CMP_LE_OQ);
+      index[k] = _mm512_mask_add_epi32(index[k], reached, index[k], step);
+    }
+  }
+
+  template <int kK>
+  void IndexOf(const __m512 (&y)[kK], __m512i (&index)[kK]) const {
+    for (int k = 0; k < kK; ++k) index[k] = _mm512_setzero_si512();
+    Level<128>(s128, y, index);
+    Level<64>(s64, y, index);
+    Level<32>(s32, y, index);
+    Level<16>(s16, y, index);
+    Level<8>(s8, y, index);
+    const __m512i one = _mm512_set1_epi32(1);
+    for (int k = 0; k < kK; ++k) {
+      const __m512i c = _mm512_srli_epi32(index[k], 3);
+      __m512i count = index[k];
+      for (int t = 0; t < 7; ++t) {
+        const __mmask16 reached = _mm512_cmp_ps_mask(last[t].At(c), y[k], _CMP_LE_OQ);
+        count = _mm512_mask_add_epi32(count, reached, count, one);
+      }
+      index[k] = count;
+    }
+  }
+};
+
+#ifdef __AVX512VBMI__
+// A 256-entry float table as four byte planes (byte b of every entry), 4 registers
+// each, for 64 lookups at a time: `vpermi2b` picks one of 128 bytes per lane,
+// so a plane takes two and a blend on the index's top bit, and four unpacks put
+// the bytes back together as floats: about a quarter of RegTable's work a lookup.
+struct BytePlanes {
+  __m512i plane[4][4];  // [byte of the float][64 entries]
+  // Moves byte (4 L + r) of a 64-byte index vector's 4-byte groups to (4 r + L),
+  // so that the unpacks (which interleave within 128-bit lanes) return the
+  // entries in order.
+  __m512i order;
+
+  void Load(const float* values) {
+    alignas(64) uint8_t bytes[4][256];
+    for (int e = 0; e < 256; ++e) {
+      uint32_t bits;
+      std::memcpy(&bits, &values[e], sizeof bits);
+      for (int b = 0; b < 4; ++b) bytes[b][e] = static_cast<uint8_t>(bits >> (8 * b));
+    }
+    for (int b = 0; b < 4; ++b) {
+      for (int q = 0; q < 4; ++q) plane[b][q] = _mm512_load_si512(bytes[b] + 64 * q);
+    }
+    alignas(64) uint8_t from[64];
+    for (int lane = 0; lane < 4; ++lane) {
+      for (int r = 0; r < 4; ++r) {
+        for (int q = 0; q < 4; ++q) from[16 * lane + 4 * r + q] = 16 * r + 4 * lane + q;
+      }
+    }
+    order = _mm512_load_si512(from);
+  }
+
+  // values[index[i]] * s for the 64 byte indices, to out[0..63].
+  void Lookup(__m512i index, __m512 s, float* out) const {
+    index = _mm512_permutexvar_epi8(order, index);
+    const __mmask64 high = _mm512_movepi8_mask(index);  // index >= 128
+    __m512i b[4];
+    for (int k = 0; k < 4; ++k) {
+      const __m512i low = _mm512_permutex2var_epi8(plane[k][0], index, plane[k][1]);
+      const __m512i up = _mm512_permutex2var_epi8(plane[k][2], index, plane[k][3]);
+      b[k] = _mm512_mask_blend_epi8(high, low, up);
+    }
+    const __m512i b01_low = _mm512_unpacklo_epi8(b[0], b[1]), b01_high = _mm512_unpackhi_epi8(b[0], b[1]);
+    const __m512i b23_low = _mm512_unpacklo_epi8(b[2], b[3]), b23_high = _mm512_unpackhi_epi8(b[2], b[3]);
+    const __m512i f[4] = {
+        _mm512_unpacklo_epi16(b01_low, b23_low), _mm512_unpackhi_epi16(b01_low, b23_low),
+        _mm512_unpacklo_epi16(b01_high, b23_high), _mm512_unpackhi_epi16(b01_high, b23_high)};
+    for (int k = 0; k < 4; ++k) _mm512_storeu_ps(out + 16 * k, _mm512_mul_ps(_mm512_castsi512_ps(f[k]), s));
+  }
+};
+#endif
+
+// One moment's tables in registers: its map, its midpoints by level.
+struct MapRegs {
+#ifdef __AVX512VBMI__
+  BytePlanes map;
+#else
+  RegTable<256> map;
+#endif
+  Search search;
+  void Load(const float* values, const float* above) {
+    map.Load(values);
+    search.Load(above);
+  }
+};
+#else
+struct MapRegs {
+  void Load(const float*, const float*) {}
+};
+#endif
+
+// The dequantized moment of a block: map[code + offset] * s (offset 128 for int8 codes).
+template <typename Code>
+inline void Dequantize(const Code* codes, int64_t n, float s, const float* map, const MapRegs& regs,
+                       float* out) {
+  constexpr int32_t offset = std::is_signed_v<Code> ? 128 : 0;
+  int64_t i = 0;
+#if defined(__AVX512VBMI__)
+  const __m512 scale = _mm512_set1_ps(s);
+  for (; i + 64 <= n; i += 64) {
+    __m512i index = _mm512_loadu_si512(codes + i);
+    if constexpr (std::is_signed_v<Code>) index = _mm512_xor_si512(index, _mm512_set1_epi8(-128));
+    regs.map.Lookup(index, scale, out + i);
+  }
+#elif defined(__AVX512F__)
+  const __m512 scale = _mm512_set1_ps(s);
+  for (; i + 16 <= n; i += 16) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i));
+    const __m512i index = std::is_signed_v<Code>
+                              ? _mm512_add_epi32(_mm512_cvtepi8_epi32(bytes), _mm512_set1_epi32(offset))
+                              : _mm512_cvtepu8_epi32(bytes);
+    _mm512_storeu_ps(out + i, _mm512_mul_ps(regs.map.At(index), scale));
+  }
+#else
+  (void)regs;
+#endif
+  for (; i < n; ++i) out[i] = map[codes[i] + offset] * s;
+}
+
+// The codes of x[i] * (1 / s) (quantized.quantize): the map index, minus 128 for int8 codes.
+template <typename Code>
+inline void Quantize(const float* x, int64_t n, float s, const int32_t* keys, const float* above,
+                     const MapRegs& regs, Code* codes) {
+  constexpr int32_t offset = std::is_signed_v<Code> ? 128 : 0;
+  const float r = 1.0f / (s > 0 ? s : 1.0f);
+  int64_t i = 0;
+#ifdef __AVX512F__
+  constexpr int kK = 4;  // vectors searched side by side (Search::Level)
+  const __m512 rv = _mm512_set1_ps(r);
+  const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
+  for (; i + 16 * kK <= n; i += 16 * kK) {
+    __m512 y[kK];
+    __mmask16 inside = 0xffff;
+    for (int k = 0; k < kK; ++k) {
+      y[k] = _mm512_mul_ps(_mm512_loadu_ps(x + i + 16 * k), rv);
+      const __m512 abs_y = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(y[k]), abs_mask));
+      inside &= _mm512_cmp_ps_mask(abs_y, _mm512_set1_ps(1.0f), _CMP_LE_OQ);
+    }
+    // |y| > 1, infinities and NaNs (a subnormal or non-finite scale) take the table,
+    // whose clipped buckets define their codes.
+    if (inside != 0xffff) {
+      for (int64_t k = i; k < i + 16 * kK; ++k) {
+        codes[k] = static_cast<Code>(IndexOf(x[k] * r, keys, above) - offset);
+      }
+      continue;
+    }
+    __m512i index[kK];
+    regs.search.IndexOf(y, index);
+    for (int k = 0; k < kK; ++k) {
+      const __m512i code = _mm512_sub_epi32(index[k], _mm512_set1_epi32(offset));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i + 16 * k), _mm512_cvtepi32_epi8(code));
+    }
+  }
+#else
+  (void)regs;
+#endif
+  for (; i < n; ++i) codes[i] = static_cast<Code>(IndexOf(x[i] * r, keys, above) - offset);
 }
 
 template <typename G, typename P, Out kOut, bool kDecay>
@@ -153,20 +407,19 @@ void Step8(const Job8& j, int64_t first_block, int64_t last_block) {
   const float bc1 = j.h[kBc1], bc2 = j.h[kBc2], eps_root = j.h[kEpsRoot];
   const float eps = j.h[kEps], step = j.h[kStep], wd = j.h[kWd];
   const Tables t = j.t;
+  MapRegs regs_m, regs_v;  // loaded once a chunk (256 blocks)
+  regs_m.Load(t.map_m, t.above_m);
+  regs_v.Load(t.map_v, t.above_v);
   float m[kBlockSize], v[kBlockSize];
-  int32_t index[kBlockSize];
   for (int64_t b = first_block; b < last_block; ++b) {
     const int64_t lo = b * kBlockSize, n = std::min(kBlockSize, j.size - lo);
-    const float sm = j.ms[b], sv = j.vs[b];
     const G* g_in = static_cast<const G*>(j.g) + lo;
-    const int8_t* mc = j.mc + lo;
-    const uint8_t* vc = j.vc + lo;
+    Dequantize(j.mc + lo, n, j.ms[b], t.map_m, regs_m, m);
+    Dequantize(j.vc + lo, n, j.vs[b], t.map_v, regs_v, v);
     for (int64_t i = 0; i < n; ++i) {
       const float g = Widen(g_in[i]);
-      const float mq = t.map_m[mc[i] + 128] * sm;
-      const float vq = t.map_v[vc[i]] * sv;
-      m[i] = MulAdd(c1, g, b1 * mq);      // (1 - b1) * g + b1 * m
-      v[i] = MulAdd(c2, g * g, b2 * vq);  // (1 - b2) * g**2 + b2 * v
+      m[i] = MulAdd(c1, g, b1 * m[i]);      // (1 - b1) * g + b1 * m
+      v[i] = MulAdd(c2, g * g, b2 * v[i]);  // (1 - b2) * g**2 + b2 * v
     }
     uint32_t am_bits = 0, av_bits = 0;
     for (int64_t i = 0; i < n; ++i) {
@@ -174,29 +427,32 @@ void Step8(const Job8& j, int64_t first_block, int64_t last_block) {
       av_bits = std::max(av_bits, AbsBits(v[i]));
     }
     const float am = FromBits(am_bits), av = FromBits(av_bits);
-    // The update from the new float32 moments, before they are rounded to 8 bits.
-    for (int64_t i = 0; i < n; ++i) {
-      float u = (m[i] / bc1) / (std::sqrt(v[i] / bc2 + eps_root) + eps);
-      if constexpr (kOut == Out::kUpdate) {
-        if constexpr (kDecay) u = MulAdd(wd, j.w[lo + i], u);  // add_decayed_weights
-        static_cast<float*>(j.out)[lo + i] = step * u;          // scale_by_learning_rate
-      } else {
-        const float w_in = j.w[lo + i];
-        if constexpr (kDecay) u = MulAdd(wd, w_in, u);
-        const float w = MulAdd(step, u, w_in);  // apply_updates(w, step * u)
-        j.w_out[lo + i] = w;
-        if constexpr (kOut == Out::kDelta) {
-          static_cast<float*>(j.out)[lo + i] =
-              Widen(Narrow<P>(w)) - Widen(static_cast<const P*>(j.low)[lo + i]);
-        } else if constexpr (kOut == Out::kParam) {
-          static_cast<P*>(j.out)[lo + i] = Narrow<P>(w);
+    // The update from the new float32 moments, before they are rounded to 8 bits,
+    // and the new codes, 64 elements at a time: the update is bound by the
+    // divider, the codes by the shuffle unit, and in one loop they overlap.
+    for (int64_t first = 0; first < n; first += 64) {
+      const int64_t last = std::min(n, first + 64);
+      for (int64_t i = first; i < last; ++i) {
+        float u = (m[i] / bc1) / (std::sqrt(v[i] / bc2 + eps_root) + eps);
+        if constexpr (kOut == Out::kUpdate) {
+          if constexpr (kDecay) u = MulAdd(wd, j.w[lo + i], u);  // add_decayed_weights
+          static_cast<float*>(j.out)[lo + i] = step * u;          // scale_by_learning_rate
+        } else {
+          const float w_in = j.w[lo + i];
+          if constexpr (kDecay) u = MulAdd(wd, w_in, u);
+          const float w = MulAdd(step, u, w_in);  // apply_updates(w, step * u)
+          j.w_out[lo + i] = w;
+          if constexpr (kOut == Out::kDelta) {
+            static_cast<float*>(j.out)[lo + i] =
+                Widen(Narrow<P>(w)) - Widen(static_cast<const P*>(j.low)[lo + i]);
+          } else if constexpr (kOut == Out::kParam) {
+            static_cast<P*>(j.out)[lo + i] = Narrow<P>(w);
+          }
         }
       }
+      Quantize(m + first, last - first, am, t.key_m, t.above_m, regs_m, j.mc_out + lo + first);
+      Quantize(v + first, last - first, av, t.key_v, t.above_v, regs_v, j.vc_out + lo + first);
     }
-    Codes(m, n, am, t.key_m, t.above_m, index);
-    for (int64_t i = 0; i < n; ++i) j.mc_out[lo + i] = static_cast<int8_t>(index[i] - 128);
-    Codes(v, n, av, t.key_v, t.above_v, index);
-    for (int64_t i = 0; i < n; ++i) j.vc_out[lo + i] = static_cast<uint8_t>(index[i]);
     j.ms_out[b] = am;
     j.vs_out[b] = av;
   }
