@@ -111,17 +111,22 @@ def install() -> None:
 def _fused_update(original: Any) -> Any:
   @functools.wraps(original)
   def update(self, model, grads, /, **kwargs):
+    from offlax._src import nnx_store_commit
+
     if not fuses(self, model):
       try:
-        return original(self, model, grads, **kwargs)
+        out = original(self, model, grads, **kwargs)
       except ValueError as e:
         error = _host_params_error("update", model, self.wrt, e)
         if error is None:
           raise
         raise error from e
+      nnx_store_commit.commit(self, model, grads)
+      return out
     from offlax._src.flax_glue import nnx_update
 
     nnx_update(self, model, grads, **kwargs)
+    nnx_store_commit.commit(self, model, grads)  # the layers' step, with the rest's (its module)
     return None  # the update was applied slice by slice: no updates tree exists
 
   return update
