@@ -70,7 +70,7 @@ def commit(optimizer: Any, model: Any, grads: Any) -> None:
         f"{source.n_layers} layers' tokens: differentiate with respect to every nnx.Param "
         "of the model (the layers' LayerTokens are nnx.Params), e.g. nnx.grad(loss)(model)."
       )
-    step = jnp.asarray(optimizer.step[...], jnp.int64 if jax.config.x64_enabled else jnp.int32)
+    step = optimizer.step[...]  # after this update's increment
     host_callbacks.call(
       functools.partial(_commit, source.store),
       [jax.ShapeDtypeStruct((), jnp.int32)],
