@@ -11,7 +11,9 @@ host memory, which XLA's GPU compiler converts into slow host compute of its
 own. Trainers call it as it is (Tunix's `PeftTrainer`): an optimizer whose
 transformation is or holds an `offlax.offload` (`offlax.update_and_apply`
 fuses it, inside optax's wrappers too) and whose params are (some of them) in
-host memory runs `offlax.nnx_update`.
+host memory runs `offlax.nnx_update`. Either update then commits the `LayerStore` of
+a model given to ``offload_params(store=..., commit_in_update=True)``
+(`nnx_store_commit`).
 
 `optax.global_norm` of gradients in host memory (Tunix logs it every step)
 sums each host leaf's squares in a host computation: JAX refuses the sum of a

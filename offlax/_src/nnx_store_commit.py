@@ -12,7 +12,8 @@ where the optimizer's count is ``s + 1``: the rest of the model (its params and
 optimizer state, in host memory, saved by the trainer's own checkpointing) and
 the layers are then of one step. A rest restored from a checkpoint of another
 step than the store's is refused (`StoreMismatchError`) before anything is
-committed, naming ``LayerStore.open(..., step=)``.
+committed (the store is closed, its updated layers dropped), naming
+``LayerStore.open(..., step=)``.
 """
 
 from __future__ import annotations
@@ -82,13 +83,14 @@ def commit(optimizer: Any, model: Any, grads: Any) -> None:
 
 def _commit(store: Any, step: Any, *tokens: Any) -> np.ndarray:
   """The callback: commits the store's step, the optimizer's `step` (checked)."""
-  step = int(step)
-  if step != store.step + 1:
+  step, held = int(step), store.step
+  if step != held + 1:
+    store.close()  # drops the step updated in the backward pass: no later read commits it
     raise errors.StoreMismatchError(
       f"nnx.Optimizer.update: the optimizer's update made step {step}, and the store at "
-      f"{store.path} holds step {store.step}, so it would commit step {store.step + 1}: "
-      "the rest of the model (e.g. restored by the trainer's checkpoint) and the layers "
-      f"are of different steps. Nothing was committed. Open the store at the rest's step, "
+      f"{store.path} holds step {held}, so it would commit step {held + 1}: the rest of "
+      "the model (e.g. restored by the trainer's checkpoint) and the layers are of different "
+      "steps. Nothing was committed, and the store was closed. Open it at the rest's step, "
       f"LayerStore.open(path, like, optimizer=tx, update='backward', step={step - 1}) (a "
       "step it keeps: create it with keep= at least the checkpoints' interval + 1), or "
       "restore the rest of the step the store holds."
