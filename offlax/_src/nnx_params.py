@@ -351,14 +351,10 @@ def _reading(method: Callable[..., Any]) -> Callable[..., Any]:
     graphdef, token, stored, rest = nnx.split(
       self, stored_lib.LayerToken, stored_lib.StoredParam, ...
     )
-    records = getattr(cls, stored_lib.SOURCE).store.records
-    if not stored_lib.is_placeholder(stored, records):  # inside the layer's own run: read already
+    source = getattr(cls, stored_lib.SOURCE)
+    if not stored_lib.is_placeholder(stored, source.store.records):  # inside its own run: read
       return method(self, *args, **kwargs)
-    source, i, treedef = (
-      getattr(cls, stored_lib.SOURCE),
-      getattr(self, stored_lib.INDEX),
-      jax.tree.structure(stored),
-    )
+    i, treedef = getattr(self, stored_lib.INDEX), jax.tree.structure(stored)
     out, rest = remat_call(
       method, graphdef, token, rest, args, kwargs,
       offload_activations=getattr(cls, _OFFLOAD_ACTIVATIONS),
