@@ -75,6 +75,21 @@ def test_commit_in_update_needs_a_backward_store(tmp_path):
     offlax.offload_params(Model(nnx.Rngs(0)), commit_in_update=True)
 
 
+@pytest.mark.slow  # 9 s on the shared machine (traces the update)
+def test_commit_in_update_refuses_gradient_accumulation(tmp_path):
+  """`optax.MultiSteps` (Tunix's gradient_accumulation_steps) would update the layers at every
+  micro-step: refused when the step is traced, before anything runs."""
+  with make_store(tmp_path / "s", Model(nnx.Rngs(0))) as store:
+    model = offlax.offload_params(Model(nnx.Rngs(0)), store=store, commit_in_update=True)
+    tx_k = optax.MultiSteps(offlax.offload(tx(), compute="host"), 2)
+    optimizer = nnx.Optimizer(model, tx_k, wrt=nnx.Param)
+    zeros = lambda model: jax.tree.map(jnp.zeros_like, nnx.state(model, nnx.Param))
+    update = nnx.jit(lambda model, optimizer: optimizer.update(model, zeros(model)))
+    with pytest.raises(errors.InvalidOptionError, match="MultiSteps.*accumulate=True"):
+      update(model, optimizer)
+    assert store.step == 0
+
+
 # Tunix's models and trainer (minutes: slow).
 
 

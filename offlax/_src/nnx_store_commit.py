@@ -24,6 +24,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from offlax._src import errors, host_callbacks
 from offlax._src import nnx_layer_store as stored_lib
@@ -56,6 +57,14 @@ def commit(optimizer: Any, model: Any, grads: Any) -> None:
     source = stored_lib.layers_source(node)
     if source is None or not getattr(type(node[0]), COMMIT, False):
       continue
+    if isinstance(optimizer.tx, optax.MultiSteps):
+      raise errors.InvalidOptionError(
+        f"nnx.Optimizer.update: the store at {source.store.path} commits in the update "
+        "(commit_in_update=True), and the optimizer is an optax.MultiSteps (e.g. Tunix's "
+        "gradient_accumulation_steps): the store's layers would be updated at every "
+        "micro-step. Train without gradient accumulation, or accumulate into the store in "
+        "your own loop: store.source(accumulate=True), then (accumulate=True, last=True)."
+      )
     if flat is None:
       flat = list(nnx.to_flat_state(grads))
     tokens = [
