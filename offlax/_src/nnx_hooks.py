@@ -11,7 +11,9 @@ host memory, which XLA's GPU compiler converts into slow host compute of its
 own. Trainers call it as it is (Tunix's `PeftTrainer`): an optimizer whose
 transformation is or holds an `offlax.offload` (`offlax.update_and_apply`
 fuses it, inside optax's wrappers too) and whose params are (some of them) in
-host memory runs `offlax.nnx_update`.
+host memory runs `offlax.nnx_update`. Either update then commits the `LayerStore` of
+a model given to ``offload_params(store=..., commit_in_update=True)``
+(`nnx_store_commit`).
 
 `optax.global_norm` of gradients in host memory (Tunix logs it every step)
 sums each host leaf's squares in a host computation: JAX refuses the sum of a
@@ -111,17 +113,22 @@ def install() -> None:
 def _fused_update(original: Any) -> Any:
   @functools.wraps(original)
   def update(self, model, grads, /, **kwargs):
+    from offlax._src import nnx_store_commit
+
     if not fuses(self, model):
       try:
-        return original(self, model, grads, **kwargs)
+        out = original(self, model, grads, **kwargs)
       except ValueError as e:
         error = _host_params_error("update", model, self.wrt, e)
         if error is None:
           raise
         raise error from e
+      nnx_store_commit.commit(self, model, grads)
+      return out
     from offlax._src.flax_glue import nnx_update
 
     nnx_update(self, model, grads, **kwargs)
+    nnx_store_commit.commit(self, model, grads)  # the layers' step, with the rest's (its module)
     return None  # the update was applied slice by slice: no updates tree exists
 
   return update

@@ -1,7 +1,7 @@
 """An NNX model's list of layers with their params in a `LayerStore` (`offload_params(store=)`).
 
 Each layer keeps its module tree: its params become `StoredParam`s holding an
-empty placeholder, and it gains a `LayerToken`, a scalar `nnx.Param`. Where
+one-element placeholder, and it gains a `LayerToken`, a scalar `nnx.Param`. Where
 the layer runs, `read` brings its params from the store by the token (a
 `LayerSource` read, in the layer's rematerialised region), so the forward
 pass and its recomputation in the backward pass read the layer from disk, and
@@ -36,7 +36,7 @@ class LayerToken(nnx.Param):
 
 
 class StoredParam(nnx.Variable):
-  """A param whose value is in a `LayerStore`: an empty placeholder between the layer's runs."""
+  """A param whose value is in a `LayerStore`: a placeholder between the layer's runs."""
 
 
 def stack_layers(layers: Any, path: str | None = None, *, wrt: Any = nnx.Param) -> Any:
@@ -110,7 +110,7 @@ def _check_not_offloaded(layers: Any, wrt: Any) -> None:
     if jax.tree.leaves(nnx.state(layer, StoredParam)):
       raise errors.InvalidOptionError(
         f"stack_layers: layer {i} was given to offload_params(model, store=): its params are "
-        "in the LayerStore, the layer holds empty placeholders. store.read_params() gives "
+        "in the LayerStore, the layer holds placeholders. store.read_params() gives "
         "them stacked; or call offlax.onload_params(model) first, which reads them back."
       )
     if memory.any_on_host(nnx.state(layer, wrt)):
@@ -267,9 +267,13 @@ def detach(layers: Any, source: LayerSource) -> None:
     delattr(layer, TOKEN)
 
 
-def is_placeholder(stored: Any) -> bool:
-  """Whether a layer's stored state holds its placeholders (it is not inside its own run)."""
-  return all(x.shape == (0,) for x in jax.tree.leaves(stored))
+def is_placeholder(stored: Any, records: list[dict]) -> bool:
+  """Whether a layer's stored state holds its placeholders (it is not inside its own run).
+
+  A placeholder's shape is never its param's (`_placeholder`), so one leaf tells.
+  """
+  leaves = jax.tree.leaves(stored)
+  return any(tuple(x.shape) != tuple(r["shape"]) for x, r in zip(leaves, records, strict=True))
 
 
 def read(source: LayerSource, i: int, token: Any, treedef: Any) -> Any:
@@ -284,9 +288,13 @@ def _name(key: str) -> str:
 
 
 def _placeholder(x: Any) -> Any:
+  # One element, not zero: orbax refuses to save an array of zero size, and a trainer's
+  # checkpoint (Tunix's: nnx.state(model)) holds the placeholders. Two where the param is
+  # itself of shape (1,): a placeholder's shape is never its param's (`is_placeholder`).
+  shape = (2,) if tuple(x.shape) == (1,) else (1,)
   if isinstance(x, jax.ShapeDtypeStruct):
-    return jax.ShapeDtypeStruct((0,), x.dtype)
-  return jnp.zeros((0,), x.dtype)
+    return jax.ShapeDtypeStruct(shape, x.dtype)
+  return jnp.zeros(shape, x.dtype)
 
 
 def layers_source(node: Any) -> LayerSource | None:

@@ -45,6 +45,7 @@ def offload_params(
   offload_activations: bool = False,
   store: Any = None,
   layers: str | None = None,
+  commit_in_update: bool = False,
 ) -> Any:
   """`model` with its params in host memory, each fetched to the device where it is used.
 
@@ -82,6 +83,11 @@ def offload_params(
       ``source(accumulate=True)`` to add the gradients into the store's.
     layers: with ``store``, the path of its list (``"decoder"`` for
       ``model.decoder``), where the store does not record it.
+    commit_in_update: with ``store`` (made with ``update="backward"``),
+      `nnx.Optimizer.update` of the model commits the store's step, checked
+      against the optimizer's count (`nnx_store_commit`): a trainer that calls
+      only ``optimizer.update(model, grads)`` (Tunix's `PeftTrainer`) drives the
+      store, no ``store.update()`` to call.
 
   Returns:
     `model` itself.
@@ -123,12 +129,13 @@ def offload_params(
       f"offload_params: the model is already offloaded (its module at "
       f"{paths.name(offloaded[0])} fetches its params); call offlax.onload_params(model) first."
     )
-  if layers is not None and store is None:
+  if (layers is not None or commit_in_update) and store is None:
     raise errors.InvalidOptionError(
-      "offload_params: layers= names the list of layers that store= holds; pass store= too."
+      "offload_params: layers= and commit_in_update= are about the list of layers that "
+      "store= holds; pass store= too."
     )
   if store is not None:
-    _store_layers(model, store, wrt, offload_activations, layers)
+    _store_layers(model, store, wrt, offload_activations, layers, commit_in_update)
     wrt = nnx.All(wrt, nnx.Not(stored_lib.LayerToken))
     nodes = list(nnx.graph.iter_graph(model))
   units = _units(nodes, nnx.filterlib.to_predicate(wrt))
@@ -185,20 +192,24 @@ def onload_params(model: Any) -> Any:
   return model
 
 
-def _store_layers(model: Any, store: Any, wrt: Any, offload_activations: bool, layers: Any):
+def _store_layers(model: Any, store: Any, wrt: Any, offload_activations: bool, layers: Any,
+                  commit: bool = False):  # fmt: skip
   """Puts the store's list of layers in `model` (at `layers`) on the store; returns its path."""
   from flax import nnx
 
   from offlax._src import nnx_layer_store as stored_lib
+  from offlax._src import nnx_store_commit
 
   source = stored_lib.source_of(store)
+  nnx_store_commit.check(source.store, commit)
   is_stored = nnx.filterlib.to_predicate(wrt)
   path = stored_lib.find_layers(model, source, is_stored, layers)
   layers = paths.at(model, path)
   stored_lib.attach(layers, is_stored)
   cls = type(layers[0])
   attributes = {
-    _BASE: cls, _WRT: None, stored_lib.SOURCE: source, _OFFLOAD_ACTIVATIONS: offload_activations
+    _BASE: cls, _WRT: None, stored_lib.SOURCE: source, _OFFLOAD_ACTIVATIONS: offload_activations,
+    nnx_store_commit.COMMIT: commit,
   }  # fmt: skip
   stored_class = _subclass(cls, _reading, attributes)
   for layer in layers:
@@ -340,13 +351,10 @@ def _reading(method: Callable[..., Any]) -> Callable[..., Any]:
     graphdef, token, stored, rest = nnx.split(
       self, stored_lib.LayerToken, stored_lib.StoredParam, ...
     )
-    if not stored_lib.is_placeholder(stored):  # inside the layer's own run: read already
+    source = getattr(cls, stored_lib.SOURCE)
+    if not stored_lib.is_placeholder(stored, source.store.records):  # inside its own run: read
       return method(self, *args, **kwargs)
-    source, i, treedef = (
-      getattr(cls, stored_lib.SOURCE),
-      getattr(self, stored_lib.INDEX),
-      jax.tree.structure(stored),
-    )
+    i, treedef = getattr(self, stored_lib.INDEX), jax.tree.structure(stored)
     out, rest = remat_call(
       method, graphdef, token, rest, args, kwargs,
       offload_activations=getattr(cls, _OFFLOAD_ACTIVATIONS),

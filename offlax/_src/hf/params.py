@@ -39,7 +39,7 @@ class Stored(NamedTuple):
   dtype: np.dtype
   layer: int
   leaf: int
-  variable: Any  # its `StoredParam`, holding an empty placeholder
+  variable: Any  # its `StoredParam`, holding a one-element placeholder
 
 
 def of_model(model: Any, store: Any) -> dict[str, Param | Stored]:
@@ -150,9 +150,10 @@ def check_store(store: Any, where: str) -> None:
 
 
 def concrete_placeholder(param: Stored) -> None:
-  """A stored param's placeholder as an empty array: an `nnx.eval_shape` model's was abstract."""
-  if isinstance(param.variable.get_value(), jax.ShapeDtypeStruct):
-    param.variable.set_value(jnp.zeros((0,), param.dtype))
+  """A stored param's placeholder as an array: an `nnx.eval_shape` model's was abstract."""
+  value = param.variable.get_value()
+  if isinstance(value, jax.ShapeDtypeStruct):
+    param.variable.set_value(jnp.zeros(value.shape, param.dtype))
 
 
 _QUEUED = 2  # leaves queued for the writer: enough to overlap, few enough for a flat RAM

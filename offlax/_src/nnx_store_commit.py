@@ -1,0 +1,108 @@
+"""A `LayerStore`'s commit inside `nnx.Optimizer.update`: a trainer's step drives the store.
+
+``offload_params(model, store=store, commit_in_update=True)``: the optimizer's
+update of the model (`nnx.Optimizer.update`, as Tunix's `PeftTrainer` calls it in
+its jitted train step) ends with the store's commit, ``store.update()``, in a
+host callback: a trainer that knows nothing of the store commits it once a step.
+
+The callback's operands are the layers' token gradients (each depends on its
+layer's hand-off to the store: the callback runs after the last one) and the
+optimizer's step count after this update. The store commits step ``s + 1`` only
+where the optimizer's count is ``s + 1``: the rest of the model (its params and
+optimizer state, in host memory, saved by the trainer's own checkpointing) and
+the layers are then of one step. A rest restored from a checkpoint of another
+step than the store's is refused (`StoreMismatchError`) before anything is
+committed (the store is closed, its updated layers dropped), naming
+``LayerStore.open(..., step=)``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from offlax._src import errors, host_callbacks
+from offlax._src import nnx_layer_store as stored_lib
+
+# Of a stored layer's class (with `nnx_layer_store.SOURCE`): its store commits in the update.
+COMMIT = "_offlax_commit_in_update"
+
+
+def check(store: Any, commit: bool) -> None:
+  """Refuses ``commit_in_update`` for a store that cannot commit inside a step."""
+  if not commit:
+    return
+  mode = getattr(store, "update_mode", None)
+  if mode != "backward":
+    raise errors.InvalidOptionError(
+      "offload_params: commit_in_update=True commits the store's step inside the "
+      "optimizer's update, and needs a store made or opened with update='backward' (each "
+      f"layer updated in the backward pass; commit waits for the last), got {mode!r}: "
+      "LayerStore.create(path, layers, optimizer=tx, update='backward'), or leave "
+      "commit_in_update=False and call store.update() after each step."
+    )
+
+
+def commit(optimizer: Any, model: Any, grads: Any) -> None:
+  """Commits, after `optimizer`'s update of `model`, each store of it that asked so (above)."""
+  from flax import nnx
+
+  flat = None
+  for path, node in nnx.graph.iter_graph(model):
+    source = stored_lib.layers_source(node)
+    if source is None or not getattr(type(node[0]), COMMIT, False):
+      continue
+    if isinstance(optimizer.tx, optax.MultiSteps):
+      raise errors.InvalidOptionError(
+        f"nnx.Optimizer.update: the store at {source.store.path} commits in the update "
+        "(commit_in_update=True), and the optimizer is an optax.MultiSteps (e.g. Tunix's "
+        "gradient_accumulation_steps): the store's layers would be updated at every "
+        "micro-step. Train without gradient accumulation, or accumulate into the store in "
+        "your own loop: store.source(accumulate=True), then (accumulate=True, last=True)."
+      )
+    if flat is None:
+      flat = list(nnx.to_flat_state(grads))
+    tokens = [
+      leaf
+      for key, variable in flat
+      if key[: len(path)] == path and key[-1] == stored_lib.TOKEN
+      for leaf in jax.tree.leaves(variable)
+    ]
+    if len(tokens) != source.n_layers:
+      raise errors.InvalidOptionError(
+        f"nnx.Optimizer.update: the store at {source.store.path} commits in the update "
+        f"(commit_in_update=True), and the gradients hold {len(tokens)} of its "
+        f"{source.n_layers} layers' tokens: differentiate with respect to every nnx.Param "
+        "of the model (the layers' LayerTokens are nnx.Params), e.g. nnx.grad(loss)(model)."
+      )
+    step = optimizer.step[...]  # after this update's increment
+    host_callbacks.call(
+      functools.partial(_commit, source.store),
+      [jax.ShapeDtypeStruct((), jnp.int32)],
+      step,
+      *tokens,
+      side_effect=True,
+    )
+
+
+def _commit(store: Any, step: Any, *tokens: Any) -> np.ndarray:
+  """The callback: commits the store's step, the optimizer's `step` (checked)."""
+  step, held = int(step), store.step
+  if step != held + 1:
+    store.close()  # drops the step updated in the backward pass: no later read commits it
+    raise errors.StoreMismatchError(
+      f"nnx.Optimizer.update: the optimizer's update made step {step}, and the store at "
+      f"{store.path} holds step {held}, so it would commit step {held + 1}: the rest of "
+      "the model (e.g. restored by the trainer's checkpoint) and the layers are of different "
+      "steps. Nothing was committed, and the store was closed. Open it at the rest's step, "
+      f"LayerStore.open(path, like, optimizer=tx, update='backward', step={step - 1}) (a "
+      "step it keeps: create it with keep= at least the checkpoints' interval + 1), or "
+      "restore the rest of the step the store holds."
+    )
+  store.update()
+  return np.zeros((), np.int32)

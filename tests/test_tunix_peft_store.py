@@ -1,0 +1,183 @@
+"""Tunix's `PeftTrainer`, unmodified, training models whose decoder layers are in a `LayerStore`.
+
+``offload_params(model, store=store, commit_in_update=True)`` with a store made with
+``update="backward"``: each layer is updated in the backward pass, and the trainer's
+``optimizer.update(model, grads)`` commits the store's step (`nnx_store_commit`), so
+nothing calls ``store.update()``. Three steps of Tunix's Llama3, Qwen3 and Gemma3 give the
+losses and the final params of the same models with their params in host memory, bit for
+bit; the trainer's own orbax checkpoints (the rest of the model) resume with the store
+opened at their step, bit for bit as a run without the restart.
+"""
+
+import os
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from test_layer_store_nnx import Model, batch
+
+import offlax
+from offlax._src import errors
+
+VOCAB = 64
+
+
+def tx():
+  return optax.adamw(1e-2, weight_decay=0.1)
+
+
+def make_store(path, model, **kwargs):
+  layers = offlax.stack_layers(model, "layers")
+  return offlax.LayerStore.create(
+    str(path), layers, optimizer=tx(), progress=False, update="backward", keep=2, **kwargs
+  )
+
+
+@pytest.mark.slow  # 15 s on the shared machine (compiles)
+def test_optimizer_update_commits_the_store_once_a_step(tmp_path):
+  """No `store.update()`: `nnx.Optimizer.update` commits, and the next step reads it."""
+  like = offlax.stack_layers(Model(nnx.Rngs(0)), "layers")
+  with make_store(tmp_path / "s", Model(nnx.Rngs(0))) as store:
+    model = offlax.offload_params(Model(nnx.Rngs(0)), store=store, commit_in_update=True)
+    optimizer = nnx.Optimizer(model, offlax.offload(tx(), compute="host"), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, optimizer, x):
+      loss, grads = nnx.value_and_grad(lambda m: m(x))(model)
+      optimizer.update(model, grads)
+      return loss
+
+    with warnings.catch_warnings():
+      warnings.simplefilter("error", errors.StepNotCommittedWarning)
+      for i in range(2):
+        step(model, optimizer, batch(i))
+        assert store.step == i + 1
+    # The rest restored from another step than the store's:
+    optimizer.step.set_value(jnp.full((), 5, optimizer.step[...].dtype))
+    dropped = pytest.warns(errors.StepNotCommittedWarning, match="step 3 was dropped")
+    with dropped, pytest.raises(Exception, match=r"holds step 2.*LayerStore.open\(.*step=5\)") as e:
+      step(model, optimizer, batch(2))  # refused; the store closed, its step 3 dropped
+    assert "StoreMismatchError" in str(e.value) or isinstance(e.value, errors.StoreMismatchError)
+  with offlax.LayerStore.open(str(tmp_path / "s"), like, optimizer=tx()) as store:
+    assert store.step == 2  # nothing committed
+
+
+def test_commit_in_update_needs_a_backward_store(tmp_path):
+  layers = offlax.stack_layers(Model(nnx.Rngs(0)), "layers")
+  with offlax.LayerStore.create(str(tmp_path / "s"), layers, optimizer=tx(), progress=False) as s:
+    with pytest.raises(errors.InvalidOptionError, match="update='backward'"):
+      offlax.offload_params(Model(nnx.Rngs(0)), store=s, commit_in_update=True)
+  with pytest.raises(errors.InvalidOptionError, match="pass store="):
+    offlax.offload_params(Model(nnx.Rngs(0)), commit_in_update=True)
+
+
+@pytest.mark.slow  # 9 s on the shared machine (traces the update)
+def test_commit_in_update_refuses_gradient_accumulation(tmp_path):
+  """`optax.MultiSteps` (Tunix's gradient_accumulation_steps) would update the layers at every
+  micro-step: refused when the step is traced, before anything runs."""
+  with make_store(tmp_path / "s", Model(nnx.Rngs(0))) as store:
+    model = offlax.offload_params(Model(nnx.Rngs(0)), store=store, commit_in_update=True)
+    tx_k = optax.MultiSteps(offlax.offload(tx(), compute="host"), 2)
+    optimizer = nnx.Optimizer(model, tx_k, wrt=nnx.Param)
+    zeros = lambda model: jax.tree.map(jnp.zeros_like, nnx.state(model, nnx.Param))
+    update = nnx.jit(lambda model, optimizer: optimizer.update(model, zeros(model)))
+    with pytest.raises(errors.InvalidOptionError, match="MultiSteps.*accumulate=True"):
+      update(model, optimizer)
+    assert store.step == 0
+
+
+# Tunix's models and trainer (minutes: slow).
+
+
+def _tunix():
+  pytest.importorskip("tunix")
+  import orbax.checkpoint as ocp
+  import test_tunix_layer_store as models
+  import tunix_inputs
+  from tunix.sft import peft_trainer
+
+  return ocp, models, tunix_inputs, peft_trainer
+
+
+def train(model, steps, checkpoints=None):
+  """Tunix's `PeftTrainer` as it is: `steps` steps; the losses it logged."""
+  ocp, _, tunix_inputs, peft_trainer = _tunix()
+  options = ocp.CheckpointManagerOptions(save_interval_steps=1, max_to_keep=2)
+  config = peft_trainer.TrainingConfig(
+    eval_every_n_steps=1000, max_steps=steps, checkpoint_root_directory=checkpoints,
+    checkpointing_options=options,
+  )  # fmt: skip
+  trainer = peft_trainer.PeftTrainer(model, offlax.offload(tx(), compute="host"), config)
+  trainer.with_gen_model_input_fn(tunix_inputs.model_input)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", errors.StepNotCommittedWarning)  # a step left uncommitted
+    trainer.train(tunix_inputs.batches(steps, VOCAB))
+  return [float(x) for x in trainer.metrics_logger.get_metric_history("", "loss", "train")]
+
+
+def in_host_memory(family, steps):
+  """The reference: the same model, its params in host memory; losses, layers and the rest."""
+  _, models, _, _ = _tunix()
+  model = offlax.offload_params(models.make_model(family))
+  losses = train(model, steps)
+  layers = offlax.stack_layers([offlax.onload_params(model)][0], "layers")
+  return losses, layers, nnx.state(model, nnx.Param)
+
+
+def assert_bits(a, b):
+  a, b = jax.tree.leaves(a), jax.tree.leaves(b)
+  assert len(a) == len(b)
+  for x, y in zip(a, b, strict=True):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def rest(model):
+  """The params outside the store (the tokens, zeros, left out)."""
+  return [
+    x for p, x in jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))[0]
+    if "layers" not in jax.tree_util.keystr(p)
+  ]  # fmt: skip
+
+
+@pytest.mark.slow  # Tunix's trainer: about a minute a model
+@pytest.mark.parametrize("family", ["llama3", "qwen3", "gemma3"])
+def test_peft_trainer_trains_layers_in_a_store_as_in_host_memory(tmp_path, family):
+  _, models, _, _ = _tunix()
+  want_losses, want_layers, want_all = in_host_memory(family, 3)
+  with make_store(tmp_path / "s", models.make_model(family)) as store:
+    model = offlax.offload_params(models.make_model(family), store=store, commit_in_update=True)
+    losses = train(model, 3)
+    assert store.step == 3
+    assert losses == want_losses
+    assert_bits(store.read_params(), want_layers)
+  want_rest = [
+    x for p, x in jax.tree_util.tree_flatten_with_path(want_all)[0]
+    if "layers" not in jax.tree_util.keystr(p)
+  ]  # fmt: skip
+  assert_bits(rest(model), want_rest)
+
+
+@pytest.mark.slow  # Tunix's trainer: about a minute
+def test_peft_trainer_checkpoints_resume_with_the_store_bit_for_bit(tmp_path):
+  """Tunix's checkpoints hold the rest; the store, opened at their step, the layers."""
+  ocp, models, _, _ = _tunix()
+  want_losses, want_layers, _ = in_host_memory("llama3", 3)
+  checkpoints, path = str(tmp_path / "checkpoints"), tmp_path / "s"
+  with make_store(path, models.make_model("llama3")) as store:
+    model = offlax.offload_params(models.make_model("llama3"), store=store, commit_in_update=True)
+    first = train(model, 2, checkpoints)
+  latest = ocp.CheckpointManager(checkpoints).latest_step()
+  assert latest == 2 and sorted(os.listdir(checkpoints)) == ["1", "2"]
+  like = offlax.stack_layers(models.make_model("llama3"), "layers")
+  with offlax.LayerStore.open(
+    str(path), like, optimizer=tx(), update="backward", step=latest, progress=False
+  ) as store:
+    model = offlax.offload_params(models.make_model("llama3"), store=store, commit_in_update=True)
+    second = train(model, 3, checkpoints)  # restores step 2's rest, then trains step 3
+    assert store.step == 3
+    assert first + second == want_losses
+    assert_bits(store.read_params(), want_layers)
