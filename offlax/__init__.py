@@ -105,7 +105,7 @@ def __getattr__(name: str) -> _typing.Any:
 
 
 def __dir__() -> list[str]:  # the public names: no `_lazy`, nor a moved name
-  return sorted(set(__all__) | {n for n in globals() if n.startswith("__")})
+  return _lazy.public_names(globals())
 
 
 __version__ = "0.1.0"

@@ -45,14 +45,7 @@ if _typing.TYPE_CHECKING:  # what the lazy names are, for type checkers and the 
   from offlax._src.orbax_options import checkpoint_handler
 
 
-def __getattr__(name: str) -> _typing.Any:
-  value = _lazy.load(__name__, _NAMES, name)
-  globals()[name] = value
-  return value
-
-
-def __dir__() -> list[str]:  # the public names: no `_lazy`, `_typing`
-  return sorted(set(__all__) | {n for n in globals() if n.startswith("__")})
+__getattr__, __dir__ = _lazy.attributes(__name__, _NAMES)  # dir: no `_lazy`, `_typing`
 
 
 __all__ = [

@@ -3,14 +3,16 @@
 `import offlax` (and `import offlax.errors`, `offlax.checkpoint`, `offlax.extend`)
 imports no JAX, so `python -m offlax plan` refuses bad input at once. Each
 public module holds a table of its names (`{name: "offlax._src.module"}`, or
-`(module, attribute)` where the attribute has another name) and hands its
-module `__getattr__` to `load`.
+`(module, attribute)` where the attribute has another name) and takes its
+module `__getattr__` and `__dir__` from `attributes`.
 """
 
 from __future__ import annotations
 
 import importlib
+import sys
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 # The modules that import orbax or tensorstore. `offlax._src.checkpoint` is imported
@@ -52,6 +54,27 @@ def load(where: str, table: dict[str, str | tuple[str, str]], name: str) -> Any:
   if module in NEEDS_CHECKPOINT:
     importlib.import_module(CHECKPOINT_FIRST)
   return getattr(importlib.import_module(module), attr)
+
+
+def public_names(namespace: dict[str, Any]) -> list[str]:
+  """A public module's `dir()`: its `__all__` and dunders, not its private imports."""
+  return sorted(set(namespace["__all__"]) | {n for n in namespace if n.startswith("__")})
+
+
+def attributes(
+  where: str, table: dict[str, str | tuple[str, str]]
+) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+  """Module `where`'s `__getattr__` (each name loaded once by `load`, then kept) and `__dir__`."""
+  namespace = vars(sys.modules[where])
+
+  def __getattr__(name: str) -> Any:
+    namespace[name] = value = load(where, table, name)
+    return value
+
+  def __dir__() -> list[str]:
+    return public_names(namespace)
+
+  return __getattr__, __dir__
 
 
 def moved(name: str, namespace: str) -> Any:
