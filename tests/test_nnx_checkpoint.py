@@ -93,8 +93,16 @@ def test_a_cached_partial_step_with_every_moment_on_disk_trains_as_plain_optax(t
   tier.close()
 
 
+# The refused saves below create their directories synchronously. Orbax's default creates them in
+# the background and its commit threads wait for that to finish; a save refused in between leaves
+# those threads waiting out orbax's 300 s coordination timeout, which holds the test process at
+# its exit (a script's interpreter, shutting its executors down, ends them at once).
+_SYNC_DIRS = ocp.AsyncOptions(create_directories_asynchronously=False)
+_MANAGER_OPTIONS = ocp.CheckpointManagerOptions(async_options=_SYNC_DIRS)
+
+
 def _save_standard(path, model, optimizer):
-  ckptr = ocp.StandardCheckpointer()
+  ckptr = ocp.StandardCheckpointer(async_options=_SYNC_DIRS)
   try:
     ckptr.save(path / "ckpt", nnx.state(optimizer))
     ckptr.wait_until_finished()
@@ -103,7 +111,7 @@ def _save_standard(path, model, optimizer):
 
 
 def _save_split(path, model, optimizer):
-  ckptr = ocp.StandardCheckpointer()
+  ckptr = ocp.StandardCheckpointer(async_options=_SYNC_DIRS)
   try:
     ckptr.save(path / "ckpt", nnx.split(optimizer)[1])
     ckptr.wait_until_finished()
@@ -112,7 +120,7 @@ def _save_split(path, model, optimizer):
 
 
 def _save_model_and_optimizer(path, model, optimizer):
-  ckptr = ocp.StandardCheckpointer()
+  ckptr = ocp.StandardCheckpointer(async_options=_SYNC_DIRS)
   try:
     ckptr.save(path / "ckpt", nnx.state((model, optimizer)))
     ckptr.wait_until_finished()
@@ -121,7 +129,7 @@ def _save_model_and_optimizer(path, model, optimizer):
 
 
 def _save_pure(path, model, optimizer):
-  ckptr = ocp.StandardCheckpointer()
+  ckptr = ocp.StandardCheckpointer(async_options=_SYNC_DIRS)
   try:
     ckptr.save(path / "ckpt", nnx.as_pure(nnx.state(optimizer)))
     ckptr.wait_until_finished()
@@ -139,7 +147,7 @@ def _save_pytree(path, model, optimizer):
 
 def _save_composite(path, model, optimizer):
   # The call, verbatim but for the step.
-  with ocp.CheckpointManager(path / "mngr") as mngr:
+  with ocp.CheckpointManager(path / "mngr", options=_MANAGER_OPTIONS) as mngr:
     try:
       mngr.save(
         30,
@@ -154,7 +162,7 @@ def _save_composite(path, model, optimizer):
 
 
 def _save_composite_pytree(path, model, optimizer):
-  with ocp.CheckpointManager(path / "mngr") as mngr:
+  with ocp.CheckpointManager(path / "mngr", options=_MANAGER_OPTIONS) as mngr:
     state = nnx.state(optimizer)
     save_args = jax.tree.map(lambda _: ocp.SaveArgs(), state)
     mngr.save(1, args=ocp.args.Composite(opt=ocp.args.PyTreeSave(state, save_args=save_args)))
@@ -163,7 +171,7 @@ def _save_composite_pytree(path, model, optimizer):
 
 def _save_tunix_style(path, model, optimizer):
   # What Tunix's CheckpointManager.save does: the state filtered to OptState, by PyTreeSave.
-  with ocp.CheckpointManager(path / "mngr") as mngr:
+  with ocp.CheckpointManager(path / "mngr", options=_MANAGER_OPTIONS) as mngr:
     state = nnx.state(optimizer, nnx.optimizer.OptState)
     model_state = nnx.state(model)
     mngr.save(

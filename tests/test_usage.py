@@ -323,7 +323,10 @@ def test_stats_finds_the_offload_state_inside_a_chain():
 def test_standard_save_of_nvme_state_is_refused_naming_nvme_store_save(tmp_path):
   tier = _nvme(str(tmp_path / "store"))
   state = offlax.offload(optax.adam(1e-3), tier).init(_params())
-  checkpointer = ocp.StandardCheckpointer()
+  # Directories made synchronously: see test_nnx_checkpoint._SYNC_DIRS.
+  checkpointer = ocp.StandardCheckpointer(
+    async_options=ocp.AsyncOptions(create_directories_asynchronously=False)
+  )
   with pytest.raises(
     offlax.errors.UnsavableStateError, match=r"offlax\.checkpoint\.NVMeStoreSave\(tier\)"
   ):
