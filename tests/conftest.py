@@ -105,8 +105,26 @@ def assert_trees_equal(a, b):
     )
 
 
+def committed(params):
+  """`params` committed as an offloaded step returns them, where all are uncommitted.
+
+  An offloaded step commits its outputs to a one-device mesh (see
+  `offlax._src.sharding.on_one_device`): uncommitted params would make a jitted
+  step's second call miss its cache and compile the whole step again.
+  """
+  from offlax._src.sharding import one_device_mesh
+
+  arrays = [x for x in jax.tree.leaves(params) if isinstance(x, jax.Array)]
+  if not arrays or any(x.committed for x in arrays):
+    return params
+  mesh = one_device_mesh(next(iter(arrays[0].devices())))
+  put = lambda x: jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+  return jax.tree.map(lambda x: put(x) if isinstance(x, jax.Array) else x, params)
+
+
 def run_steps(tx, params, steps=3):
-  """Runs `steps` jitted steps; returns params, state and the last updates."""
+  """Runs `steps` jitted steps (compiled once); returns params, state and the last updates."""
+  params = committed(params)
   state = tx.init(params)
 
   @jax.jit

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import assert_trees_equal, grads_like, model_params
+from conftest import assert_trees_equal, committed, grads_like, model_params
 
 import offlax
 from offlax._src import ffi
@@ -35,6 +35,7 @@ def _float_params():
 
 
 def _train(tx, params, steps, state=None):
+  params = committed(params)  # the step compiles once
   state = tx.init(params) if state is None else state
   step = jax.jit(lambda p, s, g: tx.update(g, s, p))
   for i in range(steps):

@@ -13,7 +13,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
-from conftest import assert_trees_equal, grads_like, model_params
+from conftest import assert_trees_equal, committed, grads_like, model_params
 
 import offlax
 from offlax._src import telemetry
@@ -32,6 +32,7 @@ def _float_params():
 
 
 def _train(tx, params, steps, state=None, first=0):
+  params = committed(params)  # the step compiles once
   state = tx.init(params) if state is None else state
   step = jax.jit(lambda p, s, g: tx.update(g, s, p))
   for i in range(first, first + steps):

@@ -86,11 +86,14 @@ def loss_fn(model):
   return optax.softmax_cross_entropy_with_integer_labels(logits, TOKENS[:, 1:]).mean()
 
 
-def train(model, tx, steps=3, wrt=nnx.Param):
+def train(model, tx, steps=3, wrt=nnx.Param, traces=None):
+  """The losses of `steps` steps; `traces` (a list) gets one item per trace of the step."""
   optimizer = nnx.Optimizer(model, tx, wrt=wrt)
 
   @nnx.jit
   def step(model, optimizer):
+    if traces is not None:
+      traces.append(1)  # Python runs only when JAX traces (and then compiles) the step
     loss, grads = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, wrt))(model)
     optimizer.update(model, grads)  # Flax's own call: offlax's fused update where it applies
     return loss
@@ -117,8 +120,11 @@ def test_trains_as_on_the_device(make, remat):
   model = make(nnx.Rngs(0))
   assert offlax.offload_params(model) is model
   assert kinds(nnx.state(model, nnx.Param)) == {"pinned_host"}
-  got = train(model, offlax.offload(optax.adamw(1e-2), compute="host"))
+  traces = []
+  got = train(model, offlax.offload(optax.adamw(1e-2), compute="host"), traces=traces)
   assert kinds(nnx.state(model, nnx.Param)) == {"pinned_host"}
+  # One compile: the optimizer's step counter starts committed as the step returns it.
+  assert len(traces) == 1
   if make is not Stacked:
     assert got == want
     assert_trees_equal(nnx.state(model, nnx.Param), nnx.state(want_model, nnx.Param))

@@ -33,7 +33,16 @@ from typing import Any
 
 import jax
 
-from offlax._src import apply, errors, host_params, memory, multi_steps, nnx_paths, patches
+from offlax._src import (
+  apply,
+  errors,
+  host_params,
+  memory,
+  multi_steps,
+  nnx_paths,
+  patches,
+  sharding,
+)
 
 OPTIMIZER_UPDATE = patches.register(
   patches.Patch(
@@ -144,8 +153,29 @@ def _explained_init(original: Any) -> Any:
       if error is None:
         raise
       raise error from e
+    if fuses(self, model):
+      _commit_step_counter(self, model)
 
   return init
+
+
+def _commit_step_counter(optimizer: Any, model: Any) -> None:
+  """`optimizer.step` committed as the fused update returns it.
+
+  Flax creates the counter uncommitted; the jitted step returns it committed
+  like the params (`sharding.on_one_device`), so the step's second call would
+  miss its cache (an input typed otherwise) and compile the whole step again.
+  """
+  from flax import nnx
+
+  params = nnx.as_pure(nnx.state(model, optimizer.wrt, graph=getattr(optimizer, "graph", None)))
+  arrays = [x for x in jax.tree.leaves(params) if isinstance(x, jax.Array)]
+  step = optimizer.step[...]
+  if not arrays or not isinstance(step, jax.Array) or isinstance(step, jax.core.Tracer):
+    return
+  device = next(iter(arrays[0].devices()))
+  mesh = sharding.one_device_target(params, device)
+  optimizer.step.set_value(sharding.on_one_device(step, mesh, device))
 
 
 def _host_params_error(where: str, model: Any, wrt: Any, e: ValueError) -> Exception | None:
