@@ -258,7 +258,17 @@ def test_readme_test_command_without_the_extras(tmp_path):
   (tmp_path / "without_extras.py").write_text(_WITHOUT_EXTRAS)
   path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)
   env = {**os.environ, "PYTHONPATH": path}
-  pytest_ = [sys.executable, "-m", "pytest", "-p", "without_extras", "-p", "no:cacheprovider"]
+  pytest_ = [
+    sys.executable,
+    "-m",
+    "pytest",
+    "-n",
+    "0",
+    "-p",
+    "without_extras",
+    "-p",
+    "no:cacheprovider",
+  ]
   run = lambda *args: subprocess.run(
     [*pytest_, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
   )
