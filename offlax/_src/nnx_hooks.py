@@ -165,6 +165,8 @@ def _commit_step_counter(optimizer: Any, model: Any) -> None:
   Flax creates the counter uncommitted; the jitted step returns it committed
   like the params (`sharding.on_one_device`), so the step's second call would
   miss its cache (an input typed otherwise) and compile the whole step again.
+  Only for params on one device: on a mesh of several the step returns the
+  counter replicated over it, as JAX places an uncommitted scalar beside them.
   """
   from flax import nnx
 
@@ -173,7 +175,10 @@ def _commit_step_counter(optimizer: Any, model: Any) -> None:
   step = optimizer.step[...]
   if not arrays or not isinstance(step, jax.Array) or isinstance(step, jax.core.Tracer):
     return
-  device = next(iter(arrays[0].devices()))
+  devices = set().union(*(x.devices() for x in arrays))
+  if len(devices) != 1:
+    return
+  (device,) = devices
   mesh = sharding.one_device_target(params, device)
   optimizer.step.set_value(sharding.on_one_device(step, mesh, device))
 
