@@ -37,6 +37,11 @@ the ``"explicit"`` mode (`grads.GradientWriter`, RAM bounded alike); the
 last (``source(accumulate=True, last=True)``) hands each layer's gradient to
 the worker, which adds the sum on disk to it (the same expression,
 `grads.add`) and updates the layer at once: the sum is never written.
+
+A leading `optax.clip_by_global_norm` (`clip`): the worker updates with scale 1
+and keeps the gradients on disk; after the last layer it redoes the step from
+the committed generation where the clip applies (`speculate.Speculation`),
+before the commit.
 """
 
 from __future__ import annotations
@@ -192,8 +197,7 @@ class BackwardStep:
     if param is None:  # not kept (another reader's order): read now
       param = self._slots.read_slot("params", gen, k, i)
       handoff.read_bytes += param.nbytes
-    self._spec.keep(i, k, grad)  # for a clip's redo (`_validate`)
-    return grad, param
+    return self._spec.keep(i, k, grad), param  # (kept for a clip's redo)
 
   def put(self, accumulate: bool, i: Any, *grads: np.ndarray) -> np.ndarray:
     """Layer `i`'s gradients (a callback): copied out, the layer updated by the worker.
@@ -249,7 +253,8 @@ class BackwardStep:
       handed = lambda i, k: self._handed(handoff, gen, i, k)
       stats = layer_step.run(self._slots, self._spec.updates, gen, target, step=step, show=False,
                              layers=layers, handed=handed, where=handoff.where)  # fmt: skip
-      return stats._replace(bytes_read=stats.bytes_read + handoff.read_bytes)
+      stats = stats._replace(bytes_read=stats.bytes_read + handoff.read_bytes)
+      return self._spec.validate(stats, gen, target, step, handoff.where)  # a clip's redo
     except BaseException:
       handoff.abort()  # the backward pass's hand-offs no longer wait for it
       raise
@@ -311,7 +316,6 @@ class BackwardStep:
         raise
       except Exception as e:
         raise self._failed("LayerStore.update") from e
-      stats = self._validate(stats)
       try:
         rest_records = None
         if rest is not None:
@@ -324,20 +328,6 @@ class BackwardStep:
       self._run = None
       self._kept.clear()  # of the generation before
       return stats
-
-  def _validate(self, stats: layer_step.Stats) -> layer_step.Stats:
-    """The step, speculated with scale 1, validated against a leading global-norm clip (redone
-    where it applies, `speculate`); a failed or interrupted redo drops the step."""
-    commits, where = self._commits, list[tuple[int, int]]()
-    try:
-      return self._spec.validate(stats, commits.generation, self._target, commits.step + 1, where)
-    except BaseException as e:
-      self._run = None  # the free generation half redone: never committed
-      self._kept.clear()
-      if isinstance(e, Exception):
-        where_ = "LayerStore.update (the global-norm clip's redo)"
-        raise _failure(where_, commits, self._slots.records, where, e) from e
-      raise
 
   def _drop(self, why: str | None) -> None:
     """Drops the step in flight, not committed: the worker stopped, its writes left.

@@ -4,8 +4,9 @@ With ``update="backward"`` each layer is updated as its gradient arrives, before
 the norm over all of them is known. As SuperOffload does, the worker updates
 with the speculative scale 1 (the clip not applying, the common case once
 training settles) while it writes each gradient to the store's gradient slots
-behind (`grads.GradientWriter.keep`, its sum of squares noted); at the step's
-end, before the commit, the norm is known (`clip.global_norm`). Where the clip
+behind (`grads.GradientWriter.keep`, its sum of squares noted); after the
+last layer the worker knows the norm (`clip.global_norm`) and validates, and the
+commit waits for the worker, so nothing speculated is ever committed. Where the clip
 does not apply, the step is the unclipped chain's to the bit, for 2 bytes a
 parameter more written (bf16 gradients; 4 with fp32 ones). Where it applies,
 every layer is updated again from the committed generation, untouched until
@@ -46,10 +47,12 @@ class Speculation:
     self.max_norm = clip_lib.split(optimizer).max_norm
     self._slots, self._writer = slots, writer
 
-  def keep(self, i: int, k: int, grad: np.ndarray) -> None:
-    """Leaf `k` of layer `i`'s gradient, as the worker updated with it: kept for a redo."""
+  def keep(self, i: int, k: int, grad: np.ndarray) -> np.ndarray:
+    """`grad`, leaf `k` of layer `i`'s gradient as the worker updates with it, kept for a
+    redo (written behind, `grads.GradientWriter.keep`) where there is a clip."""
     if self.max_norm is not None:
       self._writer.keep(i, k, grad)
+    return grad
 
   def validate(self, stats: layer_step.Stats, gen: int, target: int, step: int,
                where: list[tuple[int, int]]) -> layer_step.Stats:  # fmt: skip
