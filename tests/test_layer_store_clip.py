@@ -13,15 +13,34 @@ chain's to the bit, and the backward mode's speculate-then-validate gives the
 explicit mode's params and state to the bit, clip or not.
 """
 
+import errno
+import os
+import signal
+import subprocess
+import sys
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from test_layer_update import assert_bits, batch, grad, make_layers, per_layer
+from layer_store_run import clipped
+from test_layer_update import (
+  assert_bits,
+  batch,
+  grad,
+  make_layers,
+  make_layers_like,
+  per_layer,
+  rest_of,
+)
 
 import offlax
 from offlax._src import errors
+from offlax._src.layer_store import slots as slots_lib
+
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 BIG, SMALL = 1e6, 1e-3  # a clip that never applies here, one that always does (asserted)
 
@@ -189,3 +208,62 @@ def test_a_clip_elsewhere_is_refused_naming_the_way(tmp_path, tx):
   msg = str(e.value)
   assert "leaf ['b']" in msg or "leaf ['w']" in msg, msg
   assert "optax.chain(optax.clip_by_global_norm(c), tx)" in msg, msg
+
+
+@pytest.mark.slow
+def test_a_failed_redo_commits_nothing(tmp_path, monkeypatch):
+  """The redo (`update="backward"`, the clip applying) cannot read a gradient back: the step
+  is dropped, named by layer and leaf, the store at its step; the step run again commits."""
+  tx = chain(SMALL)
+  store = offlax.LayerStore.create(str(tmp_path / "s"), make_layers(jnp.float32), optimizer=tx,
+                                   update="backward", progress=False)  # fmt: skip
+  real = slots_lib.Slots.read_slot
+
+  def read_slot(self, kind, gen, k, i):
+    if kind == "grads":  # only the redo reads the gradients back in this mode
+      raise OSError(errno.EIO, "Input/output error (injected)")
+    return real(self, kind, gen, k, i)
+
+  with store:
+    before = store.read_params()
+    monkeypatch.setattr(slots_lib.Slots, "read_slot", read_slot)
+    grad(store.source(), batch(0, jnp.float32))
+    with pytest.raises(
+      errors.StoreError,
+      match=r"step 1 was not committed.* at layer 0, leaf \['b'\] \(the global-norm clip's redo",
+    ):
+      store.update()
+    monkeypatch.setattr(slots_lib.Slots, "read_slot", real)
+    assert store.step == 0
+    assert_bits(store.read_params(), before)
+    grad(store.source(), batch(0, jnp.float32))
+    store.update()
+    assert store.step == 1 and store.last_update.clipped
+    assert_bits(store.read_params(), train(str(tmp_path / "e"), tx, steps=1)[0])
+
+
+@pytest.mark.slow
+def test_killed_at_any_moment_with_a_clip_resumes_one_step(tmp_path):
+  """SIGKILL in the backward mode with a clip that applies (kills in the speculated updates,
+  the redo, the commit): the store reopens at one whole step, the explicit mode's to the bit."""
+  path, rng = str(tmp_path / "s"), np.random.default_rng(1)
+  cmd = [sys.executable, os.path.join(HERE, "layer_store_run.py"), path, "backward", "clip"]
+  steps = []
+  for _ in range(3):
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    assert proc.stdout.readline().startswith("ready")
+    assert proc.stdout.readline().startswith("committed")  # compiled: the kill lands later
+    time.sleep(rng.uniform(0.05, 1.5))
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    with offlax.LayerStore.open(path, make_layers_like(), optimizer=clipped()) as store:
+      steps.append(store.step)
+      params, state, stats, *_ = train(
+        str(tmp_path / f"e{len(steps)}"), clipped(), steps=store.step
+      )
+      assert all(s.clipped for s in stats)
+      assert_bits(store.read_params(), params)
+      assert_bits(store.read_state(), state)
+      assert_bits(store.read_rest(rest_of(0)), rest_of(store.step))
+  assert steps == sorted(steps) and steps[-1] > 0, steps

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from offlax._src import errors
 from offlax._src.layer_store import clip as clip_lib
 from offlax._src.layer_store import step as layer_step
 from offlax._src.layer_store.grads import GradientWriter
@@ -83,8 +84,11 @@ class Speculation:
     )
     if not norm.applies:
       return stats
-    redo = layer_step.run(self._slots, self.updates, gen, target, step=step, show=False,
-                          where=where, norm=norm.norm)  # fmt: skip
+    try:
+      redo = layer_step.run(self._slots, self.updates, gen, target, step=step, show=False,
+                            where=where, norm=norm.norm)  # fmt: skip
+    except OSError as e:  # said as the redo's: the worker's error names the layer and leaf
+      raise errors.StoreError(e.errno, f"the global-norm clip's redo: {e.strerror or e}") from e
     return stats._replace(
       seconds=stats.seconds + redo.seconds,
       bytes_read=stats.bytes_read + redo.bytes_read,
