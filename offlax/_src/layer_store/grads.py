@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -55,6 +56,10 @@ class GradientWriter:
     self._ledger = guards.GradientsLedger(slots.path, watch=watch)
     self._writer = concurrent.futures.ThreadPoolExecutor(1, "offlax-grads")
     self._pending: collections.deque[concurrent.futures.Future] = collections.deque()
+    # The writes `keep` queued (the worker of update="backward"'s), waited for by it alone:
+    # `flush`, from the training loop's thread, never takes (or raises) the worker's.
+    self._kept: collections.deque[concurrent.futures.Future] = collections.deque()
+    self._lock = threading.Lock()  # `_drain`'s pops, from two threads
     # NaN: the slot's sum of squares is unknown (a store just opened): `squares` reads it
     self._squares = np.full((slots.n_layers, len(slots.records)), np.nan, np.float32)
 
@@ -65,8 +70,7 @@ class GradientWriter:
     self._ledger.written(i, bool(accumulate), self._step())
     records = self._slots.records
     slots = [files.to_slot(np.asarray(g), r["slot"]) for g, r in zip(grads, records, strict=True)]
-    while len(self._pending) >= self.queued:
-      self._pending.popleft().result()  # bounds the RAM queued; raises a failed write
+    self._drain(self._pending, self.queued - 1)  # bounds the RAM queued; raises a failed write
     self._pending.append(self._writer.submit(self._store, accumulate, i, slots))
     return np.zeros((), np.float32)
 
@@ -77,8 +81,7 @@ class GradientWriter:
 
   def wait_writes(self) -> None:
     """Waits for the gradient writes queued (not for the steps: from a callback too)."""
-    while self._pending:
-      self._pending.popleft().result()
+    self._drain(self._pending, 0)
 
   def used(self) -> None:
     """The gradients were used by an `update`: a backward pass may overwrite them."""
@@ -95,14 +98,19 @@ class GradientWriter:
     """Writes leaf `k` of layer `i`'s gradient behind (the update in the backward pass keeps
     what a clip's redo reads), at most ``queued`` leaves queued; its squares noted."""
     slot = files.to_slot(np.asarray(grad), self._slots.records[k]["slot"])
-    while len(self._pending) >= self.queued:
-      self._pending.popleft().result()
-    self._pending.append(self._writer.submit(self._write, k, i, slot, grad))
+    self._drain(self._kept, self.queued - 1)
+    self._kept.append(self._writer.submit(self._write, k, i, slot, grad))
+
+  def settle_kept(self) -> None:
+    """Waits for the writes `keep` queued, their errors dropped (a step dropped: said then)."""
+    concurrent.futures.wait(self._kept)
+    self._kept.clear()
 
   def squares(self) -> np.ndarray:
     """The sum of squares of each gradient slot, float32 [layer, leaf], as the slots hold
     them now (the writes waited for; a slot not written since the store was opened: read)."""
     self.wait_writes()
+    self._drain(self._kept, 0)
     for i, k in zip(*np.nonzero(np.isnan(self._squares)), strict=True):
       self._squares[i, k] = clip_lib.sum_squares(self._slots.read_slot("grads", 0, k, i))
     return self._squares.copy()
@@ -110,6 +118,15 @@ class GradientWriter:
   def close(self) -> None:
     """Waits for the writes queued."""
     self._writer.shutdown(wait=True)
+
+  def _drain(self, queue: collections.deque, most: int) -> None:
+    """Waits until at most `most` writes of `queue` are in flight; raises a failed write."""
+    while True:
+      with self._lock:
+        if len(queue) <= most:
+          return
+        done = queue.popleft()
+      done.result()
 
   def _store(self, accumulate: bool | str, i: int, slots: list[np.ndarray]) -> None:
     for k, slot in enumerate(slots):

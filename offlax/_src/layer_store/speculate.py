@@ -52,6 +52,8 @@ class Speculation:
     """`grad`, leaf `k` of layer `i`'s gradient as the worker updates with it, kept for a
     redo (written behind, `grads.GradientWriter.keep`) where there is a clip."""
     if self.max_norm is not None:
+      if (i, k) == (self._slots.n_layers - 1, 0):  # a step's first: none of a step dropped
+        self._writer.settle_kept()
       self._writer.keep(i, k, grad)
     return grad
 
