@@ -27,6 +27,7 @@ import optax
 import pytest
 from layer_store_run import clipped
 from test_layer_update import (
+  L,
   assert_bits,
   batch,
   grad,
@@ -38,6 +39,7 @@ from test_layer_update import (
 
 import offlax
 from offlax._src import errors
+from offlax._src.layer_store import clip as clip_lib
 from offlax._src.layer_store import slots as slots_lib
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -267,3 +269,30 @@ def test_killed_at_any_moment_with_a_clip_resumes_one_step(tmp_path):
       assert_bits(store.read_state(), state)
       assert_bits(store.read_rest(rest_of(0)), rest_of(store.step))
   assert steps == sorted(steps) and steps[-1] > 0, steps
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_the_norm_and_scale_are_optax_s(dtype):
+  """Gradients whose squares add exactly (halves and twos): the store's norm, its choice and
+  its scaled gradients are optax's to the bit; random ones: the norm to float32's rounding."""
+  exact = {"b": jnp.full((L, 4), 2.0, dtype), "w": jnp.full((L, 4, 4), 0.5, dtype)}
+  records = [{"dtype": jnp.dtype(dtype).name}] * 2
+  for g, c in [(exact, 1.0), (exact, 100.0)]:
+    leaves = [np.asarray(x) for x in jax.tree.leaves(g)]
+    squares = np.array([[clip_lib.sum_squares(x[i]) for x in leaves] for i in range(L)])
+    got = clip_lib.global_norm(squares, records, c)
+    norm = optax.tree.norm(g)
+    assert got.norm.dtype == norm.dtype and got.norm == norm
+    assert got.applies == (not norm < c)
+    want, _ = optax.clip_by_global_norm(c).update(g, optax.EmptyState())
+    scaled = [clip_lib.scale_gradient(x, got.norm, c) if got.applies else x for x in leaves]
+    assert_bits(scaled, want)
+  g = jax.tree.map(lambda x: jax.random.normal(jax.random.key(3), x.shape, dtype), exact)
+  leaves = [np.asarray(x) for x in jax.tree.leaves(g)]
+  squares = np.array([[clip_lib.sum_squares(x[i]) for x in leaves] for i in range(L)])
+  rtol = 1e-6 if dtype == jnp.float32 else 2**-8
+  np.testing.assert_allclose(
+    np.float32(clip_lib.global_norm(squares, records, 1.0).norm),
+    np.float32(optax.tree.norm(g)),
+    rtol=rtol,
+  )

@@ -116,16 +116,19 @@ def sum_squares(x: np.ndarray) -> np.float32:
   MiB, not a float32 copy of the leaf), the chunks' sums added in order: deterministic.
   """
   flat = np.ascontiguousarray(x).reshape(-1)
+  wide = np.complex64 if np.iscomplexobj(flat) else np.float32  # |x|^2, as optax's `_square`
   total = np.float32(0)
   for start in range(0, flat.size, CHUNK):
-    part = flat[start : start + CHUNK].astype(np.float32, copy=False)
-    total = np.float32(total + np.dot(part, part))
+    part = flat[start : start + CHUNK].astype(wide, copy=False)
+    total = np.float32(total + np.vdot(part, part).real)
   return total
 
 
 def norm_dtype(records: list[dict]) -> np.dtype:
-  """The dtype optax's norm of the gradients has: that of the sum of their leaves' sums."""
-  return np.dtype(jnp.result_type(*[np.dtype(r["dtype"]) for r in records]))
+  """The dtype optax's norm of the gradients has: that of the sum of their leaves' sums of
+  squares (each real: a complex64 leaf's is float32)."""
+  reals = [np.empty(0, np.dtype(r["dtype"])).real.dtype for r in records]
+  return np.dtype(jnp.result_type(*reals))
 
 
 class GlobalNorm(NamedTuple):
