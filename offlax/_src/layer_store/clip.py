@@ -10,10 +10,12 @@ the clip applies each gradient is scaled by optax's own expression
 (`scale_gradient`) before the tail's update.
 
 The clip is recognised, not guessed: the chain's and the clip's update
-functions are compared, code object for code object, with those optax makes
-now (`_optax_codes`), and their closures read by name. An
-optax that builds them another way is not recognised: the elementwise check
-then refuses the optimizer, and its message says how the clip must be given.
+functions are compared, code object for code object, with those the installed
+optax makes (`_optax_codes`), and their closures read by name (the same code
+has the same free variables, so a match always has them). Anything else, a
+clip elsewhere in the chain, inside `offlax.master_weights`, in a nested chain
+or `optax.named_chain`, or a clip of one's own, is not taken apart: the
+elementwise check then refuses it, naming the form that is (`not_recognised`).
 """
 
 from __future__ import annotations
