@@ -34,13 +34,15 @@ CHUNK = 1 << 20  # elements a `sum_squares` dot takes at once
 
 
 @functools.cache
-def _optax_codes() -> tuple[Any, Any, Any]:
-  """What optax's own chain, clip and extra-args wrapper are made of, to compare with."""
+def _optax_codes() -> tuple[Any, Any, Any, Any]:
+  """What optax's own chain (update, init), clip and extra-args wrapper are made of."""
   clip = optax.clip_by_global_norm(1.0)
+  chain = optax.chain(clip)
   return (
-    optax.chain(clip).update.__code__,
+    chain.update.__code__,
     clip.update.__code__,
     optax.with_extra_args_support(clip).update.__code__,
+    chain.init.__code__,
   )
 
 
@@ -55,8 +57,9 @@ class Split(NamedTuple):
   """An optimizer split at its leading clip (`split`).
 
   Attributes:
-    tail: the chain without the clip: the same state (the clip's empty state kept in its
-      place), its update the rest of the chain's.
+    tail: the chain without the clip, its state the rest's alone (the clip has none): for
+      ``optax.chain(clip, tx)``, `tx`'s update and state, so a store made with `tx` opens
+      with the clip added, and back.
     max_norm: the clip's ``max_norm``, as given to optax (None: no clip).
   """
 
@@ -72,7 +75,7 @@ def _free(fn: Any, name: str) -> Any:
 def _clip_of(update: Any) -> Any:
   """The ``max_norm`` of `update` if it is optax's clip_by_global_norm (or it wrapped for extra
   args), else None."""
-  _, clip, extra_args = _optax_codes()
+  _, clip, extra_args, _ = _optax_codes()
   code = getattr(update, "__code__", None)
   if code is extra_args:
     update = _free(update, "tx").update
@@ -87,27 +90,42 @@ def split(optimizer: Any) -> Split:
     optimizer: an optax `GradientTransformation`.
 
   Returns:
-    ``Split(tail, max_norm)``: for ``optax.chain(optax.clip_by_global_norm(c), *rest)``, the
-    chain with the clip skipped (its state unchanged) and ``c``; for any other optimizer, the
-    optimizer itself and None.
+    ``Split(tail, max_norm)``: for ``optax.chain(optax.clip_by_global_norm(c), *rest)``,
+    ``optax.chain(*rest)`` (``rest[0]`` itself where it is alone) and ``c``; for any other
+    optimizer, the optimizer itself and None.
   """
-  update = optimizer.update
-  if getattr(update, "__code__", None) is not _optax_codes()[0]:
+  update, init = optimizer.update, optimizer.init
+  codes = _optax_codes()
+  if (
+    getattr(update, "__code__", None) is not codes[0]
+    or getattr(init, "__code__", None) is not codes[3]
+  ):
     return Split(optimizer, None)
-  update_fns = _free(update, "update_fns")
+  update_fns, init_fns = _free(update, "update_fns"), _free(init, "init_fns")
   max_norm = _clip_of(update_fns[0]) if update_fns else None
   if max_norm is None:
     return Split(optimizer, None)
-  rest = update_fns[1:]
+  inits, updates = init_fns[1:], update_fns[1:]
+  if len(updates) == 1:  # the usual chain(clip, tx): tx's own state, tree for tree
+    return Split(optax.GradientTransformationExtraArgs(inits[0], updates[0]), max_norm)
 
-  def tail_update(updates, state, params=None, **extra_args):
-    new_state = [state[0]]  # the clip's: stateless (optax.EmptyState)
-    for s, fn in zip(state[1:], rest, strict=True):
-      updates, s = fn(updates, s, params, **extra_args)
+  def tail_init(params):
+    return tuple(fn(params) for fn in inits)
+
+  def tail_update(grads, state, params=None, **extra_args):
+    new_state = []
+    for s, fn in zip(state, updates, strict=True):
+      grads, s = fn(grads, s, params, **extra_args)
       new_state.append(s)
-    return updates, tuple(new_state)
+    return grads, tuple(new_state)
 
-  return Split(optax.GradientTransformationExtraArgs(optimizer.init, tail_update), max_norm)
+  return Split(optax.GradientTransformationExtraArgs(tail_init, tail_update), max_norm)
+
+
+def state_init(optimizer: Any) -> Any:
+  """The ``init`` of the state a store keeps for `optimizer`: its `split` tail's (a leading
+  clip has no state)."""
+  return split(optimizer).tail.init
 
 
 def sum_squares(x: np.ndarray) -> np.float32:

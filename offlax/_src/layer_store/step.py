@@ -96,13 +96,13 @@ def _one_layer(layers: Any) -> Any:
 
 
 def one_layer_state(optimizer: Any, layers: Any) -> Any:
-  """The optimizer's state of one layer, as shapes and dtypes."""
+  """The optimizer's state of one layer, as shapes and dtypes (a leading clip's none)."""
   if not isinstance(optimizer, optax.GradientTransformation):
     raise errors.TransformationTypeError(
       f"LayerStore: optimizer must be an optax GradientTransformation, got "
       f"{type(optimizer).__name__}."
     )
-  return jax.eval_shape(optimizer.init, _one_layer(layers))
+  return jax.eval_shape(clip_lib.state_init(optimizer), _one_layer(layers))
 
 
 def check_elementwise(optimizer: Any, stacked: Any) -> None:
