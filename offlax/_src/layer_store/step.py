@@ -70,7 +70,8 @@ class Stats(NamedTuple):
     bytes_read: params, gradients and state read from disk (``update="backward"``: the state,
       an accumulation's sum and the params the model's reads did not keep; the gradients
       handed off and the params kept are not read).
-    bytes_written: params and state written.
+    bytes_written: params and state written (with a clip, ``update="backward"``: the
+      gradients kept for its redo too).
     read_seconds: time the read threads spent reading (summed over threads).
     write_seconds: time the writer spent writing.
     compute_seconds: time the optimizer's update ran.
