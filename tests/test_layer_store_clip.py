@@ -291,7 +291,9 @@ def test_killed_at_any_moment_with_a_clip_resumes_one_step(tmp_path):
   assert steps == sorted(steps) and steps[-1] > 0, steps
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize(
+  "dtype", [jnp.float32, pytest.param(jnp.bfloat16, marks=pytest.mark.slow)], ids=["f32", "bf16"]
+)
 def test_the_norm_and_scale_are_optax_s(dtype):
   """Gradients whose squares add exactly (halves and twos): the store's norm, its choice and
   its scaled gradients are optax's to the bit; random ones: the norm to float32's rounding."""
