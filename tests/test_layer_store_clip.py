@@ -221,8 +221,9 @@ def test_the_norm_of_gradients_written_before_an_open(tmp_path):
     optax.chain(optax.adam(1e-2), optax.clip_by_global_norm(1.0)),
     offlax.master_weights(optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))),
     optax.chain(optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))),
+    optax.named_chain(("clip", optax.clip_by_global_norm(1.0)), ("adam", optax.adam(1e-2))),
   ],
-  ids=["not-first", "inside-master-weights", "nested-chain"],
+  ids=["not-first", "inside-master-weights", "nested-chain", "named-chain"],
 )
 def test_a_clip_elsewhere_is_refused_naming_the_way(tmp_path, tx):
   with pytest.raises(errors.InvalidOptionError) as e:
