@@ -225,7 +225,7 @@ def test_one_writer_at_a_time(tmp_path):
 def test_bad_input(tmp_path, monkeypatch):
   layers = make_layers()
   like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), layers)
-  clipped = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))
+  clipped = optax.chain(optax.adam(1e-2), optax.clip_by_global_norm(1.0))  # not leading
   with pytest.raises(errors.InvalidOptionError, match=r"update of leaf \['b'\] is not elementwise"):
     offlax.LayerStore.create(str(tmp_path / "a"), layers, optimizer=clipped)
   assert not os.path.exists(tmp_path / "a")

@@ -142,7 +142,7 @@ def test_bad_options_are_refused(tmp_path):
                              update="sideways")  # fmt: skip
   with pytest.raises(errors.InvalidOptionError, match="update='backward' .* none was given"):
     offlax.LayerStore.create(str(tmp_path / "a"), layers, update="backward")
-  clipped = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))
+  clipped = optax.chain(optax.adam(1e-2), optax.clip_by_global_norm(1.0))  # not leading
   with pytest.raises(errors.InvalidOptionError, match=r"leaf \['b'\] is not elementwise"):
     offlax.LayerStore.create(str(tmp_path / "a"), layers, optimizer=clipped, update="backward")
   offlax.LayerStore.create(str(tmp_path / "s"), layers, optimizer=optax.adam(1e-2)).close()

@@ -37,11 +37,15 @@ the ``"explicit"`` mode (`grads.GradientWriter`, RAM bounded alike); the
 last (``source(accumulate=True, last=True)``) hands each layer's gradient to
 the worker, which adds the sum on disk to it (the same expression,
 `grads.add`) and updates the layer at once: the sum is never written.
+
+A leading `optax.clip_by_global_norm` (`clip`): the worker updates with scale 1
+and keeps the gradients on disk; after the last layer it redoes the step from
+the committed generation where the clip applies (`speculate.Speculation`),
+before the commit.
 """
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import errno
 import threading
@@ -52,13 +56,16 @@ from typing import Any
 import numpy as np
 
 from offlax._src import errors
+from offlax._src.layer_store import clip as clip_lib
 from offlax._src.layer_store import grads as grads_lib
 from offlax._src.layer_store import rest as layer_rest
 from offlax._src.layer_store import step as layer_step
 from offlax._src.layer_store.commits import Commits
 from offlax._src.layer_store.grads import GradientWriter
+from offlax._src.layer_store.handoff import Handoff, KeptReads
 from offlax._src.layer_store.read_ahead import ReadAhead
 from offlax._src.layer_store.slots import Slots
+from offlax._src.layer_store.speculate import Speculation
 from offlax._src.nvme.pipeline import wait_for_dispatched_steps
 
 MODES = ("explicit", "backward")
@@ -116,118 +123,15 @@ def step_parts(
   ``"explicit"``: `step.LayerStep` and `grads.GradientWriter`; ``"backward"``: one
   `BackwardStep` for both.
   """
-  writer = GradientWriter(slots, queued, lambda: commits.step, optimizer is not None)
+  clipped = optimizer is not None and clip_lib.split(optimizer).max_norm is not None
+  writer = GradientWriter(slots, queued, lambda: commits.step, optimizer is not None, clipped)
   if update == "backward":  # the writer for accumulation's micro-steps
     both = BackwardStep(optimizer, treedef, slots, commits, writer, reads)
     return both, both
   step = None
   if optimizer is not None:
-    step = layer_step.LayerStep(optimizer, treedef, slots, commits, progress)
+    step = layer_step.LayerStep(optimizer, treedef, slots, commits, progress, writer.squares)
   return step, writer
-
-
-class _Aborted(Exception):
-  """The step in flight was dropped: its worker stops waiting for gradients."""
-
-
-class Handoff:
-  """The gradients handed off by the backward pass, in its order, until the worker takes them."""
-
-  def __init__(self, n_layers: int, queued: int, last: bool):
-    self._n, self._queued = n_layers, queued
-    self._cond = threading.Condition()
-    self._layers: dict[int, list[np.ndarray]] = {}
-    self._next, self._aborted = n_layers - 1, False  # layer L-1's gradient comes first
-    self.last = last  # the step ends an accumulation: its gradients add to those on disk
-    self.where: list[tuple[int, int]] = []  # the unit where its worker failed (`step.run`)
-    self.read_bytes = 0  # what its update read from disk beside `step.run`'s own reads
-
-  @property
-  def complete(self) -> bool:
-    """Whether every layer's gradient has arrived."""
-    return self._next < 0
-
-  @property
-  def started(self) -> bool:
-    """Whether some layer's gradient has arrived."""
-    return self._next < self._n - 1
-
-  @property
-  def arrived(self) -> int:
-    """How many layers' gradients have arrived."""
-    return self._n - 1 - self._next
-
-  @property
-  def due(self) -> int:
-    """The layer whose gradient comes next (-1: none, the step whole)."""
-    return self._next
-
-  def put(self, i: int, leaves: list[np.ndarray]) -> None:
-    """Layer `i`'s gradient, waiting while ``queued`` layers wait for the worker."""
-    with self._cond:
-      if i != self._next:
-        self._aborted = True
-        self._cond.notify_all()
-        raise errors.InvalidOptionError(
-          f"LayerStore(update='backward'): layer {i}'s gradient reached the host where layer "
-          f"{self._next}'s was due; this mode updates the layers in the backward pass's order "
-          "(L-1 down to 0, as offlax.scan_layers and offload_params hand them off). Nothing "
-          "was committed. Open the store with update='explicit' for another order."
-        )
-      while len(self._layers) >= self._queued and not self._aborted:
-        self._cond.wait()
-      if not self._aborted:
-        self._layers[i] = leaves
-      self._next -= 1
-      self._cond.notify_all()
-
-  def take(self, i: int, k: int) -> np.ndarray:
-    """Leaf `k` of layer `i`'s gradient, waited for; the layer dropped after its last leaf."""
-    with self._cond:
-      while i not in self._layers and not self._aborted:
-        self._cond.wait()
-      if self._aborted:
-        raise _Aborted
-      leaves = self._layers[i]
-      if k == len(leaves) - 1:
-        del self._layers[i]
-        self._cond.notify_all()
-      return leaves[k]
-
-  def abort(self) -> None:
-    """Stops the worker's waits and drops the gradients queued."""
-    with self._cond:
-      self._aborted, self._layers = True, {}
-      self._cond.notify_all()
-
-
-class KeptReads:
-  """The layers' params the model read last (a few), for the update to take them (`take`)."""
-
-  def __init__(self, keep: int):
-    self._keep, self._lock = keep, threading.Lock()  # its own lock: see `BackwardStep._lock`
-    self._layers: collections.OrderedDict[int, list[np.ndarray]] = collections.OrderedDict()
-
-  def put(self, i: int, leaves: list[np.ndarray]) -> None:
-    """Layer `i` as the model read it; the oldest dropped beyond ``keep`` (RAM bounded)."""
-    with self._lock:
-      self._layers[i] = leaves
-      self._layers.move_to_end(i)
-      while len(self._layers) > self._keep:  # the forward pass's
-        self._layers.popitem(last=False)
-
-  def take(self, i: int, k: int) -> np.ndarray | None:
-    """Leaf `k` of layer `i`, or None (not kept); the layer dropped after its last leaf."""
-    with self._lock:
-      leaves = self._layers.get(i)
-      if leaves is not None and k == len(leaves) - 1:
-        del self._layers[i]
-    return None if leaves is None else leaves[k]
-
-  def clear(self) -> None:
-    """Forgets them all (a commit: they are of the generation before)."""
-    with self._lock:
-      self._layers.clear()
 
 
 class BackwardStep:
@@ -250,7 +154,7 @@ class BackwardStep:
   def __init__(self, optimizer: Any, treedef: Any, slots: Slots, commits: Commits,
                writer: GradientWriter, reads: ReadAhead):  # fmt: skip
     self._slots, self._commits, self._drop_reads = slots, commits, reads.drop
-    self._updates = layer_step.layer_update(optimizer, treedef, slots.records)
+    self._spec = Speculation(optimizer, treedef, slots, writer)  # a leading clip: validated
     self._writer = writer
     # The step in flight's hand-off: one per step, so a worker of a step dropped (or cut
     # short by Ctrl-C) never takes the next step's gradients.
@@ -293,7 +197,7 @@ class BackwardStep:
     if param is None:  # not kept (another reader's order): read now
       param = self._slots.read_slot("params", gen, k, i)
       handoff.read_bytes += param.nbytes
-    return grad, param
+    return self._spec.keep(i, k, grad), param  # (kept for a clip's redo)
 
   def put(self, accumulate: bool, i: Any, *grads: np.ndarray) -> np.ndarray:
     """Layer `i`'s gradients (a callback): copied out, the layer updated by the worker.
@@ -347,9 +251,10 @@ class BackwardStep:
   def _work(self, handoff: Handoff, gen: int, target: int, step: int, layers: Any) -> Any:
     try:
       handed = lambda i, k: self._handed(handoff, gen, i, k)
-      stats = layer_step.run(self._slots, self._updates, gen, target, step=step, show=False,
+      stats = layer_step.run(self._slots, self._spec.updates, gen, target, step=step, show=False,
                              layers=layers, handed=handed, where=handoff.where)  # fmt: skip
-      return stats._replace(bytes_read=stats.bytes_read + handoff.read_bytes)
+      stats = stats._replace(bytes_read=stats.bytes_read + handoff.read_bytes)
+      return self._spec.validate(stats, gen, target, step, handoff.where)  # a clip's redo
     except BaseException:
       handoff.abort()  # the backward pass's hand-offs no longer wait for it
       raise
@@ -434,7 +339,7 @@ class BackwardStep:
     if run is None:
       return
     self._handoff.abort()
-    concurrent.futures.wait([run])  # _Aborted, or the worker's own error: nothing committed
+    concurrent.futures.wait([run])  # handoff.Aborted, or the worker's own error: nothing committed
     self._run = None
     self._kept.clear()
     if why is not None:  # `why`: what became of the step, for the warning

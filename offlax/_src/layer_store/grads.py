@@ -6,17 +6,24 @@ one writer thread while compute goes on, at most ``pool_layers`` layers
 queued. With ``accumulate`` each is added into the store's. `flush` waits for
 the steps dispatched so far and their writes: `update` and the read helpers
 call it first.
+
+With ``norm`` (a global-norm clip), as it writes a gradient slot the writer
+notes its sum of squares (`squares`:
+float32, per layer per leaf, of what the slot holds), so a global-norm clip
+knows the norm at `update` without reading the gradients again.
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
+import threading
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from offlax._src.layer_store import clip as clip_lib
 from offlax._src.layer_store import files, guards
 from offlax._src.layer_store.slots import Slots
 from offlax._src.nvme.pipeline import wait_for_dispatched_steps
@@ -31,15 +38,30 @@ def add(old: np.ndarray, new: np.ndarray) -> np.ndarray:
 class GradientWriter:
   """The gradients of the layers, written behind compute into a store's slots.
 
+  Args:
+    slots: the store's open files.
+    queued: the most layers' gradients queued in RAM.
+    step: the store's committed step (for the ledger's warning).
+    watch: warn where unused gradients are overwritten (`guards.GradientsLedger`).
+    norm: note each slot's sum of squares (`squares`), for a global-norm clip.
+
   Attributes:
     queued: the most layers' gradients queued in RAM.
   """
 
-  def __init__(self, slots: Slots, queued: int, step: Callable[[], int], watch: bool):
-    self._slots, self.queued, self._step = slots, queued, step
+  def __init__(
+    self, slots: Slots, queued: int, step: Callable[[], int], watch: bool, norm: bool = False
+  ):
+    self._slots, self.queued, self._step, self._norm = slots, queued, step, norm
     self._ledger = guards.GradientsLedger(slots.path, watch=watch)
     self._writer = concurrent.futures.ThreadPoolExecutor(1, "offlax-grads")
     self._pending: collections.deque[concurrent.futures.Future] = collections.deque()
+    # The writes `keep` queued (the worker of update="backward"'s), waited for by it alone:
+    # `flush`, from the training loop's thread, never takes (or raises) the worker's.
+    self._kept: collections.deque[concurrent.futures.Future] = collections.deque()
+    self._lock = threading.Lock()  # `_drain`'s pops, from two threads
+    # NaN: the slot's sum of squares is unknown (a store just opened): `squares` reads it
+    self._squares = np.full((slots.n_layers, len(slots.records)), np.nan, np.float32)
 
   def put(self, accumulate: bool | str, i: Any, *grads: np.ndarray) -> np.ndarray:
     """Layer `i`'s gradients (a callback): copied out, written behind compute."""
@@ -48,8 +70,7 @@ class GradientWriter:
     self._ledger.written(i, bool(accumulate), self._step())
     records = self._slots.records
     slots = [files.to_slot(np.asarray(g), r["slot"]) for g, r in zip(grads, records, strict=True)]
-    while len(self._pending) >= self.queued:
-      self._pending.popleft().result()  # bounds the RAM queued; raises a failed write
+    self._drain(self._pending, self.queued - 1)  # bounds the RAM queued; raises a failed write
     self._pending.append(self._writer.submit(self._store, accumulate, i, slots))
     return np.zeros((), np.float32)
 
@@ -60,8 +81,7 @@ class GradientWriter:
 
   def wait_writes(self) -> None:
     """Waits for the gradient writes queued (not for the steps: from a callback too)."""
-    while self._pending:
-      self._pending.popleft().result()
+    self._drain(self._pending, 0)
 
   def used(self) -> None:
     """The gradients were used by an `update`: a backward pass may overwrite them."""
@@ -72,17 +92,53 @@ class GradientWriter:
     self.flush()
     self._ledger.used()
     self._slots.zero_grads()
+    self._squares[...] = 0
+
+  def keep(self, i: int, k: int, grad: np.ndarray) -> None:
+    """Writes leaf `k` of layer `i`'s gradient behind (the update in the backward pass keeps
+    what a clip's redo reads), at most ``queued`` leaves queued; its squares noted."""
+    slot = files.to_slot(np.asarray(grad), self._slots.records[k]["slot"])
+    self._drain(self._kept, self.queued - 1)
+    self._kept.append(self._writer.submit(self._write, k, i, slot, grad))
+
+  def settle_kept(self) -> None:
+    """Waits for the writes `keep` queued, their errors dropped (a step dropped: said then)."""
+    concurrent.futures.wait(self._kept)
+    self._kept.clear()
+
+  def squares(self) -> np.ndarray:
+    """The sum of squares of each gradient slot, float32 [layer, leaf], as the slots hold
+    them now (the writes waited for; a slot not written since the store was opened: read)."""
+    self.wait_writes()
+    self._drain(self._kept, 0)
+    for i, k in zip(*np.nonzero(np.isnan(self._squares)), strict=True):
+      self._squares[i, k] = clip_lib.sum_squares(self._slots.read_slot("grads", 0, k, i))
+    return self._squares.copy()
 
   def close(self) -> None:
     """Waits for the writes queued."""
     self._writer.shutdown(wait=True)
 
+  def _drain(self, queue: collections.deque, most: int) -> None:
+    """Waits until at most `most` writes of `queue` are in flight; raises a failed write."""
+    while True:
+      with self._lock:
+        if len(queue) <= most:
+          return
+        done = queue.popleft()
+      done.result()
+
   def _store(self, accumulate: bool | str, i: int, slots: list[np.ndarray]) -> None:
     for k, slot in enumerate(slots):
+      r = self._slots.records[k]
+      count = int(np.prod(r["shape"], dtype=np.int64)) * np.dtype(r["dtype"]).itemsize
+      new = slot[:count].view(np.dtype(r["dtype"]))
       if accumulate:
-        r = self._slots.records[k]
-        count = int(np.prod(r["shape"], dtype=np.int64)) * np.dtype(r["dtype"]).itemsize
-        old = self._slots.read_slot("grads", 0, k, i)
-        new = slot[:count].view(old.dtype).reshape(old.shape)
-        new[...] = add(old, new)
-      self._slots.write_raw("grads", 0, k, i, slot)
+        new[...] = add(self._slots.read_slot("grads", 0, k, i).reshape(-1), new)
+      self._write(k, i, slot, new)
+
+  def _write(self, k: int, i: int, slot: np.ndarray, values: np.ndarray) -> None:
+    self._squares[i, k] = np.nan  # unknown until written: a failed write leaves it unknown
+    self._slots.write_raw("grads", 0, k, i, slot)
+    if self._norm:  # for a global-norm clip only: a pass over the gradient
+      self._squares[i, k] = clip_lib.sum_squares(values)

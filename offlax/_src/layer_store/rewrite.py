@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from offlax._src import errors
+from offlax._src.layer_store import clip as clip_lib
 from offlax._src.layer_store.commits import Commits
 from offlax._src.layer_store.slots import Slots
 from offlax._src.nvme.direct_io import aligned_empty
@@ -39,7 +40,7 @@ class Rewrite:
   def __init__(self, slots: Slots, commits: Commits, optimizer: Any, treedef: Any,
                on_commit: Callable[[], None]):  # fmt: skip
     self._slots, self._commits, self._treedef, self._on_commit = slots, commits, treedef, on_commit
-    self._init = None if optimizer is None else jax.jit(optimizer.init)
+    self._init = None if optimizer is None else jax.jit(clip_lib.state_init(optimizer))
     self.generation = commits.free_generation()  # its checksums reset
     self._written: set[tuple[int, int]] = set()
     self._slot_of: dict[int, np.ndarray] = {}  # `empty`'s arrays' slots, by their address

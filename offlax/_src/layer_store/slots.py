@@ -19,6 +19,7 @@ import numpy as np
 
 from offlax._src import errors
 from offlax._src.layer_store import checks, files
+from offlax._src.layer_store import clip as clip_lib
 from offlax._src.layer_store import step as layer_step
 from offlax._src.layer_store.commits import Commits
 from offlax._src.nvme.direct_io import aligned_empty, open_direct, pread_into, pwrite_all
@@ -196,7 +197,7 @@ def write_initial(
   slots: Slots, treedef: Any, optimizer: Any, layer: Callable[[int], Any], progress: bool
 ) -> None:
   """Writes each layer's params (leaves None: left zero) and its optimizer's initial state."""
-  init = None if optimizer is None else jax.jit(optimizer.init)
+  init = None if optimizer is None else jax.jit(clip_lib.state_init(optimizer))
   nbytes = slots.n_layers * (slots.layer_bytes + sum(r["slot"] for r in slots.state_records))
   desc = f"offlax: writing {slots.path}"
   for i in layer_step.progress(range(slots.n_layers), progress, nbytes, desc):

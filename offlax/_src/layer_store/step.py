@@ -32,6 +32,7 @@ import optax
 from offlax._src import coupling as coupling_lib
 from offlax._src import errors
 from offlax._src import layout as layout_lib
+from offlax._src.layer_store import clip as clip_lib
 from offlax._src.layer_store import rest as layer_rest
 
 if TYPE_CHECKING:
@@ -69,10 +70,15 @@ class Stats(NamedTuple):
     bytes_read: params, gradients and state read from disk (``update="backward"``: the state,
       an accumulation's sum and the params the model's reads did not keep; the gradients
       handed off and the params kept are not read).
-    bytes_written: params and state written.
+    bytes_written: params and state written (with a clip, ``update="backward"``: the
+      gradients kept for its redo too).
     read_seconds: time the read threads spent reading (summed over threads).
     write_seconds: time the writer spent writing.
     compute_seconds: time the optimizer's update ran.
+    grad_norm: with a leading global-norm clip, the gradients' global norm as the clip saw
+      it (`clip.global_norm`); else None.
+    clipped: whether the clip scaled the gradients (``update="backward"``: the step was
+      redone, `backward`).
   """
 
   step: int
@@ -82,6 +88,8 @@ class Stats(NamedTuple):
   read_seconds: float
   write_seconds: float
   compute_seconds: float
+  grad_norm: float | None = None
+  clipped: bool = False
 
 
 def _one_layer(layers: Any) -> Any:
@@ -89,17 +97,22 @@ def _one_layer(layers: Any) -> Any:
 
 
 def one_layer_state(optimizer: Any, layers: Any) -> Any:
-  """The optimizer's state of one layer, as shapes and dtypes."""
+  """The optimizer's state of one layer, as shapes and dtypes (a leading clip's none)."""
   if not isinstance(optimizer, optax.GradientTransformation):
     raise errors.TransformationTypeError(
       f"LayerStore: optimizer must be an optax GradientTransformation, got "
       f"{type(optimizer).__name__}."
     )
-  return jax.eval_shape(optimizer.init, _one_layer(layers))
+  return jax.eval_shape(clip_lib.state_init(optimizer), _one_layer(layers))
 
 
 def check_elementwise(optimizer: Any, stacked: Any) -> None:
-  """Raises `InvalidOptionError` unless the update of each leaf is elementwise."""
+  """Raises `InvalidOptionError` unless the update of each leaf is elementwise.
+
+  A leading `optax.clip_by_global_norm` is taken apart (`clip.split`): the rest of the
+  chain is checked.
+  """
+  optimizer = clip_lib.split(optimizer).tail
   spec = layout_lib.ParamSpec.of(stacked)
   state = jax.eval_shape(optimizer.init, stacked)
   layout = layout_lib.StateLayout(state, spec)
@@ -123,11 +136,7 @@ def check_elementwise(optimizer: Any, stacked: Any) -> None:
   coupled = [p for i, p in enumerate(spec.paths) if i not in coupling.splittable]
   if coupled:
     why = coupling.reason or "it reads more than each element's own values"
-    raise errors.InvalidOptionError(
-      f"LayerStore: the optimizer's update of leaf {coupled[0]} is not elementwise ({why}), "
-      "so applying it a layer at a time would change it. Use an elementwise optimizer (Adam, "
-      "AdamW, SGD, Lion, offlax.master_weights of them); clip gradients per layer if needed."
-    )
+    raise clip_lib.not_recognised(coupled[0], why)
 
 
 class LeafUpdate(NamedTuple):
@@ -137,11 +146,14 @@ class LeafUpdate(NamedTuple):
     fn: jitted (param, grad, owned state, global state) -> (param, owned, global).
     owned: indices of the state leaves that belong to this leaf.
     shared: indices of the state leaves that belong to no leaf (the count).
+    clipped: with a leading global-norm clip, the same with the gradient clipped first
+      (param, grad, owned, global, norm), for the steps where the clip applies; else None.
   """
 
   fn: Any
   owned: list[int]
   shared: list[int]
+  clipped: Any = None
 
 
 def layer_update(optimizer: Any, treedef: Any, records: list[dict]) -> list[LeafUpdate]:
@@ -151,8 +163,11 @@ def layer_update(optimizer: Any, treedef: Any, records: list[dict]) -> list[Leaf
   gradients and state in flight, not a few layers' (a 70B model's layer is 14
   GB of them). The other leaves are `optax.MaskedNode`s, as in the NVMe tier's
   slices, so masks and per-path options see the layer's whole tree. The
-  caller has checked the update with `check_elementwise`.
+  caller has checked the update with `check_elementwise`. A leading global-norm clip
+  (`clip.split`) gives each leaf a second function, the gradient scaled as optax does
+  first: a step the clip leaves alone runs the very function a chain without it would.
   """
+  optimizer, max_norm = clip_lib.split(optimizer)
   one = jax.tree.unflatten(
     treedef, [jax.ShapeDtypeStruct(tuple(r["shape"]), np.dtype(r["dtype"])) for r in records]
   )
@@ -176,7 +191,12 @@ def layer_update(optimizer: Any, treedef: Any, records: list[dict]) -> list[Leaf
       new = layout.split(state)
       return optax.apply_updates(p, u), [new[j] for j in owned], [new[j] for j in shared]
 
-    return LeafUpdate(jax.jit(update), owned, shared)
+    def clipped(p, g, s_owned, s_shared, norm):
+      return update(p, clip_lib.scale_gradient(g, norm, max_norm), s_owned, s_shared)
+
+    return LeafUpdate(
+      jax.jit(update), owned, shared, None if max_norm is None else jax.jit(clipped)
+    )
 
   return [make(k) for k in range(len(records))]
 
@@ -192,6 +212,7 @@ def run(
   layers: Sequence[int] | None = None,
   handed: Callable[[int, int], tuple[np.ndarray, np.ndarray]] | None = None,
   where: list[tuple[int, int]] | None = None,
+  norm: np.ndarray | None = None,
 ) -> Stats:
   """Updates every layer of a store's `slots` from generation `gen` into `target`, as `step`.
 
@@ -207,7 +228,8 @@ def run(
   slots (the update in the backward pass, `backward.BackwardStep`: the gradient handed off,
   the param as the backward pass read it; the same units, the same update function).
   Where it fails, the unit (layer, leaf) whose read, update or write failed is appended to
-  `where`, where given.
+  `where`, where given. `norm`, where given, is the gradients' global norm, and the clip
+  applies: each unit runs its ``clipped`` function (`LeafUpdate`).
   """
   cpu = jax.devices("cpu")[0]  # the host's compute, whatever the default device
   nk = len(slots.records)
@@ -265,7 +287,10 @@ def run(
             reads[u + ahead] = read(readers, u + ahead)
           t = time.perf_counter()
           with jax.default_device(cpu):
-            new_p, new_owned, new_shared = updates[k].fn(p, g, owned, shared)
+            if norm is None:
+              new_p, new_owned, new_shared = updates[k].fn(p, g, owned, shared)
+            else:
+              new_p, new_owned, new_shared = updates[k].clipped(p, g, owned, shared, norm)
             new_p, new_owned = np.asarray(new_p), [np.asarray(x) for x in new_owned]
             new_shared = [np.asarray(x) for x in new_shared] if k == 0 else []
           tally["compute_seconds"] += time.perf_counter() - t
@@ -300,16 +325,21 @@ class LayerStep:
   """`LayerStore.update`'s step: the optimizer over the slots into a free generation, committed.
 
   Args:
-    optimizer: the elementwise optax transformation (`check_elementwise`).
+    optimizer: the elementwise optax transformation (`check_elementwise`), a leading
+      global-norm clip allowed (`clip.split`).
     treedef: one layer's tree structure.
     slots: the store's open files.
     commits: the store's manifest and committed step.
     progress: show a progress bar for a long update.
+    squares: with a clip, the gradient slots' sums of squares
+      (`grads.GradientWriter.squares`).
   """
 
-  def __init__(self, optimizer: Any, treedef: Any, slots: Slots, commits: Commits, progress: bool):
+  def __init__(self, optimizer: Any, treedef: Any, slots: Slots, commits: Commits,
+               progress: bool, squares: Callable[[], np.ndarray] | None = None):  # fmt: skip
     self._slots, self._commits, self._progress = slots, commits, progress
     self._updates = layer_update(optimizer, treedef, slots.records)
+    self._max_norm, self._squares = clip_lib.split(optimizer).max_norm, squares
 
   def __call__(self, rest: Any) -> Stats:
     """Writes the next step (and `rest`) into a free generation, flushes it and commits it.
@@ -323,8 +353,14 @@ class LayerStep:
       rest_records = (
         None if rest is None else layer_rest.write(commits.path, target, rest, fsync=commits.fsync)
       )
+      norm = None
+      if self._max_norm is not None and self._squares is not None:
+        norm = clip_lib.global_norm(self._squares(), self._slots.records, self._max_norm)
       stats = run(self._slots, self._updates, commits.generation, target,
-                  step=commits.step + 1, show=self._progress)  # fmt: skip
+                  step=commits.step + 1, show=self._progress,
+                  norm=norm.norm if norm is not None and norm.applies else None)  # fmt: skip
+      if norm is not None:
+        stats = stats._replace(grad_norm=float(norm.norm), clipped=norm.applies)
       if commits.fsync:
         self._slots.sync(target)
     except OSError as e:

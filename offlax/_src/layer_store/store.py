@@ -107,7 +107,7 @@ class LayerStore(_Parts):
     step: the committed step (0 after `create`).
     kept: the committed steps on disk, newest first.
     pool_layers: the most layers held in RAM by the model's reads.
-    last_update: what the last `update` moved and how long it took, or None.
+    last_update: what the last `update` moved and took (a clip: its norm), or None.
     update_mode: where the optimizer runs, ``"explicit"`` or ``"backward"`` (`create`).
     peak_held: the most layers the reads held at once so far (for tests).
 
@@ -151,8 +151,8 @@ class LayerStore(_Parts):
         `jax.ShapeDtypeStruct` leaves make a sparse store of zeros, nothing
         written and no space reserved (to compile a model larger than the disk).
       optimizer: an elementwise optax `GradientTransformation` (Adam, AdamW, SGD,
-        `offlax.master_weights` of them, ...) that `update` applies a layer at a time; None:
-        params and gradients only.
+        `offlax.master_weights` of them, ...) applied a layer at a time, or one after a leading
+        ``optax.clip_by_global_norm(c)`` in an ``optax.chain`` (`clip`); None: no optimizer.
       keep: committed steps kept on disk (>= 1); the store holds ``keep + 1``
         copies of the params and state.
       init_layer: with `layers` as `jax.ShapeDtypeStruct`s, a function of the layer index
@@ -167,7 +167,7 @@ class LayerStore(_Parts):
         ``offlax.stack_layers(model, path)`` stacked.
       update: ``"explicit"``: `update()` runs the optimizer after the backward pass, from the
         gradients written to disk; ``"backward"``: each layer is updated as its gradient
-        reaches the host, never written, `update()` commits (`backward`). Not recorded.
+        reaches the host, `update()` commits (`backward`; a clip: `speculate`). Not recorded.
 
     Returns:
       The open store, at step 0.
@@ -177,7 +177,7 @@ class LayerStore(_Parts):
       NotAStoreError: `path` holds other files.
       TransformationTypeError: the optimizer is wrapped by `offlax.offload`.
       InvalidOptionError: the pool cannot hold one layer, the optimizer couples elements of
-        a leaf (its update cannot run a layer at a time), or `update` is not a mode.
+        a leaf (a clip not first in a flat chain, LAMB), or `update` is not a mode.
       StoreError: the disk has no room for the store.
     """
     return opening.create(cls, path, layers, optimizer=optimizer, keep=keep, init_layer=init_layer,
