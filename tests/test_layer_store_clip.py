@@ -13,6 +13,7 @@ chain's to the bit, and the backward mode's speculate-then-validate gives the
 explicit mode's params and state to the bit, clip or not.
 """
 
+import contextlib
 import errno
 import os
 import signal
@@ -319,3 +320,62 @@ def test_the_norm_and_scale_are_optax_s(dtype):
     np.float32(optax.tree.norm(g)),
     rtol=rtol,
   )
+
+
+TINY = {"w": jnp.full((4, 8, 8), 0.1, jnp.float32), "b": jnp.zeros((4, 8), jnp.float32)}
+G1 = [np.full((8,), 0.5, np.float32), np.ones((8, 8), np.float32)]  # leaves: b, w
+G2 = [np.full((8,), -0.25, np.float32), np.full((8, 8), 2.0, np.float32)]
+
+
+def tiny_clipped(path):
+  """A store of 4 tiny layers, the clip applying, an SGD tail (a wrong scale shows)."""
+  return offlax.LayerStore.create(str(path), TINY, optimizer=chain(SMALL, lambda: optax.sgd(0.1)),
+                                  update="backward", progress=False)  # fmt: skip
+
+
+def micro_steps(store, last=range(3, -1, -1)):
+  """Two micro-steps by hand (the scan's callbacks): G1 added on disk, G2 handed, layers L-1
+  down; the last one's layers `last` only."""
+  store.source(accumulate=True)
+  for i in range(3, -1, -1):
+    store.put_grads(True, i, *G1)
+  store.flush_grads()
+  store.source(accumulate=True, last=True)
+  for i in last:
+    store.fetch(i)
+    store.put_grads("last", i, *G2)
+
+
+@pytest.mark.parametrize("drop", ["cut-short", "early-update"])
+def test_a_dropped_last_micro_step_refuses_the_sum_it_overwrote(tmp_path, drop):
+  """With a clip, the last micro-step's worker writes sum + its gradient over the sum on disk
+  (kept for the redo): that step dropped, the sum is gone. Running the last micro-step again
+  would count it twice, silently: refused until `zero_grads`; then the step equals one that
+  never failed, to the bit."""
+  with tiny_clipped(tmp_path / "ok") as store:
+    store.zero_grads()
+    micro_steps(store)
+    store.update()
+    assert store.last_update.clipped
+    want = store.read_params()
+  with tiny_clipped(tmp_path / "s") as store:
+    store.zero_grads()
+    micro_steps(store, last=(3, 2))  # the backward pass stopped after two layers
+    if drop == "early-update":
+      with pytest.raises(errors.IncompleteStepError), pytest.warns(
+        errors.StepNotCommittedWarning, match=r"zero_grads\(\) and run"
+      ):  # fmt: skip
+        store.update()
+      dropped = contextlib.nullcontext()
+    else:  # dropped at the next micro-step's source
+      dropped = pytest.warns(errors.StepNotCommittedWarning, match="stopped before handing")
+    with dropped, pytest.raises(errors.IncompleteStepError, match=r"would count it twice"):
+      store.source(accumulate=True, last=True)
+    with pytest.raises(errors.IncompleteStepError, match=r"store.zero_grads\(\) and run"):
+      store.source(accumulate=True)  # still, before the last micro-step too
+    assert store.step == 0
+    store.zero_grads()
+    micro_steps(store)
+    store.update()
+    assert store.step == 1
+    assert_bits(store.read_params(), want)

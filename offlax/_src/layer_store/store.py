@@ -239,7 +239,7 @@ class LayerStore(_Parts):
       last: with ``accumulate``, the last micro-step: with ``update="backward"`` each layer is
         updated as its gradient's sum is known (`backward`); else the same as ``accumulate``.
     """
-    kind = backward.hand_off(accumulate, last, self.path, self.update_mode)
+    kind = backward.hand_off(accumulate, last, self.path, self.update_mode, self._grads)
     return LayerSource(jnp.zeros((self.n_layers,), jnp.float32), self, kind)
 
   def avals(self) -> list[jax.ShapeDtypeStruct]:
