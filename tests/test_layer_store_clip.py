@@ -19,6 +19,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import jax
@@ -378,4 +379,34 @@ def test_a_dropped_last_micro_step_refuses_the_sum_it_overwrote(tmp_path, drop):
     micro_steps(store)
     store.update()
     assert store.step == 1
+    assert_bits(store.read_params(), want)
+
+
+def test_a_dropped_step_s_kept_writes_land_before_zero_grads(tmp_path, monkeypatch):
+  """A step cut short while its worker's kept gradient is still being written: `zero_grads`
+  drops it and waits for that write, so the zeros are the last word (else the late write
+  lands in the new sum, silently)."""
+  with tiny_clipped(tmp_path / "ok") as store:
+    store.zero_grads()
+    micro_steps(store)
+    store.update()
+    want = store.read_params()
+  real, writing = slots_lib.Slots.write_raw, threading.Event()
+
+  def slow_write(self, kind, gen, k, i, slot):
+    if kind == "grads" and not writing.is_set():  # the kept gradient of layer 3, leaf 0
+      writing.set()
+      time.sleep(0.5)
+    real(self, kind, gen, k, i, slot)
+
+  with tiny_clipped(tmp_path / "s") as store:
+    monkeypatch.setattr(slots_lib.Slots, "write_raw", slow_write)
+    store.source()
+    store.fetch(3)
+    store.put_grads(False, 3, *G2)  # and the backward pass stops
+    assert writing.wait(10)
+    with pytest.warns(errors.StepNotCommittedWarning, match="stopped before handing"):
+      store.zero_grads()
+    micro_steps(store)
+    store.update()
     assert_bits(store.read_params(), want)
