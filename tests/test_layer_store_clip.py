@@ -165,10 +165,18 @@ def test_the_clip_comes_and_goes_on_a_store(tmp_path):
   assert_bits(longer[1], plain[1])
 
 
+# Adam is nearly invariant to the gradients' scale: a wrong clip scale would pass its case.
+# SGD's step is the scale times the gradient, and its lr makes the step large against the
+# tolerances (asserted): a wrong scale fails.
+TAILS = [pytest.param(lambda: optax.adam(1e-2), id="adam"),
+         pytest.param(lambda: optax.sgd(10.0), id="sgd")]  # fmt: skip
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("tail", TAILS)
 @pytest.mark.parametrize("update", ["explicit", "backward"])
-def test_accumulated_gradients_clip_on_their_sum(tmp_path, update):
-  tx = chain(SMALL)
+def test_accumulated_gradients_clip_on_their_sum(tmp_path, update, tail):
+  tx = chain(SMALL, tail)
   store = offlax.LayerStore.create(str(tmp_path / "s"), make_layers(jnp.float32), optimizer=tx,
                                    update=update, progress=False)  # fmt: skip
   with store:
@@ -184,22 +192,33 @@ def test_accumulated_gradients_clip_on_their_sum(tmp_path, update):
   np.testing.assert_allclose(norm, float(optax.tree.norm(g)), rtol=1e-6)
   u, _ = jax.jit(tx.update)(g, tx.init(layers), layers)
   want = jax.jit(optax.apply_updates)(layers, u)
+  moved = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(want),
+              jax.tree.leaves(layers), strict=True))  # fmt: skip
+  assert moved > 1e-4, moved  # the step's size, against the tolerance below
   for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want), strict=True):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.slow
-def test_bf16_params_with_an_fp32_master(tmp_path):
+@pytest.mark.parametrize("inner", [lambda: optax.adamw(1e-2, weight_decay=0.1),
+                                   lambda: optax.sgd(1e3)], ids=["adamw", "sgd"])  # fmt: skip
+def test_bf16_params_with_an_fp32_master(tmp_path, inner):
   """bf16 gradients: optax sums their squares in bf16, the store in float32 (more exact), so
-  the norms differ by bf16's rounding; the scale is optax's expression, in bf16."""
-  tail = lambda: offlax.master_weights(optax.adamw(1e-2, weight_decay=0.1))
+  the norms differ by bf16's rounding; the scale is optax's expression, in bf16. With SGD
+  (its step proportional to the scale, large against the tolerance) a wrong scale fails."""
+  tail = lambda: offlax.master_weights(inner())
   params, _, stats, *_ = train(str(tmp_path / "s"), chain(SMALL, tail), jnp.bfloat16)
   want, _, norms = optax_run(chain(SMALL, tail), 3, jnp.bfloat16)
   assert all(s.clipped for s in stats)
   np.testing.assert_allclose([s.grad_norm for s in stats], norms, rtol=2**-7)
+  f32 = lambda t: [np.asarray(x, np.float32) for x in jax.tree.leaves(t)]
+  start = f32(make_layers(jnp.bfloat16))
+  moved = max(np.max(np.abs(a - b)) for a, b in zip(f32(want), start, strict=True))
+  assert moved > 1e-2, moved  # the steps' size: the norm's rounding (2**-7) moves it by less
+  atol = max(1e-3, 2**-6 * moved)
   for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want), strict=True):
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-    np.testing.assert_allclose(a, b, rtol=2**-7, atol=1e-3)
+    np.testing.assert_allclose(a, b, rtol=2**-7, atol=atol)
 
 
 @pytest.mark.slow
