@@ -429,3 +429,55 @@ def test_a_dropped_step_s_kept_writes_land_before_zero_grads(tmp_path, monkeypat
     micro_steps(store)
     store.update()
     assert_bits(store.read_params(), want)
+
+
+def test_ctrl_c_in_update_stops_the_clip_s_redo(tmp_path, monkeypatch):
+  """Ctrl-C in `update()` while the clip's redo runs (its gradient reads slowed): the redo
+  stops at its next unit (the step's abort), rather than updating every layer first."""
+  with tiny_clipped(tmp_path / "ok") as store:
+    store.source()
+    for i in range(3, -1, -1):
+      store.fetch(i)
+      store.put_grads(False, i, *G2)
+    store.update()
+    want = store.read_params()
+  read, write, redo = slots_lib.Slots.read_slot, slots_lib.Slots.write_slot, []
+
+  def slow_read(self, kind, gen, k, i):
+    if kind == "grads":  # in this mode only the redo reads the gradients
+      redo.append(0)
+      time.sleep(0.3)
+    return read(self, kind, gen, k, i)
+
+  def counted_write(self, kind, gen, k, i, x):
+    if kind == "params" and redo:
+      redo.append(1)
+    return write(self, kind, gen, k, i, x)
+
+  def ctrl_c(*_):
+    raise KeyboardInterrupt
+
+  with tiny_clipped(tmp_path / "s") as store:
+    monkeypatch.setattr(slots_lib.Slots, "read_slot", slow_read)
+    monkeypatch.setattr(slots_lib.Slots, "write_slot", counted_write)
+    store.source()
+    for i in range(3, -1, -1):
+      store.fetch(i)
+      store.put_grads(False, i, *G2)
+    old = signal.signal(signal.SIGALRM, ctrl_c)
+    try:
+      signal.setitimer(signal.ITIMER_REAL, 0.05)
+      with pytest.raises(KeyboardInterrupt):
+        store.update()
+    finally:
+      signal.setitimer(signal.ITIMER_REAL, 0)
+      signal.signal(signal.SIGALRM, old)
+    assert store.step == 0
+    assert redo.count(1) <= 2, redo  # of 8 units' params: the redo stopped at the next unit
+    monkeypatch.setattr(slots_lib.Slots, "read_slot", read)
+    store.source()
+    for i in range(3, -1, -1):
+      store.fetch(i)
+      store.put_grads(False, i, *G2)
+    store.update()
+    assert_bits(store.read_params(), want)

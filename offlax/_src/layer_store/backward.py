@@ -182,8 +182,11 @@ class BackwardStep:
     return leaves
 
   def _forget_kept(self) -> None:
-    """Forgets the layers kept, unless a step's worker, in flight, is to take them."""
+    """Forgets the layers kept, unless a step's worker, in flight, is to take them. One
+    aborted (a second Ctrl-C in `update`) is waited for: its generation is to be rewritten."""
     with self._lock:
+      if self._handoff.aborted:
+        self._drop(None)
       if self._run is None:
         self._kept.clear()
 
@@ -250,7 +253,7 @@ class BackwardStep:
       stats = layer_step.run(self._slots, self._spec.updates, gen, target, step=step, show=False,
                              layers=layers, handed=handed, where=handoff.where)  # fmt: skip
       stats = stats._replace(bytes_read=stats.bytes_read + handoff.read_bytes)
-      return self._spec.validate(stats, gen, target, step, handoff.where)  # a clip's redo
+      return self._spec.validate(stats, gen, target, step, handoff.where, handoff.check)
     except BaseException:
       handoff.abort()  # the backward pass's hand-offs no longer wait for it
       raise
@@ -262,6 +265,8 @@ class BackwardStep:
       StoreError, IncompleteStepError: the worker of that step failed (`_failed`): dropped.
     """
     with self._lock:
+      if self._handoff.aborted:  # a second Ctrl-C in `update`: its worker waited for, dropped
+        self._drop(None)
       if self._run is None or not self._handoff.complete:
         return False
       if self._run.exception() is not None:  # waits for the worker, as the commit would
@@ -307,11 +312,9 @@ class BackwardStep:
       layer_rest.check_leaves(rest)  # before the step is waited for: it stays
       self._drop_reads()  # of the generation this step replaces
       try:
+        # Ctrl-C: the step aborted, `_run` kept (its worker may still run, after a second
+        # one): the next read, update, zero or rewrite waits for it and drops it (`_drop`)
         stats = _result(self._run, self._handoff)
-      except KeyboardInterrupt:
-        self._run = None  # the worker ended (`_result`): the step dropped
-        self._spec.settle(self._handoff, self._commits.path)
-        raise
       except Exception as e:
         raise self._failed("LayerStore.update") from e
       try:

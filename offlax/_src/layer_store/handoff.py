@@ -84,6 +84,17 @@ class Handoff:
         self._cond.notify_all()
       return leaves[k]
 
+  @property
+  def aborted(self) -> bool:
+    """Whether the step was dropped (`abort`)."""
+    return self._aborted
+
+  def check(self) -> None:
+    """Raises `Aborted` where the step was dropped (`step.run`'s ``abort``: a clip's redo)."""
+    with self._cond:
+      if self._aborted:
+        raise Aborted
+
   def abort(self) -> None:
     """Stops the worker's waits and drops the gradients queued."""
     with self._cond:

@@ -77,7 +77,7 @@ class Speculation:
     return grad
 
   def validate(self, stats: layer_step.Stats, gen: int, target: int, step: int,
-               where: list[tuple[int, int]]) -> layer_step.Stats:  # fmt: skip
+               where: list[tuple[int, int]], abort: Any = None) -> layer_step.Stats:  # fmt: skip
     """`stats` of the step speculated into `target`, validated: redone from `gen` where the
     clip applies.
 
@@ -87,6 +87,7 @@ class Speculation:
       target: the free generation the worker wrote.
       step: the step being made.
       where: a list the unit of a failed redo is appended to.
+      abort: called before each unit of the redo, raises to stop it (`step.run`).
 
     Returns:
       The step's stats, with its norm, the redo's moves added where it ran.
@@ -107,7 +108,7 @@ class Speculation:
       return stats
     try:
       redo = layer_step.run(self._slots, self.updates, gen, target, step=step, show=False,
-                            where=where, norm=norm.norm)  # fmt: skip
+                            where=where, norm=norm.norm, abort=abort)  # fmt: skip
     except OSError as e:  # said as the redo's: the worker's error names the layer and leaf
       raise errors.StoreError(e.errno, f"the global-norm clip's redo: {e.strerror or e}") from e
     return stats._replace(
