@@ -481,3 +481,34 @@ def test_ctrl_c_in_update_stops_the_clip_s_redo(tmp_path, monkeypatch):
       store.put_grads(False, i, *G2)
     store.update()
     assert_bits(store.read_params(), want)
+
+
+def test_a_failed_last_micro_step_says_to_zero_the_sum(tmp_path, monkeypatch):
+  """A full disk as the last micro-step's worker keeps a gradient: `update` says the way out
+  (the sum is gone: `zero_grads`, the micro-steps again), and the retry is refused."""
+  with tiny_clipped(tmp_path / "s") as store:
+    store.zero_grads()
+    real = slots_lib.Slots.write_raw
+
+    def full(self, kind, gen, k, i, slot):
+      if kind == "grads" and i == 1 and armed:
+        raise OSError(errno.ENOSPC, "No space left on device")
+      real(self, kind, gen, k, i, slot)
+
+    armed = False
+    monkeypatch.setattr(slots_lib.Slots, "write_raw", full)
+    store.source(accumulate=True)
+    for i in range(3, -1, -1):
+      store.put_grads(True, i, *G1)
+    store.flush_grads()
+    armed = True
+    store.source(accumulate=True, last=True)
+    for i in range(3, -1, -1):
+      store.fetch(i)
+      store.put_grads("last", i, *G2)
+    with pytest.raises(errors.StoreError, match=r"free space on the disk, then call "
+                       r"store.zero_grads\(\) and run the step's micro-steps again"):  # fmt: skip
+      store.update()
+    with pytest.raises(errors.IncompleteStepError, match="would count it twice"):
+      store.source(accumulate=True, last=True)
+    assert store.step == 0
