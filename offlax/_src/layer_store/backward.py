@@ -183,9 +183,9 @@ class BackwardStep:
 
   def _forget_kept(self) -> None:
     """Forgets the layers kept, unless a step's worker, in flight, is to take them. One
-    aborted (a second Ctrl-C in `update`) is waited for: its generation is to be rewritten."""
+    interrupted (Ctrl-C in `update`) is waited for: its generation is to be rewritten."""
     with self._lock:
-      if self._handoff.aborted:
+      if self._handoff.interrupted:
         self._drop(None)
       if self._run is None:
         self._kept.clear()
@@ -265,7 +265,7 @@ class BackwardStep:
       StoreError, IncompleteStepError: the worker of that step failed (`_failed`): dropped.
     """
     with self._lock:
-      if self._handoff.aborted:  # a second Ctrl-C in `update`: its worker waited for, dropped
+      if self._handoff.interrupted:  # Ctrl-C in `update`: its worker waited for, dropped
         self._drop(None)
       if self._run is None or not self._handoff.complete:
         return False
@@ -489,7 +489,8 @@ def _result(run: concurrent.futures.Future, handoff: Handoff) -> Any:
   worker waited for before the error goes on: no worker outlives its step."""
   try:
     return run.result()
-  except BaseException:
+  except BaseException as e:
+    handoff.interrupted = not isinstance(e, Exception)  # Ctrl-C: the worker is reaped later
     handoff.abort()
     concurrent.futures.wait([run])
     raise
