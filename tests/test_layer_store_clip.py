@@ -13,11 +13,13 @@ chain's to the bit, and the backward mode's speculate-then-validate gives the
 explicit mode's params and state to the bit, clip or not.
 """
 
+import contextlib
 import errno
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import jax
@@ -163,10 +165,18 @@ def test_the_clip_comes_and_goes_on_a_store(tmp_path):
   assert_bits(longer[1], plain[1])
 
 
+# Adam is nearly invariant to the gradients' scale: a wrong clip scale would pass its case.
+# SGD's step is the scale times the gradient, and its lr makes the step large against the
+# tolerances (asserted): a wrong scale fails.
+TAILS = [pytest.param(lambda: optax.adam(1e-2), id="adam"),
+         pytest.param(lambda: optax.sgd(10.0), id="sgd")]  # fmt: skip
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("tail", TAILS)
 @pytest.mark.parametrize("update", ["explicit", "backward"])
-def test_accumulated_gradients_clip_on_their_sum(tmp_path, update):
-  tx = chain(SMALL)
+def test_accumulated_gradients_clip_on_their_sum(tmp_path, update, tail):
+  tx = chain(SMALL, tail)
   store = offlax.LayerStore.create(str(tmp_path / "s"), make_layers(jnp.float32), optimizer=tx,
                                    update=update, progress=False)  # fmt: skip
   with store:
@@ -182,22 +192,33 @@ def test_accumulated_gradients_clip_on_their_sum(tmp_path, update):
   np.testing.assert_allclose(norm, float(optax.tree.norm(g)), rtol=1e-6)
   u, _ = jax.jit(tx.update)(g, tx.init(layers), layers)
   want = jax.jit(optax.apply_updates)(layers, u)
+  moved = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(want),
+              jax.tree.leaves(layers), strict=True))  # fmt: skip
+  assert moved > 1e-4, moved  # the step's size, against the tolerance below
   for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want), strict=True):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.slow
-def test_bf16_params_with_an_fp32_master(tmp_path):
+@pytest.mark.parametrize("inner", [lambda: optax.adamw(1e-2, weight_decay=0.1),
+                                   lambda: optax.sgd(1e3)], ids=["adamw", "sgd"])  # fmt: skip
+def test_bf16_params_with_an_fp32_master(tmp_path, inner):
   """bf16 gradients: optax sums their squares in bf16, the store in float32 (more exact), so
-  the norms differ by bf16's rounding; the scale is optax's expression, in bf16."""
-  tail = lambda: offlax.master_weights(optax.adamw(1e-2, weight_decay=0.1))
+  the norms differ by bf16's rounding; the scale is optax's expression, in bf16. With SGD
+  (its step proportional to the scale, large against the tolerance) a wrong scale fails."""
+  tail = lambda: offlax.master_weights(inner())
   params, _, stats, *_ = train(str(tmp_path / "s"), chain(SMALL, tail), jnp.bfloat16)
   want, _, norms = optax_run(chain(SMALL, tail), 3, jnp.bfloat16)
   assert all(s.clipped for s in stats)
   np.testing.assert_allclose([s.grad_norm for s in stats], norms, rtol=2**-7)
+  f32 = lambda t: [np.asarray(x, np.float32) for x in jax.tree.leaves(t)]
+  start = f32(make_layers(jnp.bfloat16))
+  moved = max(np.max(np.abs(a - b)) for a, b in zip(f32(want), start, strict=True))
+  assert moved > 1e-2, moved  # the steps' size: the norm's rounding (2**-7) moves it by less
+  atol = max(1e-3, 2**-6 * moved)
   for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want), strict=True):
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-    np.testing.assert_allclose(a, b, rtol=2**-7, atol=1e-3)
+    np.testing.assert_allclose(a, b, rtol=2**-7, atol=atol)
 
 
 @pytest.mark.slow
@@ -319,3 +340,175 @@ def test_the_norm_and_scale_are_optax_s(dtype):
     np.float32(optax.tree.norm(g)),
     rtol=rtol,
   )
+
+
+TINY = {"w": jnp.full((4, 8, 8), 0.1, jnp.float32), "b": jnp.zeros((4, 8), jnp.float32)}
+G1 = [np.full((8,), 0.5, np.float32), np.ones((8, 8), np.float32)]  # leaves: b, w
+G2 = [np.full((8,), -0.25, np.float32), np.full((8, 8), 2.0, np.float32)]
+
+
+def tiny_clipped(path):
+  """A store of 4 tiny layers, the clip applying, an SGD tail (a wrong scale shows)."""
+  return offlax.LayerStore.create(str(path), TINY, optimizer=chain(SMALL, lambda: optax.sgd(0.1)),
+                                  update="backward", progress=False)  # fmt: skip
+
+
+def micro_steps(store, last=range(3, -1, -1)):
+  """Two micro-steps by hand (the scan's callbacks): G1 added on disk, G2 handed, layers L-1
+  down; the last one's layers `last` only."""
+  store.source(accumulate=True)
+  for i in range(3, -1, -1):
+    store.put_grads(True, i, *G1)
+  store.flush_grads()
+  store.source(accumulate=True, last=True)
+  for i in last:
+    store.fetch(i)
+    store.put_grads("last", i, *G2)
+
+
+@pytest.mark.parametrize("drop", ["cut-short", "early-update"])
+def test_a_dropped_last_micro_step_refuses_the_sum_it_overwrote(tmp_path, drop):
+  """With a clip, the last micro-step's worker writes sum + its gradient over the sum on disk
+  (kept for the redo): that step dropped, the sum is gone. Running the last micro-step again
+  would count it twice, silently: refused until `zero_grads`; then the step equals one that
+  never failed, to the bit."""
+  with tiny_clipped(tmp_path / "ok") as store:
+    store.zero_grads()
+    micro_steps(store)
+    store.update()
+    assert store.last_update.clipped
+    want = store.read_params()
+  with tiny_clipped(tmp_path / "s") as store:
+    store.zero_grads()
+    micro_steps(store, last=(3, 2))  # the backward pass stopped after two layers
+    if drop == "early-update":
+      with pytest.raises(errors.IncompleteStepError), pytest.warns(
+        errors.StepNotCommittedWarning, match=r"zero_grads\(\) and run"
+      ):  # fmt: skip
+        store.update()
+      dropped = contextlib.nullcontext()
+    else:  # dropped at the next micro-step's source
+      dropped = pytest.warns(errors.StepNotCommittedWarning, match="stopped before handing")
+    with dropped, pytest.raises(errors.IncompleteStepError, match=r"would count it twice"):
+      store.source(accumulate=True, last=True)
+    with pytest.raises(errors.IncompleteStepError, match=r"store.zero_grads\(\) and run"):
+      store.source(accumulate=True)  # still, before the last micro-step too
+    assert store.step == 0
+    store.zero_grads()
+    micro_steps(store)
+    store.update()
+    assert store.step == 1
+    assert_bits(store.read_params(), want)
+
+
+def test_a_dropped_step_s_kept_writes_land_before_zero_grads(tmp_path, monkeypatch):
+  """A step cut short while its worker's kept gradient is still being written: `zero_grads`
+  drops it and waits for that write, so the zeros are the last word (else the late write
+  lands in the new sum, silently)."""
+  with tiny_clipped(tmp_path / "ok") as store:
+    store.zero_grads()
+    micro_steps(store)
+    store.update()
+    want = store.read_params()
+  real, writing = slots_lib.Slots.write_raw, threading.Event()
+
+  def slow_write(self, kind, gen, k, i, slot):
+    if kind == "grads" and not writing.is_set():  # the kept gradient of layer 3, leaf 0
+      writing.set()
+      time.sleep(0.5)
+    real(self, kind, gen, k, i, slot)
+
+  with tiny_clipped(tmp_path / "s") as store:
+    monkeypatch.setattr(slots_lib.Slots, "write_raw", slow_write)
+    store.source()
+    store.fetch(3)
+    store.put_grads(False, 3, *G2)  # and the backward pass stops
+    assert writing.wait(10)
+    with pytest.warns(errors.StepNotCommittedWarning, match="stopped before handing"):
+      store.zero_grads()
+    micro_steps(store)
+    store.update()
+    assert_bits(store.read_params(), want)
+
+
+def test_ctrl_c_in_update_stops_the_clip_s_redo(tmp_path, monkeypatch):
+  """Ctrl-C in `update()` while the clip's redo runs (its gradient reads slowed): the redo
+  stops at its next unit (the step's abort), rather than updating every layer first."""
+  with tiny_clipped(tmp_path / "ok") as store:
+    store.source()
+    for i in range(3, -1, -1):
+      store.fetch(i)
+      store.put_grads(False, i, *G2)
+    store.update()
+    want = store.read_params()
+  read, write, redo = slots_lib.Slots.read_slot, slots_lib.Slots.write_slot, []
+
+  def slow_read(self, kind, gen, k, i):
+    if kind == "grads":  # in this mode only the redo reads the gradients
+      redo.append(0)
+      time.sleep(0.3)
+    return read(self, kind, gen, k, i)
+
+  def counted_write(self, kind, gen, k, i, x):
+    if kind == "params" and redo:
+      redo.append(1)
+    return write(self, kind, gen, k, i, x)
+
+  def ctrl_c(*_):
+    raise KeyboardInterrupt
+
+  with tiny_clipped(tmp_path / "s") as store:
+    monkeypatch.setattr(slots_lib.Slots, "read_slot", slow_read)
+    monkeypatch.setattr(slots_lib.Slots, "write_slot", counted_write)
+    store.source()
+    for i in range(3, -1, -1):
+      store.fetch(i)
+      store.put_grads(False, i, *G2)
+    old = signal.signal(signal.SIGALRM, ctrl_c)
+    try:
+      signal.setitimer(signal.ITIMER_REAL, 0.05)
+      with pytest.raises(KeyboardInterrupt):
+        store.update()
+    finally:
+      signal.setitimer(signal.ITIMER_REAL, 0)
+      signal.signal(signal.SIGALRM, old)
+    assert store.step == 0
+    assert redo.count(1) <= 2, redo  # of 8 units' params: the redo stopped at the next unit
+    monkeypatch.setattr(slots_lib.Slots, "read_slot", read)
+    store.source()
+    for i in range(3, -1, -1):
+      store.fetch(i)
+      store.put_grads(False, i, *G2)
+    store.update()
+    assert_bits(store.read_params(), want)
+
+
+def test_a_failed_last_micro_step_says_to_zero_the_sum(tmp_path, monkeypatch):
+  """A full disk as the last micro-step's worker keeps a gradient: `update` says the way out
+  (the sum is gone: `zero_grads`, the micro-steps again), and the retry is refused."""
+  with tiny_clipped(tmp_path / "s") as store:
+    store.zero_grads()
+    real = slots_lib.Slots.write_raw
+
+    def full(self, kind, gen, k, i, slot):
+      if kind == "grads" and i == 1 and armed:
+        raise OSError(errno.ENOSPC, "No space left on device")
+      real(self, kind, gen, k, i, slot)
+
+    armed = False
+    monkeypatch.setattr(slots_lib.Slots, "write_raw", full)
+    store.source(accumulate=True)
+    for i in range(3, -1, -1):
+      store.put_grads(True, i, *G1)
+    store.flush_grads()
+    armed = True
+    store.source(accumulate=True, last=True)
+    for i in range(3, -1, -1):
+      store.fetch(i)
+      store.put_grads("last", i, *G2)
+    with pytest.raises(errors.StoreError, match=r"free space on the disk, then call "
+                       r"store.zero_grads\(\) and run the step's micro-steps again"):  # fmt: skip
+      store.update()
+    with pytest.raises(errors.IncompleteStepError, match="would count it twice"):
+      store.source(accumulate=True, last=True)
+    assert store.step == 0

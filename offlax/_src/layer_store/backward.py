@@ -99,11 +99,14 @@ def refuse(mode: str, what: str, path: str) -> None:
     )
 
 
-def hand_off(accumulate: bool, last: bool, path: str, mode: str) -> bool | str:
+def hand_off(accumulate: bool, last: bool, path: str, mode: str, grads: Any) -> bool | str:
   """What `LayerStore.source(accumulate=, last=)` asks of the hand-off: False, True or "last".
 
   "last" only in the ``"backward"`` mode: in the explicit one the last micro-step adds its
   gradients as those before do, and the same value keeps one compiled step for both.
+  With ``accumulate``, `grads` (the store's `GradientWriter` or `BackwardStep`) refuses a
+  sum a dropped step wrote over (`IncompleteStepError`: `zero_grads`, then the micro-steps
+  again), rather than adding to it.
   """
   if last and not accumulate:
     raise errors.InvalidOptionError(
@@ -111,6 +114,8 @@ def hand_off(accumulate: bool, last: bool, path: str, mode: str) -> bool | str:
       "source(accumulate=True, last=True) for the last micro-step, source(accumulate=True) "
       "for those before (store.zero_grads() first), or neither for a step of one batch."
     )
+  if accumulate:
+    grads.check_sum(path)
   return "last" if last and mode == "backward" else bool(accumulate)
 
 
@@ -168,20 +173,20 @@ class BackwardStep:
     reads.on_drop(self._forget_kept)  # a commit or a rewrite: of the generation before
 
   def read(self, i: Any, fetch: Callable[[Any], list[np.ndarray]]) -> list[np.ndarray]:
-    """Layer `i` for the model (a callback, by `fetch`), kept: the update's params.
-
-    A step updated and not committed is committed first (`before_read`). The backward
-    pass reads layer i just before it hands off its gradient: the update takes the params
-    from here (`_param`) rather than reading them again, 2 bytes a parameter a step less.
-    """
+    """Layer `i` for the model (a callback, by `fetch`), kept: the update's params. A step
+    updated and not committed is committed first (`before_read`). The backward pass reads
+    layer i just before it hands off its gradient: the update takes the params from here."""
     self.before_read()
     leaves = fetch(i)
     self._kept.put(int(i), leaves)
     return leaves
 
   def _forget_kept(self) -> None:
-    """Forgets the layers kept, unless a step's worker, in flight, is to take them."""
+    """Forgets the layers kept, unless a step's worker, in flight, is to take them. One
+    interrupted (Ctrl-C in `update`) is waited for: its generation is to be rewritten."""
     with self._lock:
+      if self._handoff.interrupted:
+        self._drop(None)
       if self._run is None:
         self._kept.clear()
 
@@ -200,13 +205,9 @@ class BackwardStep:
     return self._spec.keep(i, k, grad), param  # (kept for a clip's redo)
 
   def put(self, accumulate: bool, i: Any, *grads: np.ndarray) -> np.ndarray:
-    """Layer `i`'s gradients (a callback): copied out, the layer updated by the worker.
-
-    Raises `IncompleteStepError` where a step before, handed off whole, is not committed
-    (`_refuse_second_pass`). A micro-step before the last (``accumulate`` True) adds them
-    into those on disk instead (`grads.GradientWriter`); the last (``"last"``) adds those
-    on disk to them.
-    """
+    """Layer `i`'s gradients (a callback): copied out, the layer updated by the worker. A
+    micro-step before the last (``accumulate`` True) adds them into those on disk instead; the
+    last (``"last"``) adds those on disk to them (refused where spent: `check_sum`)."""
     if accumulate is True:
       return self._writer.put(True, i, *grads)
     i = int(i)
@@ -214,9 +215,9 @@ class BackwardStep:
     with self._lock:
       if i == self._slots.n_layers - 1:  # a new step's first layer
         self._refuse_second_pass()
-        # one cut short (its backward pass failed): dropped
-        self._drop("its backward pass stopped before handing off every layer")
+        self._drop(_CUT)  # one cut short (its backward pass failed)
         if accumulate == "last":
+          self._writer.check_sum(self._commits.path)  # a step dropped wrote over the sum
           self._writer.wait_writes()  # the micro-steps' sums on disk before the worker reads
         self._start(accumulate == "last")
       elif self._run is None:
@@ -226,12 +227,9 @@ class BackwardStep:
     return np.zeros((), np.float32)
 
   def _refuse_second_pass(self) -> None:
-    """Raises `IncompleteStepError` where a step handed off whole is not committed.
-
-    With no read between (two gradients of one source in one program), committing it here
-    would update the second pass's gradients, taken at the params before, against the
-    params after: a silent error. The step stays; `update()` commits it.
-    """
+    """Raises `IncompleteStepError` where a step handed off whole is not committed: with no
+    read between (two gradients of one source in one program), committing it would update
+    the second pass's gradients, taken at the params before, against those after. It stays."""
     run = self._run
     if run is None or not self._handoff.complete:
       return
@@ -241,6 +239,7 @@ class BackwardStep:
 
   def _start(self, last: bool) -> None:
     commits = self._commits
+    self._writer.settle_kept()  # (none: a step dropped settles its own, `_settle`)
     self._target, self._late = commits.free_generation(), None
     self._handoff = Handoff(self._slots.n_layers, self._writer.queued, last)
     layers = range(self._slots.n_layers - 1, -1, -1)
@@ -254,7 +253,7 @@ class BackwardStep:
       stats = layer_step.run(self._slots, self._spec.updates, gen, target, step=step, show=False,
                              layers=layers, handed=handed, where=handoff.where)  # fmt: skip
       stats = stats._replace(bytes_read=stats.bytes_read + handoff.read_bytes)
-      return self._spec.validate(stats, gen, target, step, handoff.where)  # a clip's redo
+      return self._spec.validate(stats, gen, target, step, handoff.where, handoff.check)
     except BaseException:
       handoff.abort()  # the backward pass's hand-offs no longer wait for it
       raise
@@ -266,6 +265,8 @@ class BackwardStep:
       StoreError, IncompleteStepError: the worker of that step failed (`_failed`): dropped.
     """
     with self._lock:
+      if self._handoff.interrupted:  # Ctrl-C in `update`: its worker waited for, dropped
+        self._drop(None)
       if self._run is None or not self._handoff.complete:
         return False
       if self._run.exception() is not None:  # waits for the worker, as the commit would
@@ -282,7 +283,8 @@ class BackwardStep:
     e = run.exception()
     self._run = None
     self._kept.clear()
-    return _failure(where, commits, self._slots.records, self._handoff.where, e)
+    spent = self._spec.settle(self._handoff, self._commits.path)
+    return _failure(where, commits, self._slots.records, self._handoff.where, e, spent)
 
   def __call__(self, rest: Any) -> layer_step.Stats:
     """Waits for the step in flight's last layer, writes `rest`, flushes and commits.
@@ -310,10 +312,9 @@ class BackwardStep:
       layer_rest.check_leaves(rest)  # before the step is waited for: it stays
       self._drop_reads()  # of the generation this step replaces
       try:
+        # Ctrl-C: the step aborted, `_run` kept (its worker may still run, after a second
+        # one): the next read, update, zero or rewrite waits for it and drops it (`_drop`)
         stats = _result(self._run, self._handoff)
-      except KeyboardInterrupt:
-        self._run = None  # the worker ended (`_result`): the step dropped
-        raise
       except Exception as e:
         raise self._failed("LayerStore.update") from e
       try:
@@ -330,11 +331,8 @@ class BackwardStep:
       return stats
 
   def _drop(self, why: str | None) -> None:
-    """Drops the step in flight, not committed: the worker stopped, its writes left.
-
-    ``_run`` is cleared once the worker has ended (interrupted while waiting, a later call
-    waits again).
-    """
+    """Drops the step in flight, not committed: the worker stopped, its writes left. ``_run``
+    is cleared once the worker has ended (interrupted while waiting, a later call waits again)."""
     run = self._run
     if run is None:
       return
@@ -342,18 +340,25 @@ class BackwardStep:
     concurrent.futures.wait([run])  # handoff.Aborted, or the worker's own error: nothing committed
     self._run = None
     self._kept.clear()
-    if why is not None:  # `why`: what became of the step, for the warning
-      warnings.warn(
-        errors.StepNotCommittedWarning(
-          f"LayerStore {self._commits.path}: step {self._commits.step + 1} was dropped, not "
-          f"committed: {why}. The store holds step {self._commits.step}."
-        ),
-        stacklevel=3,
-      )
+    spent = self._spec.settle(self._handoff, self._commits.path)  # the sum written over?
+    if why is not None or spent:  # `why`: what became of the step, for the warning
+      warnings.warn(_dropped(self._commits, why, spent), stacklevel=3)
+
+  def check_sum(self, path: str) -> None:
+    """Before a micro-step (`hand_off`): drops a step cut short, refuses a spent sum."""
+    if self._run is not None and not self._handoff.complete:
+      self._drop_cut()
+    self._writer.check_sum(path)
+
+  def _drop_cut(self) -> None:
+    """Drops a step cut short, its pass's callbacks waited for (outside the lock: they take it)."""
+    self._writer.flush()
+    with self._lock:
+      if self._run is not None and not self._handoff.complete:
+        self._drop(_CUT)
 
   def flush(self) -> None:
-    """Waits for the steps dispatched so far (their hand-offs, micro-steps' writes), not for
-    the worker."""
+    """Waits for the steps dispatched (their hand-offs, micro-steps' writes), not the worker."""
     self._writer.flush()
 
   def used(self) -> None:
@@ -361,10 +366,9 @@ class BackwardStep:
     self._writer.used()
 
   def zero(self) -> None:
-    """Sets the gradients on disk to zero (before accumulating anew), once a step not
-    committed, whose worker may still read them, is committed (`before_read`, warning)."""
-    self._writer.flush()  # its hand-offs done: the step whole, or cut short
-    self.before_read()
+    """Zeros the gradients on disk, a step whose worker may read them committed first (warning)."""
+    self.before_read()  # (`_drop_cut`'s flush first: the step whole, or cut short)
+    self._drop_cut()  # its kept writes settled before the zeros
     self._writer.zero()
 
   def close(self) -> None:
@@ -384,6 +388,22 @@ class BackwardStep:
       self._kept.clear()
     self._worker.shutdown(wait=True)
     self._writer.close()
+
+
+_CUT = "its backward pass stopped before handing off every layer"
+
+
+def _dropped(commits: Commits, why: str | None, spent: bool) -> Warning:
+  """The warning of a step dropped: `why`, and whether it had written over the sum (`spent`)."""
+  if spent:
+    why = (why or "update() came before its backward pass handed off every layer") + (
+      "; its last micro-step had written its gradients over those accumulated on disk: call "
+      "store.zero_grads() and run the step's micro-steps again"
+    )
+  return errors.StepNotCommittedWarning(
+    f"LayerStore {commits.path}: step {commits.step + 1} was dropped, not committed: {why}. "
+    f"The store holds step {commits.step}."
+  )
 
 
 def _second_pass(path: str, step: int) -> Exception:
@@ -409,7 +429,9 @@ def _committed_late(path: str, step: int) -> Warning:
   )
 
 
-def _failure(where: str, commits: Commits, records: list, at_unit: list, e: Any) -> Exception:
+def _failure(
+  where: str, commits: Commits, records: list, at_unit: list, e: Any, spent: bool = False
+) -> Exception:
   """The worker's failure `e`: the error that says where (`at_unit`) and the way out."""
   at = ""
   if at_unit:
@@ -421,7 +443,12 @@ def _failure(where: str, commits: Commits, records: list, at_unit: list, e: Any)
     f"failed{at} ({getattr(e, 'strerror', None) or e}); nothing of it was committed, "
     f"{commits.path} still holds step {commits.step}, whole: "
     + ("free space on the disk, then " if full else "")
-    + "run the step again (update='backward' keeps no gradients to update from)."
+    + (
+      "call store.zero_grads() and run the step's micro-steps again (its last micro-step "
+      "had written its gradients over those accumulated on disk, kept for the clip's redo)."
+      if spent
+      else "run the step again (update='backward' keeps no gradients to update from)."
+    )
   )
   if isinstance(e, OSError):
     return errors.StoreError(e.errno, msg)
@@ -462,7 +489,8 @@ def _result(run: concurrent.futures.Future, handoff: Handoff) -> Any:
   worker waited for before the error goes on: no worker outlives its step."""
   try:
     return run.result()
-  except BaseException:
+  except BaseException as e:
+    handoff.interrupted = not isinstance(e, Exception)  # Ctrl-C: the worker is reaped later
     handoff.abort()
     concurrent.futures.wait([run])
     raise

@@ -2,8 +2,8 @@
 
 A global-norm clip is not elementwise: every gradient's scale depends on the
 norm over all of them, known only once the last layer's gradient is. The
-store runs it in two parts. The rest of the chain (``tail``, with the clip's
-stateless slot kept, so the state is the chain's own) is elementwise and runs
+store runs it in two parts. The rest of the chain (``tail``; the clip's
+stateless slot dropped, so the state stored is the tail's) is elementwise and runs
 a layer at a time as before; the norm is summed on the host as the gradients
 pass there (`sum_squares`, float32 per leaf per layer, `GlobalNorm`), and where
 the clip applies each gradient is scaled by optax's own expression

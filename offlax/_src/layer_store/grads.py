@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from offlax._src import errors
 from offlax._src.layer_store import clip as clip_lib
 from offlax._src.layer_store import files, guards
 from offlax._src.layer_store.slots import Slots
@@ -62,6 +63,8 @@ class GradientWriter:
     self._lock = threading.Lock()  # `_drain`'s pops, from two threads
     # NaN: the slot's sum of squares is unknown (a store just opened): `squares` reads it
     self._squares = np.full((slots.n_layers, len(slots.records)), np.nan, np.float32)
+    # A dropped step wrote its kept gradients (sum and last micro-step) over the sum: `spend`
+    self._spent = False
 
   def put(self, accumulate: bool | str, i: Any, *grads: np.ndarray) -> np.ndarray:
     """Layer `i`'s gradients (a callback): copied out, written behind compute."""
@@ -88,8 +91,12 @@ class GradientWriter:
     self._ledger.used()
 
   def zero(self) -> None:
-    """Sets every gradient to zero (before accumulating anew)."""
+    """Sets every gradient to zero (before accumulating anew); the sum is no longer spent."""
     self.flush()
+    # A dropped step's kept writes land first, not after the zeros. Their errors can go: every
+    # slot is written again here, and such a step was said when it was dropped.
+    self.settle_kept()
+    self._spent = False
     self._ledger.used()
     self._slots.zero_grads()
     self._squares[...] = 0
@@ -101,10 +108,30 @@ class GradientWriter:
     self._drain(self._kept, self.queued - 1)
     self._kept.append(self._writer.submit(self._write, k, i, slot, grad))
 
-  def settle_kept(self) -> None:
-    """Waits for the writes `keep` queued, their errors dropped (a step dropped: said then)."""
-    concurrent.futures.wait(self._kept)
-    self._kept.clear()
+  def settle_kept(self) -> BaseException | None:
+    """Waits for the writes `keep` queued; returns the first failed one's error, or None (the
+    caller, dropping a step, says it: the slot's squares are unknown, read again if needed)."""
+    with self._lock:
+      kept = list(self._kept)
+      self._kept.clear()
+    concurrent.futures.wait(kept)
+    return next((e for e in (f.exception() for f in kept) if e is not None), None)
+
+  def spend(self) -> None:
+    """A step was dropped after writing kept gradients over an accumulated sum: until `zero`,
+    micro-steps are refused (`check_sum`)."""
+    self._spent = True
+
+  def check_sum(self, path: str) -> None:
+    """Raises `IncompleteStepError` where the accumulated sum on disk was spent (`spend`)."""
+    if self._spent:
+      raise errors.IncompleteStepError(
+        f"LayerStore {path}: a gradient accumulation's step was dropped after its last "
+        "micro-step had written its gradients (the sum and its own, kept for the global-norm "
+        "clip's redo) over the accumulated ones on disk: the sum is gone, and running the last "
+        "micro-step again would count it twice. Call store.zero_grads() and run the step's "
+        "micro-steps again, from the first."
+      )
 
   def squares(self) -> np.ndarray:
     """The sum of squares of each gradient slot, float32 [layer, leaf], as the slots hold

@@ -31,6 +31,7 @@ class Handoff:
     self.last = last  # the step ends an accumulation: its gradients add to those on disk
     self.where: list[tuple[int, int]] = []  # the unit where its worker failed (`step.run`)
     self.read_bytes = 0  # what its update read from disk beside `step.run`'s own reads
+    self.interrupted = False  # aborted by Ctrl-C in `update`: its worker may outlive the call
 
   @property
   def complete(self) -> bool:
@@ -83,6 +84,12 @@ class Handoff:
         del self._layers[i]
         self._cond.notify_all()
       return leaves[k]
+
+  def check(self) -> None:
+    """Raises `Aborted` where the step was dropped (`step.run`'s ``abort``: a clip's redo)."""
+    with self._cond:
+      if self._aborted:
+        raise Aborted
 
   def abort(self) -> None:
     """Stops the worker's waits and drops the gradients queued."""

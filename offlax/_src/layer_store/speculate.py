@@ -18,6 +18,7 @@ master and Adam.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import numpy as np
@@ -26,6 +27,7 @@ from offlax._src import errors
 from offlax._src.layer_store import clip as clip_lib
 from offlax._src.layer_store import step as layer_step
 from offlax._src.layer_store.grads import GradientWriter
+from offlax._src.layer_store.handoff import Handoff
 from offlax._src.layer_store.slots import Slots
 
 
@@ -48,17 +50,34 @@ class Speculation:
     self.max_norm = clip_lib.split(optimizer).max_norm
     self._slots, self._writer = slots, writer
 
+  def settle(self, handoff: Handoff, path: str) -> bool:
+    """After a step dropped (its worker ended, `handoff` its): its kept gradients' writes waited
+    for, so none lands after a `zero_grads`; where the step ended an accumulation, they went
+    over the sum on disk: marked spent (`GradientWriter.check_sum`). Returns whether it was.
+    A failed write is said (a warning): its slot's squares stay unknown, read when needed."""
+    e = self._writer.settle_kept()
+    if e is not None:
+      warnings.warn(
+        errors.StepNotCommittedWarning(
+          f"LayerStore {path}: a gradient kept for the global-norm clip's redo of the step "
+          f"dropped was not written ({e}); the next step writes it again."
+        ),
+        stacklevel=4,
+      )
+    spent = self.max_norm is not None and handoff.last and handoff.started
+    if spent:
+      self._writer.spend()
+    return spent
+
   def keep(self, i: int, k: int, grad: np.ndarray) -> np.ndarray:
     """`grad`, leaf `k` of layer `i`'s gradient as the worker updates with it, kept for a
     redo (written behind, `grads.GradientWriter.keep`) where there is a clip."""
-    if self.max_norm is not None:
-      if (i, k) == (self._slots.n_layers - 1, 0):  # a step's first: none of a step dropped
-        self._writer.settle_kept()
+    if self.max_norm is not None:  # (a dropped step's kept writes: settled when dropped)
       self._writer.keep(i, k, grad)
     return grad
 
   def validate(self, stats: layer_step.Stats, gen: int, target: int, step: int,
-               where: list[tuple[int, int]]) -> layer_step.Stats:  # fmt: skip
+               where: list[tuple[int, int]], abort: Any = None) -> layer_step.Stats:  # fmt: skip
     """`stats` of the step speculated into `target`, validated: redone from `gen` where the
     clip applies.
 
@@ -68,6 +87,7 @@ class Speculation:
       target: the free generation the worker wrote.
       step: the step being made.
       where: a list the unit of a failed redo is appended to.
+      abort: called before each unit of the redo, raises to stop it (`step.run`).
 
     Returns:
       The step's stats, with its norm, the redo's moves added where it ran.
@@ -88,7 +108,7 @@ class Speculation:
       return stats
     try:
       redo = layer_step.run(self._slots, self.updates, gen, target, step=step, show=False,
-                            where=where, norm=norm.norm)  # fmt: skip
+                            where=where, norm=norm.norm, abort=abort)  # fmt: skip
     except OSError as e:  # said as the redo's: the worker's error names the layer and leaf
       raise errors.StoreError(e.errno, f"the global-norm clip's redo: {e.strerror or e}") from e
     return stats._replace(

@@ -213,6 +213,7 @@ def run(
   handed: Callable[[int, int], tuple[np.ndarray, np.ndarray]] | None = None,
   where: list[tuple[int, int]] | None = None,
   norm: np.ndarray | None = None,
+  abort: Callable[[], None] | None = None,
 ) -> Stats:
   """Updates every layer of a store's `slots` from generation `gen` into `target`, as `step`.
 
@@ -229,7 +230,8 @@ def run(
   the param as the backward pass read it; the same units, the same update function).
   Where it fails, the unit (layer, leaf) whose read, update or write failed is appended to
   `where`, where given. `norm`, where given, is the gradients' global norm, and the clip
-  applies: each unit runs its ``clipped`` function (`LeafUpdate`).
+  applies: each unit runs its ``clipped`` function (`LeafUpdate`). `abort`, where given, is
+  called before each unit and raises to stop the run (a step dropped: the redo of a clip).
   """
   cpu = jax.devices("cpu")[0]  # the host's compute, whatever the default device
   nk = len(slots.records)
@@ -279,6 +281,8 @@ def run(
       for j, i in enumerate(progress(order, show, moved_bytes(slots), desc)):
         for k in range(nk):
           u, at = j * nk + k, (i, k)
+          if abort is not None:
+            abort()
           ps, gs, owned, got = [[f.result() for f in futures] for futures in reads.pop(u)]
           shared = got if k == 0 else shared
           tally["read_bytes"] += sum(x.nbytes for x in [*ps, *gs, *owned, *got])

@@ -239,7 +239,7 @@ class LayerStore(_Parts):
       last: with ``accumulate``, the last micro-step: with ``update="backward"`` each layer is
         updated as its gradient's sum is known (`backward`); else the same as ``accumulate``.
     """
-    kind = backward.hand_off(accumulate, last, self.path, self.update_mode)
+    kind = backward.hand_off(accumulate, last, self.path, self.update_mode, self._grads)
     return LayerSource(jnp.zeros((self.n_layers,), jnp.float32), self, kind)
 
   def avals(self) -> list[jax.ShapeDtypeStruct]:
@@ -322,8 +322,7 @@ class LayerStore(_Parts):
       IncompleteStepError: ``update="backward"``, and no backward pass handed off every layer.
       StoreError: a read or write failed (a full disk: ``errno.ENOSPC``); nothing committed, the
         store holds the step before: call `update` again (a layer's update failed: run the step).
-      StoreCorruptedError: a slot read does not match its checksum; nothing
-        was committed (the message names the slot and the way back).
+      StoreCorruptedError: a slot fails its checksum; nothing committed (named, the way back).
     """
     if self._update is None:
       raise errors.InvalidOptionError(
@@ -342,4 +341,5 @@ class LayerStore(_Parts):
 
   def rewrite(self) -> Rewrite:
     """New values of the committed step's layers, committed at once (`load_safetensors`)."""
+    self.drop_read_ahead()  # first: an interrupted backward step's worker waited for
     return Rewrite(self._slots, self._commits, self.optimizer, self.treedef, self.drop_read_ahead)
