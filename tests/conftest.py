@@ -122,6 +122,24 @@ def committed(params):
   return jax.tree.map(lambda x: put(x) if isinstance(x, jax.Array) else x, params)
 
 
+def interrupted(fn, after=0.05):
+  """Calls `fn()` with Ctrl-C (a `KeyboardInterrupt` from a SIGALRM handler) `after` seconds in,
+  in this (the main) thread, as a user's; asserts it raised."""
+  import signal
+
+  def ctrl_c(*_):
+    raise KeyboardInterrupt
+
+  old = signal.signal(signal.SIGALRM, ctrl_c)
+  try:
+    signal.setitimer(signal.ITIMER_REAL, after)
+    with pytest.raises(KeyboardInterrupt):
+      fn()
+  finally:
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    signal.signal(signal.SIGALRM, old)
+
+
 def run_steps(tx, params, steps=3):
   """Runs `steps` jitted steps (compiled once); returns params, state and the last updates."""
   params = committed(params)

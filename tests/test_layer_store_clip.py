@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import interrupted
 from layer_store_run import clipped
 from test_layer_update import (
   L,
@@ -454,9 +455,6 @@ def test_ctrl_c_in_update_stops_the_clip_s_redo(tmp_path, monkeypatch):
       redo.append(1)
     return write(self, kind, gen, k, i, x)
 
-  def ctrl_c(*_):
-    raise KeyboardInterrupt
-
   with tiny_clipped(tmp_path / "s") as store:
     monkeypatch.setattr(slots_lib.Slots, "read_slot", slow_read)
     monkeypatch.setattr(slots_lib.Slots, "write_slot", counted_write)
@@ -464,14 +462,7 @@ def test_ctrl_c_in_update_stops_the_clip_s_redo(tmp_path, monkeypatch):
     for i in range(3, -1, -1):
       store.fetch(i)
       store.put_grads(False, i, *G2)
-    old = signal.signal(signal.SIGALRM, ctrl_c)
-    try:
-      signal.setitimer(signal.ITIMER_REAL, 0.05)
-      with pytest.raises(KeyboardInterrupt):
-        store.update()
-    finally:
-      signal.setitimer(signal.ITIMER_REAL, 0)
-      signal.signal(signal.SIGALRM, old)
+    interrupted(store.update)
     assert store.step == 0
     assert redo.count(1) <= 2, redo  # of 8 units' params: the redo stopped at the next unit
     monkeypatch.setattr(slots_lib.Slots, "read_slot", read)

@@ -8,7 +8,6 @@ store's byte counters); the step commits at its end, and only then.
 
 import errno
 import gc
-import signal
 import threading
 import time
 import warnings
@@ -19,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import interrupted
 from test_layer_update import (
   OPTIMIZERS,
   L,
@@ -244,19 +244,9 @@ def test_ctrl_c_in_update_leaves_no_worker_behind(tmp_path, monkeypatch):
       time.sleep(0.3)  # the worker is busy when Ctrl-C comes
     return real(self, kind, gen, k, i)
 
-  def ctrl_c(*_):
-    raise KeyboardInterrupt
-
   monkeypatch.setattr(slots_lib.Slots, "read_slot", read_slot)
   backward_pass(store)
-  old = signal.signal(signal.SIGALRM, ctrl_c)
-  try:
-    signal.setitimer(signal.ITIMER_REAL, 0.05)
-    with pytest.raises(KeyboardInterrupt):
-      store.update()
-  finally:
-    signal.setitimer(signal.ITIMER_REAL, 0)
-    signal.signal(signal.SIGALRM, old)
+  interrupted(store.update)
   assert store.step == 0
   # The step again (a notebook's next cell): its gradients go to its own worker, not the old one.
   again = threading.Thread(target=backward_pass, args=(store,), daemon=True)
