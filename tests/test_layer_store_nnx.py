@@ -56,6 +56,14 @@ def batch(step, dtype=jnp.float32):
 grad = nnx.jit(nnx.value_and_grad(lambda model, x: model(x)))
 
 
+@nnx.jit
+def train_step(model, optimizer, x):
+  """A training step: the loss of `model` on `x`, its gradients, `optimizer.update`."""
+  loss, grads = nnx.value_and_grad(lambda m: m(x))(model)
+  optimizer.update(model, grads)
+  return loss
+
+
 def reference(tx, steps, dtype):
   """Losses and stacked layer params after `steps` steps with the params in host memory."""
   model = offlax.offload_params(Model(nnx.Rngs(0), dtype=dtype))
@@ -108,15 +116,9 @@ def test_layers_on_disk_train_bit_for_bit(tmp_path, make_tx, dtype):
     # The model's other params (the embedding) in host memory, updated by offlax on the host.
     optimizer = nnx.Optimizer(model, offlax.offload(make_tx(), compute="host"), wrt=nnx.Param)
 
-    @nnx.jit
-    def step(model, optimizer, x):
-      loss, grads = nnx.value_and_grad(lambda m: m(x))(model)
-      optimizer.update(model, grads)
-      return loss
-
     losses = []
     for i in range(3):
-      losses.append(float(step(model, optimizer, batch(i, dtype))))
+      losses.append(float(train_step(model, optimizer, batch(i, dtype))))
       assert store.update() == i + 1
     assert losses == want_losses
     assert_bits(store.read_params(), want)
@@ -132,15 +134,9 @@ def train_nnx(tmp_path, make_tx, dtype, update, steps=3):
   with store:
     optimizer = nnx.Optimizer(model, offlax.offload(make_tx(), compute="host"), wrt=nnx.Param)
 
-    @nnx.jit
-    def step(model, optimizer, x):
-      loss, grads = nnx.value_and_grad(lambda m: m(x))(model)
-      optimizer.update(model, grads)
-      return loss
-
     losses = []
     for i in range(steps):
-      losses.append(float(step(model, optimizer, batch(i, dtype))))
+      losses.append(float(train_step(model, optimizer, batch(i, dtype))))
       rest = nnx.state(model, nnx.All(nnx.Param, nnx.Not(offlax.LayerToken)))
       assert store.update(rest={"params": rest, "optimizer": nnx.state(optimizer)}) == i + 1
     return losses, store.read_params(), store.read_state()

@@ -18,6 +18,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from test_layer_store_nnx import train_step
 
 import offlax
 from offlax._src import errors
@@ -103,17 +104,11 @@ def test_store_attaches_to_the_list_it_was_made_from(tmp_path, name):
     assert is_stored(getattr(model, name)) and not is_stored(getattr(model, other))
     optimizer = nnx.Optimizer(model, offlax.offload(tx(), compute="host"), wrt=nnx.Param)
 
-    @nnx.jit
-    def step(model, optimizer, x):
-      loss, grads = nnx.value_and_grad(lambda m: m(x))(model)
-      optimizer.update(model, grads)
-      return loss
-
     losses = []
     with warnings.catch_warnings(record=True) as seen:
       warnings.simplefilter("always")
       for i in range(2):
-        losses.append(float(step(model, optimizer, batch(i))))
+        losses.append(float(train_step(model, optimizer, batch(i))))
         s.update()
     assert losses == want_losses
     assert not [w for w in seen if w.category is offlax.errors.GradientsOverwrittenWarning]

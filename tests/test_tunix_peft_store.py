@@ -18,7 +18,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from test_layer_store_nnx import Model, batch
+from test_layer_store_nnx import Model, batch, train_step
 
 import offlax
 from offlax._src import errors
@@ -45,22 +45,16 @@ def test_optimizer_update_commits_the_store_once_a_step(tmp_path):
     model = offlax.offload_params(Model(nnx.Rngs(0)), store=store, commit_in_update=True)
     optimizer = nnx.Optimizer(model, offlax.offload(tx(), compute="host"), wrt=nnx.Param)
 
-    @nnx.jit
-    def step(model, optimizer, x):
-      loss, grads = nnx.value_and_grad(lambda m: m(x))(model)
-      optimizer.update(model, grads)
-      return loss
-
     with warnings.catch_warnings():
       warnings.simplefilter("error", errors.StepNotCommittedWarning)
       for i in range(2):
-        step(model, optimizer, batch(i))
+        train_step(model, optimizer, batch(i))
         assert store.step == i + 1
     # The rest restored from another step than the store's:
     optimizer.step.set_value(jnp.full((), 5, optimizer.step[...].dtype))
     dropped = pytest.warns(errors.StepNotCommittedWarning, match="step 3 was dropped")
     with dropped, pytest.raises(Exception, match=r"holds step 2.*LayerStore.open\(.*step=5\)") as e:
-      step(model, optimizer, batch(2))  # refused; the store closed, its step 3 dropped
+      train_step(model, optimizer, batch(2))  # refused; the store closed, its step 3 dropped
     assert "StoreMismatchError" in str(e.value) or isinstance(e.value, errors.StoreMismatchError)
   with offlax.LayerStore.open(str(tmp_path / "s"), like, optimizer=tx()) as store:
     assert store.step == 2  # nothing committed
