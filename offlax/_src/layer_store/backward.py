@@ -367,8 +367,11 @@ class BackwardStep:
 
   def zero(self) -> None:
     """Zeros the gradients on disk, a step whose worker may read them committed first (warning)."""
-    self.before_read()  # (`_drop_cut`'s flush first: the step whole, or cut short)
-    self._drop_cut()  # its kept writes settled before the zeros
+    # A jitted backward pass returns before its callbacks run: waited for, its step is whole
+    # (committed here) or cut short (dropped, its kept writes settled before the zeros).
+    self._writer.flush()
+    self.before_read()
+    self._drop_cut()
     self._writer.zero()
 
   def close(self) -> None:
