@@ -395,6 +395,10 @@ def test_a_dropped_last_micro_step_refuses_the_sum_it_overwrote(tmp_path, drop):
     with pytest.raises(errors.IncompleteStepError, match=r"store.zero_grads\(\) and run"):
       store.source(accumulate=True)  # still, before the last micro-step too
     assert store.step == 0
+  with offlax.LayerStore.open(str(tmp_path / "s"), TINY, optimizer=chain(SMALL, lambda: optax.sgd(
+      0.1)), update="backward", progress=False) as store:  # fmt: skip
+    with pytest.raises(errors.IncompleteStepError, match=r"would count it twice"):
+      store.source(accumulate=True, last=True)  # and after the store is opened again
     store.zero_grads()
     micro_steps(store)
     store.update()

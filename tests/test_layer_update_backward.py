@@ -251,17 +251,22 @@ def explicit_step(path):
     return store.read_params()
 
 
-def test_ctrl_c_in_update_leaves_no_worker_behind(tmp_path, monkeypatch):
-  store = tiny(tmp_path / "s")
+def busy_worker(monkeypatch):
+  """The worker's read of layer 1's state takes 0.3 s: it is busy when Ctrl-C comes."""
   real, slow = slots_lib.Slots.read_slot, threading.Event()
 
   def read_slot(self, kind, gen, k, i):
     if kind == "state" and i == 1 and not slow.is_set():
       slow.set()
-      time.sleep(0.3)  # the worker is busy when Ctrl-C comes
+      time.sleep(0.3)
     return real(self, kind, gen, k, i)
 
   monkeypatch.setattr(slots_lib.Slots, "read_slot", read_slot)
+
+
+def test_ctrl_c_in_update_leaves_no_worker_behind(tmp_path, monkeypatch):
+  store = tiny(tmp_path / "s")
+  busy_worker(monkeypatch)
   backward_pass(store)
   interrupted(store.update)
   assert store.step == 0
@@ -275,6 +280,21 @@ def test_ctrl_c_in_update_leaves_no_worker_behind(tmp_path, monkeypatch):
     assert store.update() == 1
   assert_bits(store.read_params(), explicit_step(tmp_path / "e"))
   store.close()
+
+
+@pytest.mark.slow
+def test_close_after_ctrl_c_in_update_drops_the_step_quietly(tmp_path, monkeypatch):
+  """The KeyboardInterrupt said the step was not committed: close() adds no "update() was not
+  called" warning, and the store holds the step before."""
+  store = tiny(tmp_path / "s")
+  busy_worker(monkeypatch)
+  backward_pass(store)
+  interrupted(store.update)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    store.close()
+  with offlax.LayerStore.open(str(tmp_path / "s"), TINY, progress=False) as store:
+    assert store.step == 0
 
 
 def test_a_second_backward_pass_before_update_is_refused(tmp_path):

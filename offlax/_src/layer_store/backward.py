@@ -380,7 +380,9 @@ class BackwardStep:
     wait_for_dispatched_steps()  # a jitted backward pass returns before its callbacks run
     with self._lock:
       handoff, why = self._handoff, None
-      if self._run is not None and handoff.complete:
+      if handoff.interrupted:  # Ctrl-C in `update()` said it: dropped as the next read would
+        pass
+      elif self._run is not None and handoff.complete:
         why = "its layers were all updated, and update() was not called before close()"
       elif self._run is not None and handoff.started:
         why = (

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import os
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -28,6 +29,8 @@ from offlax._src.layer_store import clip as clip_lib
 from offlax._src.layer_store import files, guards
 from offlax._src.layer_store.slots import Slots
 from offlax._src.nvme.pipeline import wait_for_dispatched_steps
+
+SPENT = "spent"  # grads/spent: the accumulated sum was written over (`GradientWriter.spend`)
 
 
 def add(old: np.ndarray, new: np.ndarray) -> np.ndarray:
@@ -63,8 +66,10 @@ class GradientWriter:
     self._lock = threading.Lock()  # `_drain`'s pops, from two threads
     # NaN: the slot's sum of squares is unknown (a store just opened): `squares` reads it
     self._squares = np.full((slots.n_layers, len(slots.records)), np.nan, np.float32)
-    # A dropped step wrote its kept gradients (sum and last micro-step) over the sum: `spend`
-    self._spent = False
+    # A dropped step wrote its kept gradients (sum and last micro-step) over the sum: `spend`.
+    # Marked on disk too, so a store closed and opened again still refuses the sum.
+    self._spent_mark = os.path.join(slots.path, "grads", SPENT)
+    self._spent = os.path.exists(self._spent_mark)
 
   def put(self, accumulate: bool | str, i: Any, *grads: np.ndarray) -> np.ndarray:
     """Layer `i`'s gradients (a callback): copied out, written behind compute."""
@@ -97,6 +102,8 @@ class GradientWriter:
     # slot is written again here, and such a step was said when it was dropped.
     self.settle_kept()
     self._spent = False
+    if os.path.exists(self._spent_mark):
+      os.remove(self._spent_mark)
     self._ledger.used()
     self._slots.zero_grads()
     self._squares[...] = 0
@@ -119,8 +126,10 @@ class GradientWriter:
 
   def spend(self) -> None:
     """A step was dropped after writing kept gradients over an accumulated sum: until `zero`,
-    micro-steps are refused (`check_sum`)."""
+    micro-steps are refused (`check_sum`), here and after the store is opened again."""
     self._spent = True
+    with open(self._spent_mark, "w") as f:
+      f.write("The accumulated sum was written over by a dropped step: call zero_grads().\n")
 
   def check_sum(self, path: str) -> None:
     """Raises `IncompleteStepError` where the accumulated sum on disk was spent (`spend`)."""
