@@ -379,23 +379,28 @@ class BackwardStep:
     where its backward pass handed off any layer; ends the worker, forgets the layers kept."""
     wait_for_dispatched_steps()  # a jitted backward pass returns before its callbacks run
     with self._lock:
-      handoff, why = self._handoff, None
-      if handoff.interrupted:  # Ctrl-C in `update()` said it: dropped as the next read would
-        pass
-      elif self._run is not None and handoff.complete:
-        why = "its layers were all updated, and update() was not called before close()"
-      elif self._run is not None and handoff.started:
-        why = (
-          f"its backward pass had handed off {handoff.arrived} of the {self._slots.n_layers} "
-          "layers' gradients when close() came"
-        )
-      self._drop(why)
+      self._drop(_dropped_at_close(self._handoff, self._slots.n_layers))
       self._kept.clear()
     self._worker.shutdown(wait=True)
     self._writer.close()
 
 
 _CUT = "its backward pass stopped before handing off every layer"
+
+
+def _dropped_at_close(handoff: Handoff, n_layers: int) -> str | None:
+  """Why `close()` drops the step in flight, for its warning; None where nothing needs saying
+  (no layer handed off, or Ctrl-C in `update()`, which said it)."""
+  if handoff.interrupted:
+    return None
+  if handoff.complete:
+    return "its layers were all updated, and update() was not called before close()"
+  if handoff.started:
+    return (
+      f"its backward pass had handed off {handoff.arrived} of the {n_layers} layers' "
+      "gradients when close() came"
+    )
+  return None
 
 
 def _dropped(commits: Commits, why: str | None, spent: bool) -> Warning:
