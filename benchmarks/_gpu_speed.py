@@ -262,3 +262,31 @@ def host_step_threads(scale: float) -> dict:
     size: {name: s["median"] for name, s in row["params_per_s"].items()}
     for size, row in result["sizes"].items()
   }
+
+
+def layer_store_speed(scale: float, steps: int = 3) -> dict:
+  """`nvme_params.py` with its passes on this GPU: a ~1B stack of Llama-like layers in a
+  `LayerStore` in both update modes, beside the same pass with the layers in host memory
+  and the disk's bound (issue 44's speed goals: backward <= 0.7x explicit, <= 1.15x the
+  larger of the two bounds)."""
+  script = pathlib.Path(__file__).with_name("nvme_params.py")
+  with tempfile.TemporaryDirectory(prefix="offlax-gpu-layer-speed-") as out:
+    cmd = [sys.executable, str(script), "--sizes", f"{max(0.005, scale):g}", "--steps", str(steps),
+           "--compile", "none", "--raw-gib", f"{max(0.1, 2 * scale):g}", "--out", out]  # fmt: skip
+    if scale < 0.1:  # the CPU smoke run: small layers
+      cmd += ["--width", "256"]
+    # nvme_params.py keeps JAX on the CPU unless JAX_PLATFORMS is set: "" is every backend.
+    env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "")}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if done.returncode:
+      return {"error": done.stderr[-2000:], "command": " ".join(cmd)}
+    result = json.loads(pathlib.Path(out, "nvme_params.json").read_text())
+  size = result["sizes"][0]
+  modes = {
+    mode: {k: statistics.median(s[k] for s in run["steps"][1:] or run["steps"])
+           for k in ("step_s", "forward_backward_s", "bytes_per_param")}
+    for mode, run in size["modes"].items()
+  }  # fmt: skip
+  return {"n_params": size["n_params"], "command": " ".join(cmd), "modes": modes,
+          "speed": size["speed"], "peak_rss_bytes": size["peak_rss_bytes"],
+          "raw": {k: v for k, v in result["raw"].items() if k.endswith("_per_s")}}  # fmt: skip

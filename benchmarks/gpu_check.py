@@ -38,10 +38,13 @@ What the CPU cannot show, checked in one run of a few minutes on a GPU machine:
 14. a Hugging Face Qwen3 checkpoint (256 MB of bf16) loaded into `pinned_host` params by
    `offlax.load_safetensors`: the device's peak grows by at most 16 MiB (no tensor passes
    through device memory; loaded onto the device instead, it grows by the params), and
-   `offlax.save_safetensors` gives every tensor back byte for byte.
+   `offlax.save_safetensors` gives every tensor back byte for byte;
+15. `offlax.LayerStore` at speed: `nvme_params.py` with its passes on the GPU (a ~1B stack of
+   Llama-like layers, both update modes): the backward mode's step against the explicit one's,
+   the same pass with the layers in host memory, and the step's bytes at raw disk speed.
 
 The sections are in _gpu_correctness.py (1, 7, 12, 13, 14), _gpu_peaks.py (2, 8, 9) and
-_gpu_speed.py (3, 4, 6, 10, 11), what they share in _gpu.py; this script runs them, works out 5
+_gpu_speed.py (3, 4, 6, 10, 11, 15), what they share in _gpu.py; this script runs them, works out 5
 from 3 and 4, and draws the plot and the table.
 Each section's result (or error) is written to `<out>/gpu_check.json` as it ends, with a plot
 (`gpu_check.png`) and a short table last. `--only` picks sections, `--budget-s` skips those
@@ -83,6 +86,7 @@ SECTIONS = (
   "layer_store",
   "layer_store_nnx",
   "pretrained_checkpoint",
+  "layer_store_speed",
 )
 
 
@@ -144,6 +148,7 @@ def main(argv=None) -> dict:
     "pretrained_checkpoint": lambda: _gpu_correctness.pretrained_checkpoint(
       offlax, optax, jax, scale
     ),
+    "layer_store_speed": lambda: _gpu_speed.layer_store_speed(scale),
   }
   args.out.mkdir(parents=True, exist_ok=True)
   # One section at a time, the JSON rewritten after each: a run stopped at a time limit (a lent

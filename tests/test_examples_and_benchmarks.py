@@ -150,6 +150,9 @@ def test_nvme_params_benchmark_runs(tmp_path):
     assert [r["loss"] for r in backward] == [r["loss"] for r in explicit]
     for e, b in zip(explicit, backward, strict=True):
       assert e["bytes_per_param"] - b["bytes_per_param"] > 5.9
+    # The baseline: the same pass with the layers in host memory, its loss the first step's.
+    assert size["ram"]["steps"][0]["loss"] == pytest.approx(explicit[0]["loss"], rel=1e-3)
+    assert size["speed"]["vs_explicit"] > 0 and size["speed"]["vs_bound"] > 0
   assert not list(tmp_path.glob("offlax-nvme-params-*"))  # the stores removed
 
 
@@ -200,6 +203,8 @@ def test_gpu_check_code_path_runs_on_cpu(tmp_path):
   assert ckpt["save_vs_raw"] > 0 and ckpt["restore_vs_raw"] > 0
   hf = result["pretrained_checkpoint"]  # the device peaks need a GPU (None on a CPU)
   assert hf["param_kinds"] == ["pinned_host"] and hf["save_identical"], hf
+  speed = result["layer_store_speed"]
+  assert speed["speed"]["vs_bound"] > 0 and set(speed["modes"]) == {"explicit", "backward"}, speed
   _summary_rows("gpu_check", result)
 
 
