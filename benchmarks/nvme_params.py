@@ -366,7 +366,7 @@ def main(argv=None) -> dict[str, Any]:
   parser.add_argument("--modes", nargs="+", default=modes, choices=modes, help="update= modes")
   parser.add_argument("--compile", default="a100-80gb", help="GPU target, or 'none' (a100-80gb)")
   parser.add_argument("--no-ram-baseline", dest="ram", action="store_false",
-                      help="leave out the forward+backward pass with the params in RAM")  # fmt: skip
+                      help="leave out the pass with the params in RAM")  # fmt: skip
   _disk.add_raw_arguments(parser, raw_gib=4.0)
   _common.add_dir_argument(parser, "the stores and the raw-disk file")
   _common.add_out_argument(parser, "nvme_params")
