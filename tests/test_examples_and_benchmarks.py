@@ -267,6 +267,22 @@ def test_scaling_benchmark_runs(tmp_path):
   assert list(tmp_path.glob("offlax-scaling-*")) == []  # its stores are removed
 
 
+@pytest.mark.slow  # a benchmark's smoke run: two tiny LMs, about 25 s with their compiles
+def test_state_bits_quality_benchmark_runs(tmp_path):
+  result = _load("benchmarks/state_bits_quality.py").main(["--quick", "--out", str(tmp_path)])
+  assert (tmp_path / "state_bits_quality.png").stat().st_size > 10_000
+  assert json.loads((tmp_path / "state_bits_quality.json").read_text())["steps_done"] == 30
+  assert result["eval"]["step"] == [10, 20, 30]
+  # The language has structure to learn: its floor is well below the unigram entropy.
+  assert result["data"]["chain_entropy"] < 0.5 * result["data"]["unigram_entropy"]
+  # The 8-bit run quantized its large leaves, and took its own (close) path.
+  assert result["state_bytes_per_param"]["8"] < 0.7 * result["state_bytes_per_param"]["32"]
+  assert result["train_loss"]["8"] != result["train_loss"]["32"]
+  for bits in ("32", "8"):
+    assert result["eval"][bits][-1] < result["eval"][bits][0]
+  assert abs(result["rel_diff"]) < 0.01 and result["met"]
+
+
 @pytest.mark.slow  # a benchmark's smoke run
 def test_checkpoint_benchmark_runs(tmp_path):
   out = tmp_path / "out"
