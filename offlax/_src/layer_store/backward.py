@@ -481,6 +481,8 @@ def _failure(
   )
   if isinstance(e, OSError):
     return errors.StoreError(e.errno, msg)
+  if isinstance(e, errors.StoreCorruptedError):  # a slot failed its checksum: said as such
+    return errors.StoreCorruptedError(msg)
   return errors.IncompleteStepError(msg)
 
 

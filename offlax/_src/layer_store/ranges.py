@@ -106,6 +106,7 @@ def plan(
     return [None] * len(records)
   share = budget // UNITS_IN_FLIGHT
   out: list[int | None] = []
+  least: list[tuple[int, str]] = []  # per leaf: the smallest share it runs in, and what
   for k, rec in enumerate(records):
     state = [states[j] for j in owned[k]]
     extra = sum(3 * states[j]["slot"] for j in shared) if k == 0 else 0
@@ -114,27 +115,29 @@ def plan(
     ins = [rec, rec, *state]
     outs = [rec, *state]  # param and state written (twice: result and aligned copy)
     whole = sum(r["slot"] for r in ins) + 2 * sum(r["slot"] for r in outs) + extra
-    if whole <= share:
-      out.append(None)
-      continue
     rows = rec["shape"][0] if rec["shape"] else 0
-    cuttable = rows > 1 and all(r["shape"][:1] == [rows] for r in state)
     per_row = sum(row_bytes(r) for r in ins) + 2 * sum(row_bytes(r) for r in outs)
+    cuttable = rows > 1 and per_row > 0 and all(r["shape"][:1] == [rows] for r in state)
     align = _align_rows([rec, *state]) if cuttable else rows
     fixed = extra + BLOCK * (len(ins) + 2 * len(outs))  # the last range's padding
-    least = align * per_row + fixed
-    if not cuttable or align >= rows or least > share:
-      need = _min_budget(whole if not cuttable or align >= rows else least)
-      raise errors.InvalidOptionError(
-        f"LayerStore: update_bytes={budget} cannot hold leaf {rec['path']} "
-        f"({rec['dtype']}{rec['shape']} a layer) in flight: "
-        + (
-          f"its smallest range ({align} rows) " if cuttable and align < rows else "the whole leaf "
-        )
-        + f"needs update_bytes >= {need} ({UNITS_IN_FLIGHT} units in flight: read ahead, "
-        "updating, queued for writing). Raise update_bytes, or leave it None (whole leaves)."
-      )
-    out.append(min(rows, (share - fixed) // per_row // align * align))
+    if cuttable and align < rows:
+      least.append((min(whole, align * per_row + fixed), f"its smallest range ({align} rows)"))
+    else:
+      least.append((whole, "the whole leaf (it cannot be cut)"))
+    if whole <= share:
+      out.append(None)
+    else:
+      out.append(min(rows, max(align, (share - fixed) // per_row // align * align)))
+  worst = max(range(len(records)), key=lambda k: least[k][0], default=None)
+  if worst is not None and least[worst][0] > share:
+    rec = records[worst]
+    raise errors.InvalidOptionError(
+      f"LayerStore: update_bytes={budget} cannot hold leaf {rec['path']} "
+      f"({rec['dtype']}{rec['shape']} a layer) in flight: {least[worst][1]} needs "
+      f"update_bytes >= {_min_budget(least[worst][0])} ({UNITS_IN_FLIGHT} units in flight: "
+      "read ahead, updating, queued for writing). Raise update_bytes, or leave it None "
+      "(whole leaves)."
+    )
   return out
 
 
