@@ -39,9 +39,11 @@ from offlax._src.nvme.direct_io import BLOCK
 if TYPE_CHECKING:
   from offlax._src.layer_store.slots import Slots
 
-# Units in flight at once (`step.run`): the `step.AHEAD` read ahead, the one computing
-# and the two queued for writing (its writes counted twice: the result and its aligned copy).
-UNITS_IN_FLIGHT = 2 + 1 + 2
+# Units in flight at once (`step.run`): the inputs of the one computing and of the `step.AHEAD`
+# read ahead; the results of the one computing and of the two queued for writing (each
+# counted twice: the result and its aligned copy).
+READS = 2 + 1
+WRITES = 1 + 2
 
 
 class Range(NamedTuple):
@@ -69,6 +71,11 @@ class Flight:
       self.now -= n
 
 
+def nbytes(record: dict) -> int:
+  """A record's leaf of one layer, in bytes (its slot without the padding)."""
+  return int(np.prod(record["shape"], dtype=np.int64)) * np.dtype(record["dtype"]).itemsize
+
+
 def row_bytes(record: dict) -> int:
   """One row (first axis) of a record's leaf, in bytes."""
   return int(np.prod(record["shape"][1:], dtype=np.int64)) * np.dtype(record["dtype"]).itemsize
@@ -79,8 +86,38 @@ def _align_rows(records: list[dict]) -> int:
   return math.lcm(*(BLOCK // math.gcd(row_bytes(r), BLOCK) for r in records))
 
 
-def _min_budget(cost: int) -> int:
-  return cost * UNITS_IN_FLIGHT
+class _Leaf(NamedTuple):
+  """What a unit of a leaf holds in flight: inputs and outputs (results and copies), whole,
+  a row's, and the fixed part of a range (the shared state, the last range's padding)."""
+
+  ins: int
+  outs: int
+  in_row: int
+  out_row: int
+  in_fixed: int
+  out_fixed: int
+  rows: int
+  align: int  # the fewest rows a range may have (`rows`: the leaf cannot be cut)
+
+
+def _leaf(rec: dict, state: list[dict], shared: list[dict]) -> _Leaf:
+  # param, gradient and state read: where the param and gradient are handed in RAM
+  # (``update="backward"``), their share holds the sum an accumulation's last reads
+  ins, outs = [rec, rec, *state], [rec, *state]  # param and state written
+  rows = rec["shape"][0] if rec["shape"] else 0
+  in_row, out_row = sum(map(row_bytes, ins)), 2 * sum(map(row_bytes, outs))
+  cuttable = rows > 1 and in_row > 0 and all(r["shape"][:1] == [rows] for r in state)
+  shared_slots = sum(r["slot"] for r in shared)
+  return _Leaf(
+    ins=sum(r["slot"] for r in ins) + shared_slots,
+    outs=2 * (sum(r["slot"] for r in outs) + shared_slots),
+    in_row=in_row,
+    out_row=out_row,
+    in_fixed=shared_slots + BLOCK * len(ins),
+    out_fixed=2 * (shared_slots + BLOCK * len(outs)),
+    rows=rows,
+    align=min(rows, _align_rows([rec, *state])) if cuttable else rows,
+  )
 
 
 def plan(
@@ -88,8 +125,10 @@ def plan(
 ) -> list[int | None]:
   """Per leaf, the rows of its ranges, or None for the whole leaf, within `budget` bytes.
 
-  Each unit (a leaf or a range of it, with the shared state where it is leaf 0's first) is
-  given a `UNITS_IN_FLIGHT`-th of `budget`.
+  At most `READS` units' inputs and `WRITES` units' outputs are in flight (`step.run`), so
+  each unit's inputs get a `READS`-th of the inputs' part of `budget` and its outputs a
+  `WRITES`-th of the rest; the parts are in the proportion of a row of the largest leaf (its
+  ranges then fill the budget). A leaf within both shares is one unit.
 
   Args:
     slots: the store's open files (its records).
@@ -102,42 +141,40 @@ def plan(
       cannot be cut (the minimum named).
   """
   records, states = slots.records, slots.state_records
-  if budget is None:
+  if budget is None or not records:
     return [None] * len(records)
-  share = budget // UNITS_IN_FLIGHT
+  shared_records = [states[j] for j in shared]
+  leaves = [_leaf(rec, [states[j] for j in owned[k]], shared_records if k == 0 else [])
+            for k, rec in enumerate(records)]  # fmt: skip
+  big = max(leaves, key=lambda x: x.ins + x.outs)
+  part = big.in_row / (big.in_row + big.out_row) if big.in_row else big.ins / (big.ins + big.outs)
+  share_in, share_out = int(budget * part) // READS, int(budget * (1 - part)) // WRITES
+
+  def least(x: _Leaf) -> int:  # the budget its smallest unit needs
+    ins, outs = x.ins, x.outs
+    if x.align < x.rows:
+      ins = min(ins, x.align * x.in_row + x.in_fixed)
+      outs = min(outs, x.align * x.out_row + x.out_fixed)
+    need = max(ins * READS / part, outs * WRITES / (1 - part))
+    return math.ceil(need) + READS + WRITES  # (the shares' rounding down)
+
   out: list[int | None] = []
-  least: list[tuple[int, str]] = []  # per leaf: the smallest share it runs in, and what
-  for k, rec in enumerate(records):
-    state = [states[j] for j in owned[k]]
-    extra = sum(3 * states[j]["slot"] for j in shared) if k == 0 else 0
-    # param, gradient and state read: where the param and gradient are handed in RAM
-    # (``update="backward"``), their share holds the sum an accumulation's last reads
-    ins = [rec, rec, *state]
-    outs = [rec, *state]  # param and state written (twice: result and aligned copy)
-    whole = sum(r["slot"] for r in ins) + 2 * sum(r["slot"] for r in outs) + extra
-    rows = rec["shape"][0] if rec["shape"] else 0
-    per_row = sum(row_bytes(r) for r in ins) + 2 * sum(row_bytes(r) for r in outs)
-    cuttable = rows > 1 and per_row > 0 and all(r["shape"][:1] == [rows] for r in state)
-    align = _align_rows([rec, *state]) if cuttable else rows
-    fixed = extra + BLOCK * (len(ins) + 2 * len(outs))  # the last range's padding
-    if cuttable and align < rows:
-      least.append((min(whole, align * per_row + fixed), f"its smallest range ({align} rows)"))
-    else:
-      least.append((whole, "the whole leaf (it cannot be cut)"))
-    if whole <= share:
+  for x in leaves:
+    if x.ins <= share_in and x.outs <= share_out:
       out.append(None)
+    elif x.align >= x.rows or least(x) > budget:
+      w = max(range(len(leaves)), key=lambda j: least(leaves[j]))
+      rec, x = records[w], leaves[w]
+      unit = "whole (it cannot be cut)" if x.align >= x.rows else f"{x.align} rows at least"
+      raise errors.InvalidOptionError(
+        f"LayerStore: update_bytes={budget} cannot hold leaf {rec['path']} "
+        f"({rec['dtype']}{rec['shape']} a layer; its unit {unit}) in flight: the optimizer "
+        f"step needs update_bytes >= {least(x)} ({READS} units read and {WRITES} "
+        "written in flight). Raise update_bytes, or leave it None (whole leaves)."
+      )
     else:
-      out.append(min(rows, max(align, (share - fixed) // per_row // align * align)))
-  worst = max(range(len(records)), key=lambda k: least[k][0], default=None)
-  if worst is not None and least[worst][0] > share:
-    rec = records[worst]
-    raise errors.InvalidOptionError(
-      f"LayerStore: update_bytes={budget} cannot hold leaf {rec['path']} "
-      f"({rec['dtype']}{rec['shape']} a layer) in flight: {least[worst][1]} needs "
-      f"update_bytes >= {_min_budget(least[worst][0])} ({UNITS_IN_FLIGHT} units in flight: "
-      "read ahead, updating, queued for writing). Raise update_bytes, or leave it None "
-      "(whole leaves)."
-    )
+      rows = min((share_in - x.in_fixed) // x.in_row, (share_out - x.out_fixed) // x.out_row)
+      out.append(min(x.rows, max(x.align, rows // x.align * x.align)))
   return out
 
 

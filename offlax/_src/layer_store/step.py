@@ -271,7 +271,7 @@ def run(
     def slot(kind, g, j):
       record = slots.records_of(kind)[j]
       if r is None:
-        flight.add(record["slot"])
+        flight.add(ranges_lib.nbytes(record))  # (the bytes `read_slot` gives)
         return pool.submit(timed, "read", slots.read_slot, kind, g, j, i)
       start, nbytes = ranges_lib.span(record, r)
       flight.add(nbytes)
@@ -281,7 +281,7 @@ def run(
     shared = updates[k].shared if k == 0 and first else []
 
     def whole(kind, g, j):
-      flight.add(slots.state_records[j]["slot"])
+      flight.add(ranges_lib.nbytes(slots.state_records[j]))
       return pool.submit(timed, "read", slots.read_slot, kind, g, j, i)
 
     return [
