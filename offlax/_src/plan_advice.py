@@ -198,18 +198,32 @@ def _device_parts(f: Figures) -> str:
 
 def layer_store_ram(b: dict) -> str:
   """An `offlax.LayerStore`'s RAM in words, part by part (`plan_disk.params_on_disk_bytes`'s)."""
-  if b["update"] >= b["reads"]:
+  budget = b.get("update_bytes")
+  if budget is not None and b["update"] >= b["reads"]:
+    inflight = (
+      f"the update's bytes in flight, LayerStore(update_bytes={budget}) "
+      f"({format_bytes(b['update'])}: a layer's largest leaf, {b['leaf'] / 1e6:.0f}M params, "
+      "cut in row ranges)"
+    )
+  elif b["update"] >= b["reads"]:
     inflight = (
       f"the update's leaves in flight ({format_bytes(b['update'])}: 4 x in and out of a "
       f"layer's largest leaf, {b['leaf'] / 1e6:.0f}M params)"
     )
   else:
     inflight = f"2 layers read and written ({format_bytes(b['reads'])})"
-  rest = (
-    f" and the params outside the layers with their gradients and state ({format_bytes(b['rest'])})"
-    if b["rest"]
-    else ""
-  )
+  if b.get("rest_state") == "nvme":
+    rest = (
+      " and the params outside the layers with their gradients, their state on the NVMe tier "
+      f"(offlax.offload(tx, offlax.NVMeTier(...)): {format_bytes(b['rest'])} with its buffers)"
+    )
+  elif b["rest"]:
+    rest = (
+      " and the params outside the layers with their gradients and state "
+      f"({format_bytes(b['rest'])})"
+    )
+  else:
+    rest = ""
   return f"RAM {format_bytes(b['ram'])}: {inflight}{rest}"
 
 
