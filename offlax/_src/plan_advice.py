@@ -21,7 +21,9 @@ _HOST_PARAMS = (
 )
 
 
-def code(mode: str, fraction: float, cache_bytes: int, fused: bool) -> str:
+def code(
+  mode: str, fraction: float, cache_bytes: int, fused: bool, update_bytes: int | None = None
+) -> str:
   """The lines that build the optimizer of `mode`; `inner` stands for the optimizer planned.
 
   Args:
@@ -29,6 +31,7 @@ def code(mode: str, fraction: float, cache_bytes: int, fused: bool) -> str:
     fraction: the share of the state offloaded (``"host"``).
     cache_bytes: the NVMe tier's RAM cache (``"nvme"``, ``"params_host_nvme"``).
     fused: whether the plan counted a step applied by `offlax.update_and_apply`.
+    update_bytes: a `LayerStore`'s budget for its update (``"params_nvme"``), or None.
 
   Returns:
     One line per statement; empty for ``"none"``.
@@ -46,7 +49,9 @@ def code(mode: str, fraction: float, cache_bytes: int, fused: bool) -> str:
     "params_host": [_HOST_PARAMS, 'tx = offlax.offload(inner, compute="host")', _FUSED_STEP],
     "params_host_nvme": [_HOST_PARAMS, nvme, _FUSED_STEP],
     "params_nvme": [
-      "store = offlax.LayerStore.create(path, layers, optimizer=inner, keep=1, init_layer=...)",
+      "store = offlax.LayerStore.create(path, layers, optimizer=inner, keep=1, init_layer=..."
+      + ("" if update_bytes is None else f", update_bytes={update_bytes}")
+      + ")",
       "grads = jax.grad(loss)(store.source(), ...)  # offlax.scan_layers over store.source()",
       "# or a Flax NNX model as it is: offlax.offload_params(model, store=store)",
       "store.update(rest=...)  # the layers' step on disk, committed with the rest of the model",

@@ -268,7 +268,9 @@ def plan(
       overhead,
       advice,
       assumptions,
-      plan_advice.code(mode, fraction, cache, fused or mode.startswith("params_host")),
+      plan_advice.code(
+        mode, fraction, cache, fused or mode.startswith("params_host"), update_bytes
+      ),
     )
 
   everywhere = lambda where: {k: where for k, _ in leaves}
