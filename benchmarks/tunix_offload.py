@@ -58,6 +58,7 @@ CASES = {
   "qwen3_14b": Case("qwen3", "qwen3_14b", "rtx4090", 8 * GB),
   "llama3p1_8b": Case("llama3", "llama3p1_8b", "rtx4090", 6 * GB),
   "llama3_70b": Case("llama3", "llama3_70b", "a100-80gb", 16 * GB),
+  "llama3p1_405b": Case("llama3", "llama3p1_405b", "h200", 141 * GB),
   # The smoke run: Tunix's Qwen3 at tiny dims.
   "tiny": Case("qwen3", "tiny", "l4", 1 * GB, tokens=128),
 }
@@ -134,13 +135,15 @@ def compile_step(
   offloaded: bool = True,
   offload_activations: bool = False,
   store: str | None = None,
+  rest_tier: Any = None,
   **compile_options: Any,
 ) -> tuple[Any, int]:
   """The compiled train step of `case` at `layers` layers: (`CompiledMemory`, parameter count).
 
   With `store` (a directory), the model's layers are read from a sparse
   `offlax.LayerStore` made there (``offload_params(model, store=...)``); the
-  rest of the model is offloaded to host memory as without it.
+  rest of the model is offloaded to host memory as without it. `rest_tier`, where given
+  (an `offlax.NVMeTier`), holds the rest's optimizer state instead of host memory.
   """
   import jax
   import jax.numpy as jnp
@@ -158,7 +161,7 @@ def compile_step(
     layer_store = offlax.LayerStore.create(store, offlax.stack_layers(model.layers), progress=False)
   if offloaded:
     offlax.offload_params(model, offload_activations=offload_activations, store=layer_store)
-    tx = offlax.offload(tx, compute="host")
+    tx = offlax.offload(tx, compute="host") if rest_tier is None else offlax.offload(tx, rest_tier)
   optimizer = abstract_optimizer(model, tx, offloaded)
   graphdef, state = nnx.split((model, optimizer))
 

@@ -620,3 +620,25 @@ def test_the_device_breakdown_adds_up(capsys):
   parts = [parse_bytes(x.split(")")[0].split(";")[0].replace(" ", "")) for x in held.split("(")[1:]]
   total = parse_bytes(held.rsplit(": ", 1)[1].replace(" ", ""))
   assert abs(sum(parts) - total) <= 0.1e9, (parts, total)
+
+
+def test_update_bytes_counts_the_store_budget_and_the_rest_state_on_nvme(capsys, tmp_path):
+  """Llama 3.1 405B on one H200 with 64 GB of RAM (issue 44.5): whole leaves in flight and
+  the rest's state in RAM do not fit; `--update-bytes 16GB` counts the store's budget, and the
+  rest's state on the NVMe tier (its params and gradients, 4.2B x 4 B, and 8 slices in RAM)."""
+  shapes = tmp_path / "llama3p1_405b.json"  # Tunix's llama3p1_405b, without Tunix
+  shapes.write_text('{"layers": 126, "d": 16384, "ffn": 53248, "vocab": 128256, "heads": 128, '
+                    '"kv_heads": 8}')  # fmt: skip
+  args = ["plan", "--model", str(shapes), "--device-mem", "141GB", "--host-mem", "64GB",
+          "--nvme", "16TB", "--master"]  # fmt: skip
+  assert cli(args) == 1
+  assert "RAM short by 107.9 GB" in capsys.readouterr().out
+  assert cli([*args, "--update-bytes", "16GB"]) == 0
+  out = capsys.readouterr().out
+  rest = 2 * 128256 * 16384 + 16384
+  ram = 16e9 + 4 * rest + 8 * 64 * 2**20  # the budget (above 2 layers' reads), the rest
+  assert "mode: params_nvme (fits)" in out and f"RAM {ram / 1e9:.1f} GB" in out
+  assert "update_bytes=16000000000)" in out and "their state on the NVMe tier" in out
+  with pytest.raises(SystemExit):
+    cli([*args, "--update-bytes", "1KB"])
+  assert "--update-bytes (update_bytes=): got 1.0 kB" in capsys.readouterr().err

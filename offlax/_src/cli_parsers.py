@@ -84,6 +84,11 @@ def _plan_step(p: argparse.ArgumentParser) -> None:
   )  # fmt: skip
   p.add_argument("--chunk", default="64MiB", help="slice size (64MiB; 4KiB to 16GiB)")
   p.add_argument(
+    "--update-bytes", default=None,
+    help="params on disk (a LayerStore): its update's bytes in flight, LayerStore(update_bytes=), "
+    "e.g. 16GB (default: whole leaves); the rest's state goes to the NVMe tier where RAM is short",
+  )  # fmt: skip
+  p.add_argument(
     "--layers", default=None,
     help="stacked layers (1 to 10000): lets the plan keep params and gradients in host memory",
   )  # fmt: skip

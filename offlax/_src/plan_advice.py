@@ -21,7 +21,9 @@ _HOST_PARAMS = (
 )
 
 
-def code(mode: str, fraction: float, cache_bytes: int, fused: bool) -> str:
+def code(
+  mode: str, fraction: float, cache_bytes: int, fused: bool, update_bytes: int | None = None
+) -> str:
   """The lines that build the optimizer of `mode`; `inner` stands for the optimizer planned.
 
   Args:
@@ -29,6 +31,7 @@ def code(mode: str, fraction: float, cache_bytes: int, fused: bool) -> str:
     fraction: the share of the state offloaded (``"host"``).
     cache_bytes: the NVMe tier's RAM cache (``"nvme"``, ``"params_host_nvme"``).
     fused: whether the plan counted a step applied by `offlax.update_and_apply`.
+    update_bytes: a `LayerStore`'s budget for its update (``"params_nvme"``), or None.
 
   Returns:
     One line per statement; empty for ``"none"``.
@@ -46,7 +49,9 @@ def code(mode: str, fraction: float, cache_bytes: int, fused: bool) -> str:
     "params_host": [_HOST_PARAMS, 'tx = offlax.offload(inner, compute="host")', _FUSED_STEP],
     "params_host_nvme": [_HOST_PARAMS, nvme, _FUSED_STEP],
     "params_nvme": [
-      "store = offlax.LayerStore.create(path, layers, optimizer=inner, keep=1, init_layer=...)",
+      "store = offlax.LayerStore.create(path, layers, optimizer=inner, keep=1, init_layer=..."
+      + ("" if update_bytes is None else f", update_bytes={update_bytes}")
+      + ")",
       "grads = jax.grad(loss)(store.source(), ...)  # offlax.scan_layers over store.source()",
       "# or a Flax NNX model as it is: offlax.offload_params(model, store=store)",
       "store.update(rest=...)  # the layers' step on disk, committed with the rest of the model",
@@ -198,18 +203,32 @@ def _device_parts(f: Figures) -> str:
 
 def layer_store_ram(b: dict) -> str:
   """An `offlax.LayerStore`'s RAM in words, part by part (`plan_disk.params_on_disk_bytes`'s)."""
-  if b["update"] >= b["reads"]:
+  budget = b.get("update_bytes")
+  if budget is not None and b["update"] >= b["reads"]:
+    inflight = (
+      f"the update's bytes in flight, LayerStore(update_bytes={budget}) "
+      f"({format_bytes(b['update'])}: a layer's largest leaf, {b['leaf'] / 1e6:.0f}M params, "
+      "cut in row ranges)"
+    )
+  elif b["update"] >= b["reads"]:
     inflight = (
       f"the update's leaves in flight ({format_bytes(b['update'])}: 4 x in and out of a "
       f"layer's largest leaf, {b['leaf'] / 1e6:.0f}M params)"
     )
   else:
     inflight = f"2 layers read and written ({format_bytes(b['reads'])})"
-  rest = (
-    f" and the params outside the layers with their gradients and state ({format_bytes(b['rest'])})"
-    if b["rest"]
-    else ""
-  )
+  if b.get("rest_state") == "nvme":
+    rest = (
+      " and the params outside the layers with their gradients, their state on the NVMe tier "
+      f"(offlax.offload(tx, offlax.NVMeTier(...)): {format_bytes(b['rest'])} with its buffers)"
+    )
+  elif b["rest"]:
+    rest = (
+      " and the params outside the layers with their gradients and state "
+      f"({format_bytes(b['rest'])})"
+    )
+  else:
+    rest = ""
   return f"RAM {format_bytes(b['ram'])}: {inflight}{rest}"
 
 

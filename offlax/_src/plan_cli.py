@@ -39,6 +39,8 @@ def options(args: Any) -> Options:
     ("device_bytes", args.device_mem), ("host_bytes", args.host_mem), ("nvme_bytes", args.nvme),
     ("activation_bytes", args.activations or "0"), ("chunk_bytes", args.chunk),
   ]  # fmt: skip
+  if getattr(args, "update_bytes", None) is not None:
+    given.append(("update_bytes", args.update_bytes))
   sizes = {name: int(plan_options.parse(name, text)) for name, text in given}
   rates = {
     name: float(plan_options.parse(name, text))

@@ -48,6 +48,9 @@ def params_on_disk_bytes(
   *,
   leaf_params: int = 0,
   rest_params: int = 0,
+  update_bytes: int | None = None,
+  host_bytes: int | None = None,
+  nvme_ram: int = 0,
 ) -> dict:
   """RAM, disk and bytes per step of an `offlax.LayerStore` (mode ``params_nvme``).
 
@@ -69,6 +72,13 @@ def params_on_disk_bytes(
              embedding and head: 2 x 128256 x 8192 = 2.1B params in Llama
              3.1 70B) stay in RAM with their gradients and state.
 
+  With ``update_bytes`` (`LayerStore(update_bytes=)`: the largest leaves cut in row ranges,
+  `layer_store/ranges.py`) the update holds at most that: ``update = min(update_bytes,
+  4 x leaf x (3p + 2s))``. Then, where ``host_bytes`` is given and the rest's params,
+  gradients and state do not fit in it beside the store's, the rest's state is counted on
+  the NVMe tier (``rest_state="nvme"``: ``rest = rest_params x 2p + nvme_ram``, its
+  buffers; its store, 3 copies, on the disk).
+
   Disk: 2 generations (``keep=1``) of params and state, and the gradients.
   Per step: the params read twice (forward, and the rematerialised backward),
   the gradients written, then the update reads params, gradients and state
@@ -81,10 +91,14 @@ def params_on_disk_bytes(
     layers: the stacked layers.
     leaf_params: the largest leaf of one layer, in params (`layer_leaves`).
     rest_params: the params outside the layers (`layer_leaves`).
+    update_bytes: the store's ``update_bytes``, or None (whole leaves in flight).
+    host_bytes: host RAM: with ``update_bytes``, where the rest's state goes (above).
+    nvme_ram: the NVMe tier's buffers in RAM, for the rest's state there.
 
   Returns:
     ``ram`` (with its parts ``reads``, ``update``, ``rest``, and ``leaf``,
-    the leaf counted), ``disk`` and ``disk_per_step``, in bytes.
+    the leaf counted, ``update_bytes`` and ``rest_state``, "ram" or "nvme"), ``disk``
+    and ``disk_per_step``, in bytes.
 
   Example:
     >>> from offlax._src import plan_disk
@@ -99,13 +113,19 @@ def params_on_disk_bytes(
   leaf = leaf_params or layer / 3
   reads = 2 * layer * p
   update = 4 * leaf * (3 * p + 2 * s)
-  rest = rest_params * (2 * p + s)
+  if update_bytes is not None:
+    update = min(update, update_bytes)
+  rest, rest_state, rest_disk = rest_params * (2 * p + s), "ram", 0.0
+  if update_bytes is not None and host_bytes is not None and max(reads, update) + rest > host_bytes:
+    rest, rest_state, rest_disk = rest_params * 2 * p + nvme_ram, "nvme", 3 * rest_params * s
   return {
     "reads": int(reads),
     "update": int(update),
     "rest": int(rest),
     "leaf": int(leaf),
+    "update_bytes": update_bytes,
+    "rest_state": rest_state,
     "ram": int(max(reads, update) + rest),
-    "disk": 2 * (param_bytes + state) + param_bytes,
+    "disk": 2 * (param_bytes + state) + param_bytes + int(rest_disk),
     "disk_per_step": 3 * param_bytes + (2 * param_bytes + state) + (param_bytes + state),
   }

@@ -40,6 +40,9 @@ LIMITS = {
   "nvme_bytes": Limit("free disk", "--nvme", 0, 10**18, "0 to 1EB", "bytes"),
   "activation_bytes": Limit("activations", "--activations", 0, 10**15, "0 to 1PB", "bytes"),
   "chunk_bytes": Limit("slice size", "--chunk", 2**12, 2**34, "4KiB to 16GiB", "bytes"),
+  "update_bytes": Limit(
+    "a LayerStore's update in flight", "--update-bytes", 2**20, 10**15, "1MiB to 1PB", "bytes"
+  ),
   "bus_bytes_per_s": Limit(
     "bus speed", "--bus-gbps", 0, 1e13, "above 0 up to 10000 GB/s", "rate", open_low=True
   ),

@@ -140,6 +140,7 @@ def plan(
   host_adam_params_per_s: float = HOST_ADAM_PARAMS_PER_S,
   layers: int | None = None,
   fused: bool = False,
+  update_bytes: int | None = None,
 ) -> Plan:
   """Chooses where the state of `tx` should live for `params`, and estimates the cost.
 
@@ -179,6 +180,10 @@ def plan(
     fused: the step applies with `offlax.update_and_apply`, which keeps no
       updates (without it, `master_weights`' fp32 updates of a leaf streamed
       in pieces are written whole before `optax.apply_updates`).
+    update_bytes: with params on disk, the `offlax.LayerStore`'s ``update_bytes`` (its
+      update's bytes in flight, leaves cut in row ranges): counted instead of whole leaves
+      in flight; where the rest's params, gradients and state do not fit in RAM beside it,
+      the rest's state is counted on the NVMe tier (`plan_disk.params_on_disk_bytes`).
 
   Returns:
     A `Plan`.
@@ -207,6 +212,8 @@ def plan(
     plan_options.check(name, value)
   if layers is not None:
     plan_options.check("layers", layers)
+  if update_bytes is not None:
+    plan_options.check("update_bytes", update_bytes)
   errors.check_transformation(tx, "plan: tx")
   params = flax_glue.unbox(params)
   n_params = sum(int(np.prod(np.shape(x))) for x in jax.tree.leaves(params))
@@ -261,7 +268,9 @@ def plan(
       overhead,
       advice,
       assumptions,
-      plan_advice.code(mode, fraction, cache, fused or mode.startswith("params_host")),
+      plan_advice.code(
+        mode, fraction, cache, fused or mode.startswith("params_host"), update_bytes
+      ),
     )
 
   everywhere = lambda where: {k: where for k, _ in leaves}
@@ -322,8 +331,9 @@ def plan(
   if layers:
     leaf_params, rest_params = layer_leaves(params, layers)
     store_figures = params_on_disk_bytes(
-      param_bytes, state, n_params, layers, leaf_params=leaf_params, rest_params=rest_params
-    )
+      param_bytes, state, n_params, layers, leaf_params=leaf_params, rest_params=rest_params,
+      update_bytes=update_bytes, host_bytes=host_bytes, nvme_ram=_NVME_BUFFERS * chunk_bytes,
+    )  # fmt: skip
   if store_figures is not None and fixed > usable:
     host_plan = _params_on_host(
       make, everywhere, layers, param_bytes, n_params, state, small, activation_bytes, usable,

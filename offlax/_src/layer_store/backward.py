@@ -58,6 +58,7 @@ import numpy as np
 from offlax._src import errors
 from offlax._src.layer_store import clip as clip_lib
 from offlax._src.layer_store import grads as grads_lib
+from offlax._src.layer_store import ranges as ranges_lib
 from offlax._src.layer_store import rest as layer_rest
 from offlax._src.layer_store import step as layer_step
 from offlax._src.layer_store.commits import Commits
@@ -121,7 +122,7 @@ def hand_off(accumulate: bool, last: bool, path: str, mode: str, grads: Any) -> 
 
 def step_parts(
   update: str, optimizer: Any, treedef: Any, slots: Slots, commits: Commits, queued: int,
-  progress: bool, reads: ReadAhead,
+  progress: bool, reads: ReadAhead, budget: int | None = None,
 ) -> tuple[Any, Any]:  # fmt: skip
   """A store's step (`update()`'s, or None) and what takes the backward pass's gradients.
 
@@ -131,11 +132,14 @@ def step_parts(
   clipped = optimizer is not None and clip_lib.split(optimizer).max_norm is not None
   writer = GradientWriter(slots, queued, lambda: commits.step, optimizer is not None, clipped)
   if update == "backward":  # the writer for accumulation's micro-steps
-    both = BackwardStep(optimizer, treedef, slots, commits, writer, reads)
+    both = BackwardStep(optimizer, treedef, slots, commits, writer, reads, budget)
     return both, both
   step = None
   if optimizer is not None:
-    step = layer_step.LayerStep(optimizer, treedef, slots, commits, progress, writer.squares)
+    step = layer_step.LayerStep(optimizer, treedef, slots, commits, progress, writer.squares,
+                                budget)  # fmt: skip
+  elif budget is not None:
+    layer_step.check_budget(slots, [], budget)
   return step, writer
 
 
@@ -154,12 +158,14 @@ class BackwardStep:
       ``queued``: the most layers' gradients waiting for the worker too).
     reads: the model's reads (`read_ahead.ReadAhead`): dropped before a commit, and with
       them the layers kept here.
+    budget: the most bytes the worker's step holds in flight (`ranges`), or None.
   """
 
   def __init__(self, optimizer: Any, treedef: Any, slots: Slots, commits: Commits,
-               writer: GradientWriter, reads: ReadAhead):  # fmt: skip
+               writer: GradientWriter, reads: ReadAhead, budget: int | None = None):  # fmt: skip
     self._slots, self._commits, self._drop_reads = slots, commits, reads.drop
-    self._spec = Speculation(optimizer, treedef, slots, writer)  # a leading clip: validated
+    # a leading clip: validated; the budget checked
+    self._spec = Speculation(optimizer, treedef, slots, writer, budget)
     self._writer = writer
     # The step in flight's hand-off: one per step, so a worker of a step dropped (or cut
     # short by Ctrl-C) never takes the next step's gradients.
@@ -190,14 +196,26 @@ class BackwardStep:
       if self._run is None:
         self._kept.clear()
 
-  def _handed(self, handoff: Handoff, gen: int, i: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+  def _handed(self, handoff: Handoff, gen: int, i: int, k: int, rows: list[int | None],
+              flight: ranges_lib.Flight) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
     """Leaf `k` of layer `i`'s gradient from its step's `handoff` (plus the sum on disk, ending
-    an accumulation) and its params of generation `gen`, as the model read them (else read now)."""
+    an accumulation) and its params of generation `gen`, as the model read them (else read now).
+    With a budget (`rows[k]`, `ranges.plan`'s) the sum is read a range at a time and added
+    into the gradient handed off (the worker's own copy), its bytes counted in `flight`."""
     grad = handoff.take(i, k)
-    if handoff.last:
+    cut = rows[k]
+    if handoff.last and cut is not None:
+      for r, on_disk in ranges_lib.read_checked(self._slots, "grads", 0, k, i, cut):
+        flight.add(on_disk.nbytes)
+        grad[r.start : r.stop] = grads_lib.add(on_disk, grad[r.start : r.stop])
+        handoff.read_bytes += on_disk.nbytes
+        flight.sub(on_disk.nbytes)
+    elif handoff.last:
       on_disk = self._slots.read_slot("grads", 0, k, i)
+      flight.add(on_disk.nbytes)
       handoff.read_bytes += on_disk.nbytes
       grad = grads_lib.add(on_disk, grad)
+      flight.sub(on_disk.nbytes)
     param = self._kept.take(i, k)
     if param is None:  # not kept (another reader's order): read now
       param = self._slots.read_slot("params", gen, k, i)
@@ -249,9 +267,17 @@ class BackwardStep:
 
   def _work(self, handoff: Handoff, gen: int, target: int, step: int, layers: Any) -> Any:
     try:
-      handed = lambda i, k: self._handed(handoff, gen, i, k)
-      stats = layer_step.run(self._slots, self._spec.updates, gen, target, step=step, show=False,
-                             layers=layers, handed=handed, where=handoff.where)  # fmt: skip
+      updates, flight = self._spec.updates, ranges_lib.Flight()
+      rows = ranges_lib.plan(
+        self._slots,
+        [u.owned for u in updates],
+        updates[0].shared if updates else [],
+        self._spec.budget,
+      )
+      handed = lambda i, k: self._handed(handoff, gen, i, k, rows, flight)
+      stats = layer_step.run(self._slots, updates, gen, target, step=step, show=False,
+                             layers=layers, handed=handed, where=handoff.where,
+                             budget=self._spec.budget, flight=flight)  # fmt: skip
       stats = stats._replace(bytes_read=stats.bytes_read + handoff.read_bytes)
       return self._spec.validate(stats, gen, target, step, handoff.where, handoff.check)
     except BaseException:
@@ -462,6 +488,8 @@ def _failure(
   )
   if isinstance(e, OSError):
     return errors.StoreError(e.errno, msg)
+  if isinstance(e, errors.StoreCorruptedError):  # a slot failed its checksum: said as such
+    return errors.StoreCorruptedError(msg)
   return errors.IncompleteStepError(msg)
 
 

@@ -36,6 +36,7 @@ def create(
   progress: bool,
   layers_path: str | None,
   update: str = "explicit",
+  update_bytes: int | None = None,
 ) -> Any:
   """`LayerStore.create` (`cls`): its checks, the files, the layers written, the manifest."""
   records, n, treedef = files.layer_records(layers)
@@ -63,7 +64,7 @@ def create(
     commits = Commits(path, manifest, fsync)
     parts = Slots(path, records, state_records, commits)  # under the store's lock
     store = _open(cls, parts, treedef, optimizer, state_treedef, parts, commits, pool, progress,
-                  update)  # fmt: skip
+                  update, update_bytes)  # fmt: skip
     try:
       if init_layer is not None:
         write_initial(parts, treedef, optimizer, init_layer, progress)
@@ -94,6 +95,7 @@ def open_store(
   fsync: bool,
   progress: bool,
   update: str = "explicit",
+  update_bytes: int | None = None,
 ) -> Any:
   """`LayerStore.open` (`cls`): the manifest and files checked, at `step` if given."""
   manifest = files.read_manifest(path)
@@ -110,7 +112,7 @@ def open_store(
   commits = Commits(path, manifest, fsync)
   parts = Slots(path, records, state_records, commits)  # under the store's lock
   store = _open(cls, parts, treedef, optimizer, state_treedef, parts, commits, pool, progress,
-                update)  # fmt: skip
+                update, update_bytes)  # fmt: skip
   try:
     parts.check_sizes()
     if step is not None and step != commits.step:

@@ -120,29 +120,50 @@ class Slots:
     Raises:
       StoreCorruptedError: the slot does not match its crc32c (`checks`).
     """
-    records = self.records_of(kind)
-    r = records[k]
-    buffer = aligned_empty(r["slot"])
+    r = self.records_of(kind)[k]
+    buffer = self.read_range(kind, gen, k, i, 0, r["slot"])
+    self.check(kind, gen, k, i, checks.crc(buffer))
+    dtype = np.dtype(r["dtype"])
+    count = int(np.prod(r["shape"], dtype=np.int64))
+    return buffer[: count * dtype.itemsize].view(dtype).reshape(r["shape"])
+
+  def read_range(self, kind: str, gen: int, k: int, i: int, start: int, nbytes: int) -> np.ndarray:
+    """`nbytes` of layer `i`'s slot of leaf `k` from byte `start` (aligned), unchecked: the
+    caller checks the slot's crc32c (`check`) over its ranges (`ranges.Crcs`)."""
+    r = self.records_of(kind)[k]
+    buffer = aligned_empty(nbytes)
     try:
-      pread_into(self._fds[kind, 0 if kind == "grads" else gen][k], buffer, i * r["slot"])
+      pread_into(self._fds[kind, 0 if kind == "grads" else gen][k], buffer, i * r["slot"] + start)
     except OSError as e:
       raise errors.StoreError(
         e.errno, f"LayerStore: cannot read layer {i} of {kind} leaf {r['path']}: {e}"
       ) from e
     with self._tally:
-      self.bytes_read += r["slot"]
-    at = checks.slot_at(records, k, i)
-    want = self._grad_crcs[k][i] if kind == "grads" else self._commits.crcs(gen)[kind][at]
-    if want is not checks.UNKNOWN and (got := checks.crc(buffer)) != want:
-      name = self.file_names(kind, gen)[k]
+      self.bytes_read += nbytes
+    return buffer
+
+  def check(self, kind: str, gen: int, k: int, i: int, got: int) -> None:
+    """Raises `StoreCorruptedError` unless `got` is the crc32c recorded for the slot (`checks`)."""
+    records = self.records_of(kind)
+    want = (
+      self._grad_crcs[k][i]
+      if kind == "grads"
+      else self._commits.crcs(gen)[kind][checks.slot_at(records, k, i)]
+    )
+    if want is not checks.UNKNOWN and got != want:
+      name, path = self.file_names(kind, gen)[k], records[k]["path"]
       step, kept = self._commits.step, self._commits.kept
       if kind == "grads":
-        raise checks.grads_corrupted(name, r["path"], i, step, got, want)
+        raise checks.grads_corrupted(name, path, i, step, got, want)
       at_step = self._commits.step_of(gen)
-      raise checks.corrupted(self.path, name, kind, r["path"], i, at_step, kept, got, want)
-    dtype = np.dtype(r["dtype"])
-    count = int(np.prod(r["shape"], dtype=np.int64))
-    return buffer[: count * dtype.itemsize].view(dtype).reshape(r["shape"])
+      raise checks.corrupted(self.path, name, kind, path, i, at_step, kept, got, want)
+
+  def record(self, kind: str, gen: int, k: int, i: int, crc: int) -> None:
+    """Records `crc` as the crc32c of layer `i`'s slot of leaf `k` (`checks`)."""
+    if kind == "grads":  # in memory: see `checks`
+      self._grad_crcs[k][i] = crc
+    else:  # checked on every read, and by `offlax.checkpoint.inspect_store(verify=True)`
+      self._commits.crcs(gen)[kind][checks.slot_at(self.records_of(kind), k, i)] = crc
 
   def read_slots(self, kind: str, gen: int, i: int) -> list[np.ndarray]:
     """Layer `i` of every leaf of `kind` in generation `gen`."""
@@ -156,16 +177,17 @@ class Slots:
 
   def write_raw(self, kind: str, gen: int, k: int, i: int, slot: np.ndarray) -> None:
     """Writes `slot` (a whole aligned slot, `files.to_slot`) as layer `i` of leaf `k`."""
-    records = self.records_of(kind)
-    r = records[k]
-    if kind == "grads":  # in memory: see `checks`
-      self._grad_crcs[k][i] = checks.crc(slot)
-    else:  # checked on every read, and by `offlax.checkpoint.inspect_store(verify=True)`
-      self._commits.crcs(gen)[kind][checks.slot_at(records, k, i)] = checks.crc(slot)
+    self.record(kind, gen, k, i, checks.crc(slot))
+    self.write_range(kind, gen, k, i, 0, slot)
+
+  def write_range(self, kind: str, gen: int, k: int, i: int, start: int, data: np.ndarray) -> None:
+    """Writes `data` (aligned) at byte `start` of layer `i`'s slot of leaf `k`; the caller
+    records the slot's crc32c (`record`) over its ranges (`ranges.Crcs`)."""
+    r = self.records_of(kind)[k]
     with self._tally:
-      self.bytes_written += r["slot"]
+      self.bytes_written += data.nbytes
     try:
-      pwrite_all(self._fds[kind, 0 if kind == "grads" else gen][k], [slot], i * r["slot"])
+      pwrite_all(self._fds[kind, 0 if kind == "grads" else gen][k], [data], i * r["slot"] + start)
     except OSError as e:
       raise errors.StoreError(
         e.errno, f"LayerStore: cannot write layer {i} of {kind} leaf {r['path']}: {e.strerror or e}"

@@ -39,15 +39,19 @@ class Speculation:
     treedef: one layer's tree structure.
     slots: the store's open files.
     writer: the store's gradient writer (keeps the gradients for a redo).
+    budget: the most bytes a step holds in flight (`ranges`), or None (whole leaves).
 
   Attributes:
     updates: each leaf's update (`step.layer_update`).
     max_norm: the clip's ``max_norm``, or None (no clip: `keep` and `validate` do nothing).
+    budget: as given, checked (`step.check_budget`).
   """
 
-  def __init__(self, optimizer: Any, treedef: Any, slots: Slots, writer: GradientWriter):
+  def __init__(self, optimizer: Any, treedef: Any, slots: Slots, writer: GradientWriter,
+               budget: int | None = None):  # fmt: skip
     self.updates = layer_step.layer_update(optimizer, treedef, slots.records)
     self.max_norm = clip_lib.split(optimizer).max_norm
+    self.budget = layer_step.check_budget(slots, self.updates, budget)
     self._slots, self._writer = slots, writer
 
   def settle(self, handoff: Handoff, path: str) -> bool:
@@ -108,7 +112,8 @@ class Speculation:
       return stats
     try:
       redo = layer_step.run(self._slots, self.updates, gen, target, step=step, show=False,
-                            where=where, norm=norm.norm, abort=abort)  # fmt: skip
+                            where=where, norm=norm.norm, abort=abort,
+                            budget=self.budget)  # fmt: skip
     except OSError as e:  # said as the redo's: the worker's error names the layer and leaf
       raise errors.StoreError(e.errno, f"the global-norm clip's redo: {e.strerror or e}") from e
     return stats._replace(
@@ -118,4 +123,5 @@ class Speculation:
       read_seconds=stats.read_seconds + redo.read_seconds,
       write_seconds=stats.write_seconds + redo.write_seconds,
       compute_seconds=stats.compute_seconds + redo.compute_seconds,
+      peak_bytes=max(stats.peak_bytes, redo.peak_bytes),
     )

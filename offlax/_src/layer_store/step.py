@@ -33,6 +33,7 @@ from offlax._src import coupling as coupling_lib
 from offlax._src import errors
 from offlax._src import layout as layout_lib
 from offlax._src.layer_store import clip as clip_lib
+from offlax._src.layer_store import ranges as ranges_lib
 from offlax._src.layer_store import rest as layer_rest
 
 if TYPE_CHECKING:
@@ -79,6 +80,9 @@ class Stats(NamedTuple):
       it (`clip.global_norm`); else None.
     clipped: whether the clip scaled the gradients (``update="backward"``: the step was
       redone, `backward`).
+    peak_bytes: the most bytes the step held in flight at once: its reads issued, the
+      results and their copies until written (``update_bytes`` bounds it: `ranges`); the
+      gradients and params handed in RAM by the backward pass are not counted (the hand-off's).
   """
 
   step: int
@@ -90,6 +94,7 @@ class Stats(NamedTuple):
   compute_seconds: float
   grad_norm: float | None = None
   clipped: bool = False
+  peak_bytes: int = 0
 
 
 def _one_layer(layers: Any) -> Any:
@@ -214,11 +219,13 @@ def run(
   where: list[tuple[int, int]] | None = None,
   norm: np.ndarray | None = None,
   abort: Callable[[], None] | None = None,
+  budget: int | None = None,
+  flight: ranges_lib.Flight | None = None,
 ) -> Stats:
   """Updates every layer of a store's `slots` from generation `gen` into `target`, as `step`.
 
-  The unit is one leaf of one layer: its param, gradient and state slots are
-  read (`AHEAD` units ahead) by `IO_THREADS`
+  The unit is one leaf of one layer (or, with a `budget`, a range of its rows: `ranges`):
+  its param, gradient and state slots are read (`AHEAD` units ahead) by `IO_THREADS`
   threads, as one reader reaches only part of an NVMe's bandwidth; its update
   runs on the CPU; its new param and state are written by as many threads, at
   most two units queued while the next computes. A layer's shared state (the
@@ -232,14 +239,24 @@ def run(
   `where`, where given. `norm`, where given, is the gradients' global norm, and the clip
   applies: each unit runs its ``clipped`` function (`LeafUpdate`). `abort`, where given, is
   called before each unit and raises to stop the run (a step dropped: the redo of a clip).
+  `budget`, where given, bounds the bytes the step holds in flight (`ranges.plan`);
+  `flight` counts them (a new one where not given), their peak in `Stats.peak_bytes`.
   """
   cpu = jax.devices("cpu")[0]  # the host's compute, whatever the default device
   nk = len(slots.records)
   order = list(range(slots.n_layers) if layers is None else layers)
-  units = [(i, k) for i in order for k in range(nk)]
+  owned_of = [u.owned for u in updates]
+  shared_of = updates[0].shared if updates else []
+  # As for reading the param and gradient even where handed (`handed`): their share leaves
+  # room for the sum on disk an accumulation's last micro-step reads (`backward`).
+  rows = ranges_lib.plan(slots, owned_of, shared_of, budget)
+  cuts = [ranges_lib.of(slots.records[k], rows[k]) for k in range(nk)]
+  units = [(i, k, r) for i in order for k in range(nk) for r in cuts[k]]
   ahead = AHEAD
   lock = threading.Lock()
   tally: collections.defaultdict[str, float] = collections.defaultdict(float)
+  flight = ranges_lib.Flight() if flight is None else flight
+  crcs = ranges_lib.Crcs(slots)
 
   def timed(what, fn, *args):
     start = time.perf_counter()
@@ -249,22 +266,65 @@ def run(
     return out
 
   def read(pool, u):
-    i, k = units[u]
-    slot = lambda kind, g, j: pool.submit(timed, "read", slots.read_slot, kind, g, j, i)
-    shared = updates[k].shared if k == 0 else []
+    i, k, r = units[u]
+
+    def slot(kind, g, j):
+      record = slots.records_of(kind)[j]
+      if r is None:
+        flight.add(ranges_lib.nbytes(record))  # (the bytes `read_slot` gives)
+        return pool.submit(timed, "read", slots.read_slot, kind, g, j, i)
+      start, nbytes = ranges_lib.span(record, r)
+      flight.add(nbytes)
+      return pool.submit(timed, "read", slots.read_range, kind, g, j, i, start, nbytes)
+
+    first = r is None or r.start == 0
+    shared = updates[k].shared if k == 0 and first else []
+
+    def whole(kind, g, j):
+      flight.add(ranges_lib.nbytes(slots.state_records[j]))
+      return pool.submit(timed, "read", slots.read_slot, kind, g, j, i)
+
     return [
       [slot("params", gen, k)] if handed is None else [],
       [slot("grads", 0, k)] if handed is None else [],
-      [slot("state", gen, j) for j in updates[k].owned], [slot("state", gen, j) for j in shared],
+      [slot("state", gen, j) for j in updates[k].owned], [whole("state", gen, j) for j in shared],
     ]  # fmt: skip
 
-  def write(pool, i, k, p, owned, shared):
+  def checked(i, k, r, ps, gs, owned):
+    """A range's buffers: the crc32c streamed (the slot's checked after its last), as rows."""
+    out = []
+    mine = [k] if handed is None else []  # (handed: the param and gradient are not read)
+    for kind, g, js, xs in (
+      ("params", gen, mine, ps),
+      ("grads", 0, mine, gs),
+      ("state", gen, updates[k].owned, owned),
+    ):
+      for j, x in zip(js, xs, strict=True):
+        crcs.read(kind, g, j, i, r, x)
+        out.append(ranges_lib.view(slots.records_of(kind)[j], x, r))
+    n = len(ps)
+    return out[:n], out[n : n + len(gs)], out[n + len(gs) :]
+
+  def write(pool, i, k, r, p, owned, shared):
     state = zip(updates[k].owned, owned, strict=True)
     out = [("params", k, p), *(("state", j, x) for j, x in state)]
-    if k == 0:
-      out += [("state", j, x) for j, x in zip(updates[k].shared, shared, strict=True)]
-    return [pool.submit(timed, "write", slots.write_slot, kind, target, j, i, x)
-            for kind, j, x in out]  # fmt: skip
+    shared_out = []
+    if k == 0 and (r is None or r.start == 0):
+      shared_out = [("state", j, x) for j, x in zip(updates[k].shared, shared, strict=True)]
+    futures = []
+    for kind, j, x in out:
+      if r is None:
+        futures.append(pool.submit(timed, "write", slots.write_slot, kind, target, j, i, x))
+        continue
+      record = slots.records_of(kind)[j]
+      buffer = ranges_lib.to_buffer(record, x, r)  # (its crc streamed here, in order)
+      crcs.written(kind, target, j, i, r, buffer)
+      start = ranges_lib.span(record, r)[0]
+      futures.append(pool.submit(timed, "write", slots.write_range, kind, target, j, i, start,
+                                 buffer))  # fmt: skip
+    futures += [pool.submit(timed, "write", slots.write_slot, kind, target, j, i, x)
+                for kind, j, x in shared_out]  # fmt: skip
+    return futures
 
   start = time.perf_counter()
   with (
@@ -272,46 +332,70 @@ def run(
     concurrent.futures.ThreadPoolExecutor(IO_THREADS, "offlax-update-write") as writers,
   ):
     reads = {u: read(readers, u) for u in range(min(ahead, len(units)))}
-    writes: collections.deque[tuple[tuple[int, int], list[concurrent.futures.Future]]]
+    writes: collections.deque[tuple[tuple[int, int], list[concurrent.futures.Future], int]]
     writes = collections.deque()
     shared: list[Any] = []
-    at = units[0] if units else (0, 0)  # the unit waited for: where a failure is
+    at = units[0][:2] if units else (0, 0)  # the unit waited for: where a failure is
+    leaf: tuple[np.ndarray, np.ndarray] | None = None  # handed: the unit's whole leaves
     try:
       desc = f"offlax: updating {slots.path}"
-      for j, i in enumerate(progress(order, show, moved_bytes(slots), desc)):
+      u = 0
+      for i in progress(order, show, moved_bytes(slots), desc):
         for k in range(nk):
-          u, at = j * nk + k, (i, k)
-          if abort is not None:
-            abort()
-          ps, gs, owned, got = [[f.result() for f in futures] for futures in reads.pop(u)]
-          shared = got if k == 0 else shared
-          tally["read_bytes"] += sum(x.nbytes for x in [*ps, *gs, *owned, *got])
-          g, p = (gs[0], ps[0]) if handed is None else handed(i, k)
-          if u + ahead < len(units):
-            reads[u + ahead] = read(readers, u + ahead)
-          t = time.perf_counter()
-          with jax.default_device(cpu):
-            if norm is None:
-              new_p, new_owned, new_shared = updates[k].fn(p, g, owned, shared)
+          for r in cuts[k]:
+            at = (i, k)
+            if abort is not None:
+              abort()
+            ps, gs, owned, got = [[f.result() for f in futures] for futures in reads.pop(u)]
+            held = sum(x.nbytes for x in [*ps, *gs, *owned, *got])
+            tally["read_bytes"] += held
+            if r is not None:
+              ps, gs, owned = checked(i, k, r, ps, gs, owned)
+            shared = got if k == 0 and (r is None or r.start == 0) else shared
+            if handed is None:
+              g, p = gs[0], ps[0]
             else:
-              new_p, new_owned, new_shared = updates[k].clipped(p, g, owned, shared, norm)
-            new_p, new_owned = np.asarray(new_p), [np.asarray(x) for x in new_owned]
-            new_shared = [np.asarray(x) for x in new_shared] if k == 0 else []
-          tally["compute_seconds"] += time.perf_counter() - t
-          while len(writes) >= 2:  # one unit written, one queued, while the next computes
-            at, done = writes.popleft()
-            [f.result() for f in done]
-          writes.append(((i, k), write(writers, i, k, new_p, new_owned, new_shared)))
-          tally["write_bytes"] += sum(x.nbytes for x in [new_p, *new_owned, *new_shared])
+              if r is None or r.start == 0:
+                leaf = handed(i, k)
+              assert leaf is not None
+              g, p = leaf if r is None else (x[r.start : r.stop] for x in leaf)
+            if u + ahead < len(units):
+              reads[u + ahead] = read(readers, u + ahead)
+            t = time.perf_counter()
+            with jax.default_device(cpu):
+              if norm is None:
+                new_p, new_owned, new_shared = updates[k].fn(p, g, owned, shared)
+              else:
+                new_p, new_owned, new_shared = updates[k].clipped(p, g, owned, shared, norm)
+              new_p, new_owned = np.asarray(new_p), [np.asarray(x) for x in new_owned]
+              first = r is None or r.start == 0
+              new_shared = [np.asarray(x) for x in new_shared] if k == 0 and first else []
+            tally["compute_seconds"] += time.perf_counter() - t
+            out = 2 * sum(x.nbytes for x in [new_p, *new_owned, *new_shared])
+            flight.add(out)  # the results and their aligned copies, until written
+            del ps, gs, owned, g, p
+            flight.sub(held)
+            if r is None or r.last:
+              leaf = None
+            while len(writes) >= 2:  # one unit written, one queued, while the next computes
+              at, done, n = writes.popleft()
+              [f.result() for f in done]
+              flight.sub(n)
+            futures = write(writers, i, k, r, new_p, new_owned, new_shared)
+            writes.append(((i, k), futures, out))
+            tally["write_bytes"] += out // 2
+            del new_p, new_owned
+            u += 1
       while writes:
-        at, done = writes.popleft()
+        at, done, n = writes.popleft()
         [f.result() for f in done]
+        flight.sub(n)
     except BaseException:
       if where is not None:
         where.append(at)
       for f in [f for unit in reads.values() for fs in unit for f in fs]:
         f.cancel()
-      for f in [f for _, fs in writes for f in fs]:
+      for f in [f for _, fs, _ in writes for f in fs]:
         f.cancel()
       raise
   return Stats(
@@ -322,7 +406,22 @@ def run(
     read_seconds=tally["read_seconds"],
     write_seconds=tally["write_seconds"],
     compute_seconds=tally["compute_seconds"],
+    peak_bytes=flight.peak,
   )
+
+
+def check_budget(slots: Slots, updates: list[LeafUpdate], budget: Any) -> int | None:
+  """`budget` (``update_bytes``) if the step can run within it, else `InvalidOptionError`."""
+  if budget is None:
+    return None
+  if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)) or budget <= 0:
+    raise errors.InvalidOptionError(
+      f"LayerStore: update_bytes={budget!r}; pass a number of bytes > 0 (the most the "
+      "optimizer step holds in flight), or None to update whole leaves."
+    )
+  if updates:  # (without an optimizer the store runs no step)
+    ranges_lib.plan(slots, [u.owned for u in updates], updates[0].shared, int(budget))
+  return int(budget)
 
 
 class LayerStep:
@@ -337,13 +436,16 @@ class LayerStep:
     progress: show a progress bar for a long update.
     squares: with a clip, the gradient slots' sums of squares
       (`grads.GradientWriter.squares`).
+    budget: the most bytes the step holds in flight (`ranges`), or None (whole leaves).
   """
 
   def __init__(self, optimizer: Any, treedef: Any, slots: Slots, commits: Commits,
-               progress: bool, squares: Callable[[], np.ndarray] | None = None):  # fmt: skip
+               progress: bool, squares: Callable[[], np.ndarray] | None = None,
+               budget: int | None = None):  # fmt: skip
     self._slots, self._commits, self._progress = slots, commits, progress
     self._updates = layer_update(optimizer, treedef, slots.records)
     self._max_norm, self._squares = clip_lib.split(optimizer).max_norm, squares
+    self._budget = check_budget(slots, self._updates, budget)
 
   def __call__(self, rest: Any) -> Stats:
     """Writes the next step (and `rest`) into a free generation, flushes it and commits it.
@@ -361,7 +463,7 @@ class LayerStep:
       if self._max_norm is not None and self._squares is not None:
         norm = clip_lib.global_norm(self._squares(), self._slots.records, self._max_norm)
       stats = run(self._slots, self._updates, commits.generation, target,
-                  step=commits.step + 1, show=self._progress,
+                  step=commits.step + 1, show=self._progress, budget=self._budget,
                   norm=norm.norm if norm is not None and norm.applies else None)  # fmt: skip
       if norm is not None:
         stats = stats._replace(grad_norm=float(norm.norm), clipped=norm.applies)

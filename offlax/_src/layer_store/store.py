@@ -128,21 +128,30 @@ class LayerStore(_Parts):
 
   def __init__(self, treedef: Any, optimizer: Any, state_treedef: Any, slots: Slots,
                commits: Commits, pool_layers: int, progress: bool,
-               update: str = "explicit"):  # fmt: skip
+               update: str = "explicit", update_bytes: int | None = None):  # fmt: skip
     self.path, self.treedef, self.optimizer = slots.path, treedef, optimizer
     self.state_treedef, self.progress, self.update_mode = state_treedef, progress, update
     self.last_update: layer_step.Stats | None = None
     self._slots, self._commits = slots, commits
     self._reads = ReadAhead(lambda i: self.read_layer(i), slots.n_layers, pool_layers)
     self._update, self._grads = backward.step_parts(
-      update, optimizer, treedef, slots, commits, pool_layers, progress, self._reads
+      update,
+      optimizer,
+      treedef,
+      slots,
+      commits,
+      pool_layers,
+      progress,
+      self._reads,
+      update_bytes,
     )
 
   @classmethod
   def create(cls, path: str, layers: Any, *, optimizer: Any = None, keep: int = 1,
              init_layer: Callable[[int], Any] | None = None, pool_layers: int | None = 2,
              pool_bytes: int | None = None, fsync: bool = True, progress: bool = True,
-             layers_path: str | None = None, update: str = "explicit") -> LayerStore:  # fmt: skip
+             layers_path: str | None = None, update: str = "explicit",
+             update_bytes: int | None = None) -> LayerStore:  # fmt: skip
     """Writes the stacked `layers` (and `optimizer.init` of each layer) into a new store.
 
     Args:
@@ -168,6 +177,10 @@ class LayerStore(_Parts):
       update: ``"explicit"``: `update()` runs the optimizer after the backward pass, from the
         gradients written to disk; ``"backward"``: each layer is updated as its gradient
         reaches the host, `update()` commits (`backward`; a clip: `speculate`). Not recorded.
+      update_bytes: the most bytes the optimizer step holds in flight (its reads, updates and
+        writes): a leaf too large for its share is read, updated and written a range of rows
+        at a time (`ranges`), the same values to the bit. None: whole leaves (a few of the
+        largest leaf's param, gradient and state slots in flight). Not recorded.
 
     Returns:
       The open store, at step 0.
@@ -177,17 +190,20 @@ class LayerStore(_Parts):
       NotAStoreError: `path` holds other files.
       TransformationTypeError: the optimizer is wrapped by `offlax.offload`.
       InvalidOptionError: the pool cannot hold one layer, the optimizer couples elements of
-        a leaf (a clip not first in a flat chain, LAMB), or `update` is not a mode.
+        a leaf (a clip not first in a flat chain, LAMB), `update` is not a mode, or
+        `update_bytes` cannot hold a leaf's smallest range (the minimum named).
       StoreError: the disk has no room for the store.
     """
     return opening.create(cls, path, layers, optimizer=optimizer, keep=keep, init_layer=init_layer,
                           pool_layers=pool_layers, pool_bytes=pool_bytes, fsync=fsync,
-                          progress=progress, layers_path=layers_path, update=update)  # fmt: skip
+                          progress=progress, layers_path=layers_path, update=update,
+                          update_bytes=update_bytes)  # fmt: skip
 
   @classmethod
   def open(cls, path: str, like: Any, *, optimizer: Any = None, step: int | None = None,
            pool_layers: int | None = 2, pool_bytes: int | None = None, fsync: bool = True,
-           progress: bool = True, update: str = "explicit") -> LayerStore:  # fmt: skip
+           progress: bool = True, update: str = "explicit",
+           update_bytes: int | None = None) -> LayerStore:  # fmt: skip
     """Opens the store at `path`, checked against `like` (and `optimizer`).
 
     Args:
@@ -199,7 +215,8 @@ class LayerStore(_Parts):
       step: the step the caller's other state is at (e.g. a checkpoint of the rest of the
         model): a kept step is made current again, dropping the steps after it; another raises
         `StoreMismatchError`. None: the committed step.
-      pool_layers: as for `create`, and so are pool_bytes, fsync, progress and update.
+      pool_layers: as for `create`, and so are pool_bytes, fsync, progress, update and
+        update_bytes.
 
     Raises:
       StoreError: no store at `path`.
@@ -210,7 +227,8 @@ class LayerStore(_Parts):
     """
     return opening.open_store(cls, path, like, optimizer=optimizer, step=step,
                               pool_layers=pool_layers, pool_bytes=pool_bytes, fsync=fsync,
-                              progress=progress, update=update)  # fmt: skip
+                              progress=progress, update=update,
+                              update_bytes=update_bytes)  # fmt: skip
 
   def close(self) -> None:
     """Waits for the gradient writes (and steps dispatched: backward), ends reads, closes."""
