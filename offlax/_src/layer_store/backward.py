@@ -50,7 +50,7 @@ import concurrent.futures
 import errno
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -199,23 +199,11 @@ class BackwardStep:
   def _handed(self, handoff: Handoff, gen: int, i: int, k: int, rows: list[int | None],
               flight: ranges_lib.Flight) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
     """Leaf `k` of layer `i`'s gradient from its step's `handoff` (plus the sum on disk, ending
-    an accumulation) and its params of generation `gen`, as the model read them (else read now).
-    With a budget (`rows[k]`, `ranges.plan`'s) the sum is read a range at a time and added
-    into the gradient handed off (the worker's own copy), its bytes counted in `flight`."""
+    an accumulation: `_plus_sum_on_disk`) and its params of generation `gen`, as the model read
+    them (else read now)."""
     grad = handoff.take(i, k)
-    cut = rows[k]
-    if handoff.last and cut is not None:
-      for r, on_disk in ranges_lib.read_checked(self._slots, "grads", 0, k, i, cut):
-        flight.add(on_disk.nbytes)
-        grad[r.start : r.stop] = grads_lib.add(on_disk, grad[r.start : r.stop])
-        handoff.read_bytes += on_disk.nbytes
-        flight.sub(on_disk.nbytes)
-    elif handoff.last:
-      on_disk = self._slots.read_slot("grads", 0, k, i)
-      flight.add(on_disk.nbytes)
-      handoff.read_bytes += on_disk.nbytes
-      grad = grads_lib.add(on_disk, grad)
-      flight.sub(on_disk.nbytes)
+    if handoff.last:
+      handoff.read_bytes += _plus_sum_on_disk(self._slots, k, i, grad, rows[k], flight)
     param = self._kept.take(i, k)
     if param is None:  # not kept (another reader's order): read now
       param = self._slots.read_slot("params", gen, k, i)
@@ -268,12 +256,8 @@ class BackwardStep:
   def _work(self, handoff: Handoff, gen: int, target: int, step: int, layers: Any) -> Any:
     try:
       updates, flight = self._spec.updates, ranges_lib.Flight()
-      rows = ranges_lib.plan(
-        self._slots,
-        [u.owned for u in updates],
-        updates[0].shared if updates else [],
-        self._spec.budget,
-      )
+      shared = updates[0].shared if updates else []
+      rows = ranges_lib.plan(self._slots, [u.owned for u in updates], shared, self._spec.budget)
       handed = lambda i, k: self._handed(handoff, gen, i, k, rows, flight)
       stats = layer_step.run(self._slots, updates, gen, target, step=step, show=False,
                              layers=layers, handed=handed, where=handoff.where,
@@ -412,6 +396,25 @@ class BackwardStep:
 
 
 _CUT = "its backward pass stopped before handing off every layer"
+
+
+def _plus_sum_on_disk(slots: Slots, k: int, i: int, grad: np.ndarray, rows: int | None,
+                      flight: ranges_lib.Flight) -> int:  # fmt: skip
+  """Adds the accumulated sum on disk (leaf `k`, layer `i`) into `grad`, the worker's own copy
+  of the last micro-step's gradient: whole, or with a budget a range of `rows` rows at a time
+  (`ranges.plan`), each read counted in `flight` while held. Returns the bytes read."""
+  if rows is None:
+    parts: Iterable[tuple[slice, np.ndarray]] = [(slice(None), slots.read_slot("grads", 0, k, i))]
+  else:
+    parts = ((slice(r.start, r.stop), on_disk)
+             for r, on_disk in ranges_lib.read_checked(slots, "grads", 0, k, i, rows))  # fmt: skip
+  read = 0
+  for where, on_disk in parts:
+    flight.add(on_disk.nbytes)
+    grad[where] = grads_lib.add(on_disk, grad[where])
+    read += on_disk.nbytes
+    flight.sub(on_disk.nbytes)
+  return read
 
 
 def _dropped_at_close(handoff: Handoff, n_layers: int) -> str | None:

@@ -93,7 +93,56 @@ class _Parts:
   bytes_written: int = _held("_slots.bytes_written", "Bytes written to its files since opened.")
 
 
-class LayerStore(_Parts):
+class _Reads(_Parts):
+  """A `LayerStore`'s reads of what it holds: the committed params, state and rest, the
+  gradients, one layer's params."""
+
+  path: str
+  treedef: Any
+  state_treedef: Any
+  update_mode: str
+  _grads: Any
+
+  def avals(self) -> list[jax.ShapeDtypeStruct]:
+    """One layer's leaves, as shapes and dtypes."""
+    return [jax.ShapeDtypeStruct(tuple(r["shape"]), np.dtype(r["dtype"])) for r in self.records]
+
+  def read_layer(self, i: int) -> list[np.ndarray]:
+    """Layer `i`'s committed params (leaves in tree order), read now."""
+    return self._slots.read_slots("params", self.generation, i)
+
+  def read_params(self) -> Any:
+    """All the committed params, stacked (the model's size in RAM: for small models)."""
+    return self._slots.stacked("params", self.generation, self.treedef)
+
+  def read_grads(self) -> Any:
+    """All the gradients, stacked as the params are (for small models)."""
+    backward.refuse(self.update_mode, "read_grads()", self.path)
+    self._grads.flush()  # the gradient writes queued
+    return self._slots.stacked("grads", self.generation, self.treedef)
+
+  def read_state(self) -> Any:
+    """The committed optimizer state, each leaf stacked over the layers (for small models)."""
+    if self.state_treedef is None:
+      raise errors.InvalidOptionError(f"LayerStore: {self.path} is open without an optimizer.")
+    return self._slots.stacked("state", self.generation, self.state_treedef)
+
+  def read_rest(self, like: Any) -> Any:
+    """What `update(rest=...)` committed with the current step, as numpy arrays.
+
+    Args:
+      like: a pytree of arrays or `jax.ShapeDtypeStruct`s with the rest's leaves (key paths,
+        shapes and dtypes checked).
+
+    Raises:
+      StoreMismatchError: the step was committed without ``rest``, or its leaves differ.
+      StoreCorruptedError: a leaf does not match its checksum.
+    """
+    records = self._commits.rest_records()
+    return layer_rest.read(self.path, self.generation, self.step, records, like)
+
+
+class LayerStore(_Reads):
   """A stacked layer pytree's params, gradients and optimizer state on disk.
 
   Make one with `LayerStore.create` or `LayerStore.open`; use it as a context manager or `close`
@@ -135,15 +184,7 @@ class LayerStore(_Parts):
     self._slots, self._commits = slots, commits
     self._reads = ReadAhead(lambda i: self.read_layer(i), slots.n_layers, pool_layers)
     self._update, self._grads = backward.step_parts(
-      update,
-      optimizer,
-      treedef,
-      slots,
-      commits,
-      pool_layers,
-      progress,
-      self._reads,
-      update_bytes,
+      update, optimizer, treedef, slots, commits, pool_layers, progress, self._reads, update_bytes
     )
 
   @classmethod
@@ -259,44 +300,6 @@ class LayerStore(_Parts):
     """
     kind = backward.hand_off(accumulate, last, self.path, self.update_mode, self._grads)
     return LayerSource(jnp.zeros((self.n_layers,), jnp.float32), self, kind)
-
-  def avals(self) -> list[jax.ShapeDtypeStruct]:
-    """One layer's leaves, as shapes and dtypes."""
-    return [jax.ShapeDtypeStruct(tuple(r["shape"]), np.dtype(r["dtype"])) for r in self.records]
-
-  def read_layer(self, i: int) -> list[np.ndarray]:
-    """Layer `i`'s committed params (leaves in tree order), read now."""
-    return self._slots.read_slots("params", self.generation, i)
-
-  def read_params(self) -> Any:
-    """All the committed params, stacked (the model's size in RAM: for small models)."""
-    return self._slots.stacked("params", self.generation, self.treedef)
-
-  def read_grads(self) -> Any:
-    """All the gradients, stacked as the params are (for small models)."""
-    backward.refuse(self.update_mode, "read_grads()", self.path)
-    self.flush_grads()
-    return self._slots.stacked("grads", self.generation, self.treedef)
-
-  def read_state(self) -> Any:
-    """The committed optimizer state, each leaf stacked over the layers (for small models)."""
-    if self.state_treedef is None:
-      raise errors.InvalidOptionError(f"LayerStore: {self.path} is open without an optimizer.")
-    return self._slots.stacked("state", self.generation, self.state_treedef)
-
-  def read_rest(self, like: Any) -> Any:
-    """What `update(rest=...)` committed with the current step, as numpy arrays.
-
-    Args:
-      like: a pytree of arrays or `jax.ShapeDtypeStruct`s with the rest's leaves (key paths,
-        shapes and dtypes checked).
-
-    Raises:
-      StoreMismatchError: the step was committed without ``rest``, or its leaves differ.
-      StoreCorruptedError: a leaf does not match its checksum.
-    """
-    records = self._commits.rest_records()
-    return layer_rest.read(self.path, self.generation, self.step, records, like)
 
   def zero_grads(self) -> None:
     """Sets every gradient to zero (before accumulating anew)."""
