@@ -233,3 +233,23 @@ def test_the_planner_counts_the_peak_the_store_holds(tmp_path, monkeypatch):
     store.update()
     peak = store.last_update.peak_bytes
   assert 0.9 * planned["update"] <= peak <= planned["update"], (peak, planned["update"])
+
+
+@pytest.mark.parametrize("budget", [None, BUDGET])
+def test_an_update_of_another_dtype_is_refused_whole_or_by_ranges(tmp_path, budget):
+  """An optimizer whose update returns a state leaf in another dtype than its init made: the
+  ranges refuse it as whole leaves do, by name, nothing committed (they wrote its bytes)."""
+
+  def update(g, s, p=None):
+    cast = lambda m: m.astype(jnp.bfloat16) if m.ndim == 2 else m  # w's, the leaf cut
+    m = jax.tree.map(lambda m, g: cast(0.9 * m + g), s["m"], g)
+    return jax.tree.map(lambda m: -0.1 * m.astype(jnp.float32), m), {"m": m}
+
+  init = lambda p: {"m": jax.tree.map(lambda x: jnp.zeros_like(x, jnp.float32), p)}
+  tx = optax.GradientTransformation(init, update)
+  with offlax.LayerStore.create(str(tmp_path / "s"), make_layers(), optimizer=tx,
+                                update_bytes=budget, progress=False) as store:  # fmt: skip
+    jax.grad(loss)(store.source(), jnp.ones((3, D)))
+    with pytest.raises(errors.StoreMismatchError, match=r"of state leaf \['m'\]\['w'\] .*bfloat16"):
+      store.update()
+    assert store.step == 0

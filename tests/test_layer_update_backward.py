@@ -450,3 +450,25 @@ def test_a_step_cut_short_says_which_layers_came(tmp_path):
     # What the update read from disk: the state only (the params kept, the gradients handed).
     state = sum(np.prod(r["shape"]) * np.dtype(r["dtype"]).itemsize for r in store.state_records)
     assert store.last_update.bytes_read == 4 * state
+
+
+@pytest.mark.slow
+def test_accumulation_with_a_scalar_leaf_per_layer(tmp_path):
+  """A per-layer scalar (a gate, stacked as (L,)): ending an accumulation, the backward mode
+  adds the sum on disk to its 0-d gradient as the explicit mode does, to the bit."""
+  layers = {"a": jnp.full((3,), 0.5), "w": jnp.eye(8)[None].repeat(3, 0) * 0.3}
+
+  def loss(layers, x):
+    body = lambda h, p: (jnp.tanh(p["a"] * (h @ p["w"])), None)
+    return jnp.mean(offlax.scan_layers(body, x, layers)[0] ** 2)
+
+  grads, params = jax.jit(jax.grad(loss)), []
+  for update in ("explicit", "backward"):
+    with offlax.LayerStore.create(str(tmp_path / update), layers, optimizer=optax.adam(1e-2),
+                                  update=update, progress=False) as store:  # fmt: skip
+      store.zero_grads()
+      for m in range(2):
+        grads(store.source(accumulate=True, last=m == 1), jnp.ones((2, 8)) * (m + 1))
+      assert store.update() == 1
+      params.append(store.read_params())
+  assert_bits(params[1], params[0])

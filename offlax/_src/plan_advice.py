@@ -50,7 +50,7 @@ def code(
     "params_host_nvme": [_HOST_PARAMS, nvme, _FUSED_STEP],
     "params_nvme": [
       "store = offlax.LayerStore.create(path, layers, optimizer=inner, keep=1, init_layer=..."
-      + ("" if update_bytes is None else f", update_bytes={update_bytes}")
+      + ("" if update_bytes is None else f", update_bytes={_bytes_code(update_bytes)}")
       + ")",
       "grads = jax.grad(loss)(store.source(), ...)  # offlax.scan_layers over store.source()",
       "# or a Flax NNX model as it is: offlax.offload_params(model, store=store)",
@@ -201,12 +201,17 @@ def _device_parts(f: Figures) -> str:
   return f"{', '.join(parts[:-1])} and {parts[-1]}: {format_bytes(total)}"
 
 
+def _bytes_code(n: int) -> str:
+  """`n` bytes as Python: ``12 << 30`` for whole GiB, else the number."""
+  return f"{n >> 30} << 30" if n % 2**30 == 0 else str(n)
+
+
 def layer_store_ram(b: dict) -> str:
   """An `offlax.LayerStore`'s RAM in words, part by part (`plan_disk.params_on_disk_bytes`'s)."""
   budget = b.get("update_bytes")
   if budget is not None and b["update"] >= b["reads"]:
     inflight = (
-      f"the update's bytes in flight, LayerStore(update_bytes={budget}) "
+      f"the update's bytes in flight, LayerStore(update_bytes={_bytes_code(budget)}) "
       f"({format_bytes(b['update'])}: a layer's largest leaf, {b['leaf'] / 1e6:.0f}M params, "
       "cut in row ranges)"
     )

@@ -184,6 +184,8 @@ def plan(
       update's bytes in flight, leaves cut in row ranges): counted instead of whole leaves
       in flight; where the rest's params, gradients and state do not fit in RAM beside it,
       the rest's state is counted on the NVMe tier (`plan_disk.params_on_disk_bytes`).
+      None: whole leaves where they fit in ``host_bytes``, else a budget the size of the
+      model's reads (2 layers, in whole GiB), named in the plan's code.
 
   Returns:
     A `Plan`.
@@ -330,10 +332,16 @@ def plan(
   store_figures = None  # what params_nvme needs, with layers
   if layers:
     leaf_params, rest_params = layer_leaves(params, layers)
-    store_figures = params_on_disk_bytes(
+    figures_at = lambda budget: params_on_disk_bytes(
       param_bytes, state, n_params, layers, leaf_params=leaf_params, rest_params=rest_params,
-      update_bytes=update_bytes, host_bytes=host_bytes, nvme_ram=_NVME_BUFFERS * chunk_bytes,
+      update_bytes=budget, host_bytes=host_bytes, nvme_ram=_NVME_BUFFERS * chunk_bytes,
     )  # fmt: skip
+    store_figures = figures_at(update_bytes)
+    if update_bytes is None and store_figures["ram"] > host_bytes:
+      # Whole leaves in flight do not fit: the update by row ranges, its budget the model's
+      # reads' (2 layers, whole GiB, at least 1), so the store's RAM is that and the rest's.
+      update_bytes = max(1, math.ceil(store_figures["reads"] / 2**30)) * 2**30
+      store_figures = figures_at(update_bytes)
   if store_figures is not None and fixed > usable:
     host_plan = _params_on_host(
       make, everywhere, layers, param_bytes, n_params, state, small, activation_bytes, usable,

@@ -198,12 +198,12 @@ class BackwardStep:
 
   def _handed(self, handoff: Handoff, gen: int, i: int, k: int, rows: list[int | None],
               flight: ranges_lib.Flight) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
-    """Leaf `k` of layer `i`'s gradient from its step's `handoff` (plus the sum on disk, ending
-    an accumulation: `_plus_sum_on_disk`) and its params of generation `gen`, as the model read
-    them (else read now)."""
+    """Leaf `k` of layer `i`'s gradient from `handoff` (plus the sum on disk, ending an
+    accumulation) and its params of generation `gen`, as the model read them (else read now)."""
     grad = handoff.take(i, k)
     if handoff.last:
-      handoff.read_bytes += _plus_sum_on_disk(self._slots, k, i, grad, rows[k], flight)
+      grad, read = _plus_sum_on_disk(self._slots, k, i, grad, rows[k], flight)
+      handoff.read_bytes += read
     param = self._kept.take(i, k)
     if param is None:  # not kept (another reader's order): read now
       param = self._slots.read_slot("params", gen, k, i)
@@ -399,22 +399,25 @@ _CUT = "its backward pass stopped before handing off every layer"
 
 
 def _plus_sum_on_disk(slots: Slots, k: int, i: int, grad: np.ndarray, rows: int | None,
-                      flight: ranges_lib.Flight) -> int:  # fmt: skip
-  """Adds the accumulated sum on disk (leaf `k`, layer `i`) into `grad`, the worker's own copy
-  of the last micro-step's gradient: whole, or with a budget a range of `rows` rows at a time
-  (`ranges.plan`), each read counted in `flight` while held. Returns the bytes read."""
+                      flight: ranges_lib.Flight) -> tuple[np.ndarray, int]:  # fmt: skip
+  """`grad`, the worker's own copy of the last micro-step's gradient, plus the accumulated sum
+  on disk (leaf `k`, layer `i`), and the bytes read: whole, or with a budget a range of `rows`
+  rows at a time added into `grad` (`ranges.plan`), each read counted in `flight` while held."""
   if rows is None:
-    parts: Iterable[tuple[slice, np.ndarray]] = [(slice(None), slots.read_slot("grads", 0, k, i))]
+    parts: Iterable[tuple[Any, np.ndarray]] = [(None, slots.read_slot("grads", 0, k, i))]
   else:
     parts = ((slice(r.start, r.stop), on_disk)
              for r, on_disk in ranges_lib.read_checked(slots, "grads", 0, k, i, rows))  # fmt: skip
   read = 0
   for where, on_disk in parts:
     flight.add(on_disk.nbytes)
-    grad[where] = grads_lib.add(on_disk, grad[where])
+    if where is None:  # whole (a 0-d leaf too)
+      grad = grads_lib.add(on_disk, grad)
+    else:
+      grad[where] = grads_lib.add(on_disk, grad[where])
     read += on_disk.nbytes
     flight.sub(on_disk.nbytes)
-  return read
+  return grad, read
 
 
 def _dropped_at_close(handoff: Handoff, n_layers: int) -> str | None:

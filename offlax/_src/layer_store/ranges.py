@@ -201,10 +201,21 @@ def view(record: dict, buffer: np.ndarray, r: Range) -> np.ndarray:
   return buffer[: count * dtype.itemsize].view(dtype).reshape(shape)
 
 
-def to_buffer(record: dict, x: np.ndarray, r: Range) -> np.ndarray:
-  """Range `r`'s rows `x` as the aligned bytes written at its place (the last zero-padded)."""
+def to_buffer(record: dict, x: np.ndarray, r: Range, kind: str, i: int) -> np.ndarray:
+  """Range `r`'s rows `x` as the aligned bytes written at its place (the last zero-padded).
+
+  Raises:
+    StoreMismatchError: `x` is not the range's rows of the leaf's shape and dtype (an
+      optimizer's update returned another), as `Slots.write_slot` refuses a whole slot.
+  """
   from offlax._src.layer_store.files import to_slot
 
+  shape = (r.stop - r.start, *record["shape"][1:])
+  if x.shape != shape or x.dtype != np.dtype(record["dtype"]):
+    raise errors.StoreMismatchError(
+      f"LayerStore: rows {r.start}:{r.stop} of layer {i} of {kind} leaf {record['path']} are "
+      f"{x.dtype.name}{list(x.shape)}, expected {record['dtype']}{list(shape)}."
+    )
   return to_slot(x, span(record, r)[1])
 
 

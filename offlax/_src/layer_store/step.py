@@ -317,7 +317,7 @@ def run(
         futures.append(pool.submit(timed, "write", slots.write_slot, kind, target, j, i, x))
         continue
       record = slots.records_of(kind)[j]
-      buffer = ranges_lib.to_buffer(record, x, r)  # (its crc streamed here, in order)
+      buffer = ranges_lib.to_buffer(record, x, r, kind, i)  # (its crc streamed here, in order)
       crcs.written(kind, target, j, i, r, buffer)
       start = ranges_lib.span(record, r)[0]
       futures.append(pool.submit(timed, "write", slots.write_range, kind, target, j, i, start,

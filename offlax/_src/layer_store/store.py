@@ -221,7 +221,8 @@ class LayerStore(_Reads):
       update_bytes: the most bytes the optimizer step holds in flight (its reads, updates and
         writes): a leaf too large for its share is read, updated and written a range of rows
         at a time (`ranges`), the same values to the bit. None: whole leaves (a few of the
-        largest leaf's param, gradient and state slots in flight). Not recorded.
+        largest leaf's param, gradient and state slots in flight). Not recorded. With
+        ``update="backward"`` the gradients handed off and the params kept are not counted.
 
     Returns:
       The open store, at step 0.
