@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from test_layer_update import OPTIMIZERS
 
 import offlax
 from offlax._src import errors
@@ -86,16 +87,6 @@ def train(path, tx, dtype, mode, budget, steps=2, micro=1):
           grad(store.source(accumulate=True, last=last), batch(micro * step + m, dtype))
       store.update()
     return store.read_params(), store.read_state(), store.last_update
-
-
-OPTIMIZERS = {
-  "adam": (lambda: optax.adam(1e-2), jnp.float32),
-  "master-adamw": (
-    lambda: offlax.master_weights(optax.adamw(1e-2, weight_decay=0.1)),
-    jnp.bfloat16,
-  ),
-  "native-adamw": (lambda: offlax.adamw(1e-2, weight_decay=0.1), jnp.float32),
-}
 
 
 @pytest.mark.slow_except("adam-backward")

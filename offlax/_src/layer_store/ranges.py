@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import crc32c
@@ -228,19 +228,18 @@ class Crcs:
 
   def read(self, kind: str, gen: int, k: int, i: int, r: Range, buffer: np.ndarray) -> None:
     """Adds a range read; after the slot's last, checks it (raises `StoreCorruptedError`)."""
-    key = (kind, gen, k, i)
-    crc = crc32c.crc32c(buffer.data, value=self._running.pop(key, 0) if r.start else 0)
-    if r.last:
-      self._slots.check(kind, gen, k, i, crc)
-    else:
-      self._running[key] = crc
+    self._add((kind, gen, k, i), r, buffer, self._slots.check)
 
   def written(self, kind: str, gen: int, k: int, i: int, r: Range, buffer: np.ndarray) -> None:
     """Adds a range written; after the slot's last, records the slot's crc32c."""
-    key = (kind, gen, k, i)
+    self._add((kind, gen, k, i), r, buffer, self._slots.record)
+
+  def _add(self, key: tuple[str, int, int, int], r: Range, buffer: np.ndarray,
+           last: Callable[..., None]) -> None:  # fmt: skip
+    """Continues `key`'s crc32c over `buffer`; after the slot's last range, `last(*key, crc)`."""
     crc = crc32c.crc32c(buffer.data, value=self._running.pop(key, 0) if r.start else 0)
     if r.last:
-      self._slots.record(kind, gen, k, i, crc)
+      last(*key, crc)
     else:
       self._running[key] = crc
 
