@@ -627,7 +627,8 @@ def test_layer_store_refuses_8bit_state(tmp_path):
 
 
 @pytest.mark.parametrize(
-  "stride", [pytest.param(997, id="every_997th"), pytest.param(1, id="every", marks=pytest.mark.slow)]
+  "stride",
+  [pytest.param(997, id="every_997th"), pytest.param(1, id="every", marks=pytest.mark.slow)],
 )
 def test_native_fast_codes_equal_the_bucket_table_on_every_float(stride):
   """adam8.cc's arithmetic codes (Segments) equal the bucket table's (the JAX path's) on every

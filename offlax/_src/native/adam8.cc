@@ -31,34 +31,21 @@
 // says).
 //
 // Threads: the blocks are split in chunks over the calling thread and XLA's
-// intra-op pool (capped by OFFLAX_NATIVE_THREADS, as adam.cc).
-#include <algorithm>
-#include <atomic>
-#include <cmath>
-#include <condition_variable>
-#include <cstdint>
-#include <cstdlib>
-#include <cstring>
-#include <memory>
-#include <mutex>
-#include <type_traits>
+// intra-op pool, or offlax's own where XLA gives fewer than two threads (a GPU
+// program's host computation), capped by OFFLAX_NATIVE_THREADS: adam.cc's
+// (common.h).
+#include "common.h"
 
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
 
-#include "xla/ffi/api/ffi.h"
-
-namespace ffi = xla::ffi;
-
 namespace {
 
-enum { kC1, kB1, kC2, kB2, kBc1, kBc2, kEpsRoot, kEps, kStep, kWd, kNumHyper };
+using namespace offlax_native;  // NOLINT: the kernels share its names
+
 constexpr int64_t kBlockSize = 256;
 constexpr int kKeyShift = 15;
-
-// What the step writes besides the state (host_adam.OUT_*).
-enum class Out { kNone = 0, kDelta = 1, kParam = 2, kUpdate = 3 };
 
 struct Tables {
   const float* map_m;    // the signed map (256)
@@ -161,7 +148,7 @@ struct Segments {
 struct Job8;
 using Kernel8 = void (*)(const Job8&, int64_t, int64_t);
 
-struct Job8 {
+struct Job8 : Chunks {
   Kernel8 kernel;
   Tables t;
   Segments segments_m, segments_v;
@@ -182,53 +169,8 @@ struct Job8 {
   int64_t size;
   int64_t blocks;
   int64_t chunk;  // blocks per chunk
-  int64_t num_chunks;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-  std::mutex mu;
-  std::condition_variable all_done;
+  void RunChunk(int64_t c) const { kernel(*this, c * chunk, std::min(blocks, (c + 1) * chunk)); }
 };
-
-inline float MulAdd(float a, float b, float c) {
-#ifdef __FMA__
-  return std::fma(a, b, c);
-#else
-  return a * b + c;
-#endif
-}
-
-inline float FromBf16(uint16_t b) {
-  const uint32_t x = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &x, sizeof f);
-  return f;
-}
-
-inline uint16_t ToBf16(float f) {
-  uint32_t x;
-  std::memcpy(&x, &f, sizeof x);
-  const uint32_t rounded = (x + 0x7fffu + ((x >> 16) & 1u)) >> 16;
-  const bool nan = (x & 0x7fffffffu) > 0x7f800000u;
-  return static_cast<uint16_t>(nan ? (x >> 16) | 0x40u : rounded);
-}
-
-template <typename T>
-inline float Widen(T x) {
-  if constexpr (std::is_same_v<T, uint16_t>) {
-    return FromBf16(x);
-  } else {
-    return x;
-  }
-}
-
-template <typename T>
-inline T Narrow(float x) {
-  if constexpr (std::is_same_v<T, uint16_t>) {
-    return ToBf16(x);
-  } else {
-    return x;
-  }
-}
 
 // The bits of |x|: for floats >= 0 (and NaN) they order as the values do, so the
 // absmax is an integer max, which vectorises; a NaN (above every number) wins,
@@ -605,27 +547,6 @@ void Step8(const Job8& j, int64_t first_block, int64_t last_block) {
   }
 }
 
-void Work(Job8& j) {
-  for (int64_t c; (c = j.next.fetch_add(1)) < j.num_chunks;) {
-    const int64_t lo = c * j.chunk, hi = std::min(j.blocks, lo + j.chunk);
-    j.kernel(j, lo, hi);
-    if (j.done.fetch_add(1) + 1 == j.num_chunks) {
-      std::lock_guard<std::mutex> lock(j.mu);
-      j.all_done.notify_all();
-    }
-  }
-}
-
-int64_t MaxThreads(int64_t pool_threads) {
-  static const int64_t cap = [] {
-    const char* env = std::getenv("OFFLAX_NATIVE_THREADS");
-    const long value = env == nullptr ? 0 : std::strtol(env, nullptr, 10);
-    return value > 0 ? static_cast<int64_t>(value) : int64_t{0};
-  }();
-  const int64_t threads = std::max<int64_t>(1, pool_threads);
-  return cap > 0 ? std::min(cap, threads) : threads;
-}
-
 template <typename G, typename P, Out kOut>
 Kernel8 PickDecay(bool decay) {
   return decay ? Step8<G, P, kOut, true> : Step8<G, P, kOut, false>;
@@ -645,8 +566,6 @@ Kernel8 PickOut(int32_t out, bool low_bf16, bool decay) {
   }
   return nullptr;
 }
-
-bool F32OrBf16(ffi::DataType t) { return t == ffi::DataType::F32 || t == ffi::DataType::BF16; }
 
 ffi::Error Step8Impl(ffi::ThreadPool pool, ffi::AnyBuffer g, ffi::Buffer<ffi::S8> mc,
                      ffi::Buffer<ffi::F32> ms, ffi::Buffer<ffi::U8> vc, ffi::Buffer<ffi::F32> vs,
@@ -701,12 +620,7 @@ ffi::Error Step8Impl(ffi::ThreadPool pool, ffi::AnyBuffer g, ffi::Buffer<ffi::S8
   job->blocks = blocks;
   job->chunk = 256;  // 64 Ki elements a chunk
   job->num_chunks = (blocks + job->chunk - 1) / job->chunk;
-  if (job->num_chunks == 0) return ffi::Error::Success();
-  const int64_t helpers = std::min(MaxThreads(pool.num_threads()), job->num_chunks) - 1;
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([job] { Work(*job); });
-  Work(*job);
-  std::unique_lock<std::mutex> lock(job->mu);
-  job->all_done.wait(lock, [&] { return job->done.load() == job->num_chunks; });
+  RunChunks(pool, job, n);
   return ffi::Error::Success();
 }
 
