@@ -208,7 +208,7 @@ def test_gpu_check_code_path_runs_on_cpu(tmp_path):
   _summary_rows("gpu_check", result)
 
 
-@pytest.mark.slow  # 7 subprocesses; the host step's tests cover the kernel
+@pytest.mark.slow  # 11 subprocesses; the host step's tests cover the kernel
 def test_host_adam_benchmark_runs(tmp_path):
   result = _load("benchmarks/host_adam.py").main(
     [
@@ -235,10 +235,14 @@ def test_host_adam_benchmark_runs(tmp_path):
     "plain optax mixed",
     "offlax full step",
     "plain optax",
+    "offlax mixed, 8-bit state",
+    "offlax full step, 8-bit state",
   }
   assert set(result["sizes"]["0.1M, 1 thread(s)"]["params_per_s"]) == {
     "offlax mixed, bf16 params out",
     "offlax full step",
+    "offlax mixed, 8-bit state",
+    "offlax full step, 8-bit state",
   }
   # two interleaved repeats of one step each, pooled
   assert all(len(t) == 2 for t in result["sizes"]["0.1M"]["variants"].values())

@@ -247,6 +247,26 @@ def test_a_failed_build_falls_back_to_jax(tmp_path, monkeypatch, caplog):
   assert_trees_equal(_train(offlax.adam(1e-3), params), _train(optax.adam(1e-3), params))
 
 
+def test_an_edited_header_rebuilds_the_library(tmp_path, monkeypatch):
+  """The library's cache key covers native/*.h (common.h), not the sources alone."""
+  import shutil
+
+  native = tmp_path / "native"
+  shutil.copytree(ffi._NATIVE, native)
+  compiler = tmp_path / "cxx"  # touches its output: the key, not the compile, is tested
+  loop = 'while [ "$#" -gt 1 ]; do [ "$1" = -o ] && touch "$2"; shift; done'
+  compiler.write_text(f"#!/bin/sh\n{loop}\n")
+  compiler.chmod(0o755)
+  monkeypatch.setattr(ffi, "_NATIVE", native)
+  monkeypatch.setenv("OFFLAX_CACHE_DIR", str(tmp_path / "cache"))
+  monkeypatch.setenv("CXX", str(compiler))
+  first = ffi._build()
+  assert ffi._build() == first
+  header = native / "common.h"
+  header.write_text(header.read_text() + "// edited\n")
+  assert ffi._build() != first
+
+
 @pytest.mark.parametrize("compute", ["host", "device"])
 def test_on_the_cpu_backend_the_native_step_updates_each_leaf_whole(compute):
   """On the CPU backend no slice of the state is taken: each leaf is updated in place.

@@ -626,6 +626,38 @@ def test_layer_store_refuses_8bit_state(tmp_path):
     )
 
 
+@pytest.mark.parametrize(
+  "stride",
+  [pytest.param(997, id="every_997th"), pytest.param(1, id="every", marks=pytest.mark.slow)],
+)
+def test_native_fast_codes_equal_the_bucket_table_on_every_float(stride):
+  """adam8.cc's arithmetic codes (Segments) equal the bucket table's (the JAX path's) on every
+  float in [-1, 1] for both maps (every 997th bit pattern in the default run, all in the slow one).
+  """
+  import ctypes
+
+  from offlax._src import ffi, host_adam8
+
+  library = ffi.library()
+  if library is None:
+    pytest.skip("no native library")
+  check = library.OfflaxAdam8CheckCodes
+  check.restype = ctypes.c_int64
+  _, above, keys = host_adam8._tables()
+  slow = ctypes.c_int64()
+  for signed, half in ((True, 0), (False, 1)):
+    a = np.ascontiguousarray(above[256 * half : 256 * (half + 1)])
+    k = np.ascontiguousarray(keys[2**17 * half : 2**17 * (half + 1)])
+    wrong = check(
+      a.ctypes.data_as(ctypes.c_void_p), k.ctypes.data_as(ctypes.c_void_p), ctypes.c_int32(signed),
+      ctypes.c_int64(stride), ctypes.byref(slow),
+    )  # fmt: skip
+    if wrong == -1:
+      pytest.skip("no AVX-512: the kernel uses the bucket table only")
+    assert wrong == 0
+    assert slow.value < 1e-3 * 2**30 / stride  # the table is the exception
+
+
 def test_native_codes_at_every_midpoint_and_entry(monkeypatch):
   """The kernel's in-register code search (adam8.cc) gives the JAX path's codes at every midpoint
   and entry of the signed map and one float either side of each.

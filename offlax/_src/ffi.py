@@ -3,10 +3,10 @@
 The sources in `native/` (`adam.cc`: the host Adam kernel; `adam8.cc`: its 8-bit
 state version; `slices.cc`: the NVMe tier's copies between XLA's buffers and its
 slice buffers; `transpose.cc`: a matrix transpose for checkpoint loads and saves,
-called by ctypes) are compiled
+called by ctypes; `common.h`: what the two Adam kernels share) are compiled
 into one shared library with the system C++ compiler, cached in
 ``$OFFLAX_CACHE_DIR`` (default ``~/.cache/offlax``) under a name keyed by the
-sources, the flags, the jaxlib headers and the CPU, and registered with XLA
+sources and headers, the flags, the jaxlib headers and the CPU, and registered with XLA
 for the CPU platform and for the host computations of GPU programs
 (`plugin_ffi.py`). If the build or a registration fails, or ``OFFLAX_NATIVE=0``,
 `available()` is False and every user falls back to plain JAX, with the same
@@ -33,6 +33,7 @@ from offlax._src import plugin_ffi
 _LOG = logging.getLogger("offlax")
 _NATIVE = pathlib.Path(__file__).parent / "native"
 _SOURCES = ("adam.cc", "adam8.cc", "slices.cc", "transpose.cc")
+_HEADERS = ("common.h",)  # included by sources: part of the cache key, so an edit rebuilds
 _FLAGS = ["-std=c++17", "-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno"]
 
 # FFI target name -> the handler's symbol in the library.
@@ -131,8 +132,10 @@ def _build() -> pathlib.Path:
   include = jax.ffi.include_dir()
   flags = _flags()
   sources = [_NATIVE / name for name in _SOURCES]
+  headers = [_NATIVE / name for name in _HEADERS]
   key = hashlib.sha256()
-  for part in (*(s.read_bytes() for s in sources), " ".join(flags).encode(), include.encode()):
+  parts = (s.read_bytes() for s in (*sources, *headers))
+  for part in (*parts, " ".join(flags).encode(), include.encode()):
     key.update(part)
   key.update(_cpu_id())  # what -march=native compiled for
   cache = pathlib.Path(

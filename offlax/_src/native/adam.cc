@@ -32,38 +32,17 @@
 // host step ran at one core's speed), offlax's own pool of one thread per core
 // takes its place; OFFLAX_NATIVE_POOL=xla or =own forces either, and
 // OFFLAX_NATIVE_DEBUG=1 says on stderr, once, what a call was given.
-#include <algorithm>
-#include <atomic>
-#include <cmath>
-#include <condition_variable>
-#include <cstdint>
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
-#include <deque>
-#include <functional>
-#include <memory>
-#include <mutex>
-#include <thread>
-#include <type_traits>
-#include <utility>
-
-#include <sched.h>
-
-#include "xla/ffi/api/ffi.h"
-
-namespace ffi = xla::ffi;
+#include "common.h"
 
 namespace {
 
-// Hyperparameters, computed by the caller exactly as optax computes them.
-enum { kC1, kB1, kC2, kB2, kBc1, kBc2, kEpsRoot, kEps, kStep, kWd, kNumHyper };
+using namespace offlax_native;  // NOLINT: the kernels share its names
 
 struct Job;
 // Updates elements [lo, hi) of a job's arrays.
 using Kernel = void (*)(const Job&, int64_t, int64_t);
 
-struct Job {
+struct Job : Chunks {
   Kernel kernel;
   const void* g;  // float, or bfloat16 for OfflaxAdamStep
   const float* m;
@@ -81,24 +60,11 @@ struct Job {
   float h[kNumHyper];
   int64_t size;
   int64_t chunk;
-  int64_t num_chunks;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-  std::mutex mu;
-  std::condition_variable all_done;
+  void RunChunk(int64_t c) const { kernel(*this, c * chunk, std::min(size, (c + 1) * chunk)); }
 };
 
 // Elements per cache line, per block of the loop, and prefetched ahead.
 constexpr int64_t kLine = 16, kBlock = 4 * kLine, kAhead = 512;
-
-// a * b + c as XLA:CPU's loop computes it.
-inline float MulAdd(float a, float b, float c) {
-#ifdef __FMA__
-  return std::fma(a, b, c);
-#else
-  return a * b + c;
-#endif
-}
 
 // What a call of OfflaxAdamMomentsF32 or OfflaxAdamF32 computes.
 enum class Mode { kMoments, kAdam, kAdamW };
@@ -149,48 +115,6 @@ void Update(const Job& j, int64_t lo, int64_t hi) {
     }
   }
 }
-
-// bfloat16 <-> float as XLA converts: exact widening; narrowing rounds to
-// nearest even, NaN stays a (quiet) NaN.
-inline float FromBf16(uint16_t b) {
-  const uint32_t x = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &x, sizeof f);
-  return f;
-}
-
-inline uint16_t ToBf16(float f) {
-  uint32_t x;
-  std::memcpy(&x, &f, sizeof x);
-  const uint32_t rounded = (x + 0x7fffu + ((x >> 16) & 1u)) >> 16;
-  const bool nan = (x & 0x7fffffffu) > 0x7f800000u;
-  return static_cast<uint16_t>(nan ? (x >> 16) | 0x40u : rounded);
-}
-
-template <typename T>
-inline float Widen(T x) {
-  if constexpr (std::is_same_v<T, uint16_t>) {
-    return FromBf16(x);
-  } else {
-    return x;
-  }
-}
-
-template <typename T>
-inline T Narrow(float x) {
-  if constexpr (std::is_same_v<T, uint16_t>) {
-    return ToBf16(x);
-  } else {
-    return x;
-  }
-}
-
-// What OfflaxAdamStep writes besides the moments and `w`.
-enum class Out {
-  kNone,    // `w` is the param: the step is done
-  kDelta,   // `w` is the master: float32 update of the low-precision param
-  kParam,   // `w` is the master: the new low-precision param (`w` rounded)
-};
 
 // The whole Adam(W) step of one param or master `w`, with gradient type G and
 // low-precision param type P (uint16_t: bfloat16). As optax computes it:
@@ -245,104 +169,6 @@ void FullStep(const Job& j, int64_t lo, int64_t hi) {
   }
 }
 
-// Runs chunks until none is left. A helper that starts late finds none, so the
-// caller waits only for chunks that some running thread has taken.
-void Work(Job& j) {
-  for (int64_t c; (c = j.next.fetch_add(1)) < j.num_chunks;) {
-    const int64_t lo = c * j.chunk, hi = std::min(j.size, lo + j.chunk);
-    j.kernel(j, lo, hi);
-    if (j.done.fetch_add(1) + 1 == j.num_chunks) {
-      std::lock_guard<std::mutex> lock(j.mu);
-      j.all_done.notify_all();
-    }
-  }
-}
-
-// Threads a call may use: OFFLAX_NATIVE_THREADS if set (read once), else all of its pool.
-int64_t MaxThreads(int64_t pool_threads) {
-  static const int64_t cap = [] {
-    const char* env = std::getenv("OFFLAX_NATIVE_THREADS");
-    const long value = env == nullptr ? 0 : std::strtol(env, nullptr, 10);
-    return value > 0 ? static_cast<int64_t>(value) : int64_t{0};
-  }();
-  const int64_t threads = std::max<int64_t>(1, pool_threads);
-  return cap > 0 ? std::min(cap, threads) : threads;
-}
-
-// The cores this process may run on.
-int64_t Cores() {
-  cpu_set_t set;
-  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
-  return std::max<int64_t>(1, std::thread::hardware_concurrency());
-}
-
-// offlax's own workers, one per core but the caller's, for calls that XLA gives no pool.
-// Started on first use and never stopped: a pool destroyed at exit would wait for workers
-// blocked on its queue.
-class OwnPool {
- public:
-  static OwnPool& Get() {
-    static OwnPool* pool = new OwnPool(Cores() - 1);
-    return *pool;
-  }
-  int64_t num_threads() const { return workers_; }
-  void Schedule(std::function<void()> fn) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      queue_.push_back(std::move(fn));
-    }
-    ready_.notify_one();
-  }
-
- private:
-  explicit OwnPool(int64_t workers) : workers_(workers) {
-    for (int64_t t = 0; t < workers_; ++t) std::thread([this] { Loop(); }).detach();
-  }
-  void Loop() {
-    for (;;) {
-      std::function<void()> fn;
-      {
-        std::unique_lock<std::mutex> lock(mu_);
-        ready_.wait(lock, [this] { return !queue_.empty(); });
-        fn = std::move(queue_.front());
-        queue_.pop_front();
-      }
-      fn();
-    }
-  }
-  const int64_t workers_;
-  std::mutex mu_;
-  std::condition_variable ready_;
-  std::deque<std::function<void()>> queue_;
-};
-
-// Whether a call whose XLA pool has `pool_threads` threads uses offlax's own pool:
-// OFFLAX_NATIVE_POOL=own or =xla (read once) decides, else whether XLA gave fewer than two.
-bool UseOwnPool(int64_t pool_threads) {
-  static const int forced = [] {
-    const char* env = std::getenv("OFFLAX_NATIVE_POOL");
-    if (env == nullptr) return 0;
-    return std::strcmp(env, "own") == 0 ? 1 : std::strcmp(env, "xla") == 0 ? -1 : 0;
-  }();
-  return forced == 0 ? pool_threads < 2 : forced > 0;
-}
-
-// With OFFLAX_NATIVE_DEBUG set (not "0"), says once what the first call of more than one
-// chunk was given: where the host step runs slower than on the CPU backend, the pool is the
-// first suspect.
-void SayPool(int64_t pool_threads, bool own, int64_t threads, int64_t size) {
-  static std::once_flag once;
-  std::call_once(once, [&] {
-    const char* env = std::getenv("OFFLAX_NATIVE_DEBUG");
-    if (env == nullptr || env[0] == '\0' || std::strcmp(env, "0") == 0) return;
-    std::fprintf(stderr,
-                 "offlax native: XLA's intra-op pool has %lld threads; the first call (%lld "
-                 "elements) ran on %lld threads (%s)\n",
-                 static_cast<long long>(pool_threads), static_cast<long long>(size),
-                 static_cast<long long>(threads), own ? "offlax's own pool" : "XLA's pool");
-  });
-}
-
 // Splits the arrays in chunks over the caller and XLA's intra-op threads (or offlax's own).
 ffi::Error Run(ffi::ThreadPool& pool, std::shared_ptr<Job> job, ffi::Buffer<ffi::F32>& hyper,
                size_t needed) {
@@ -352,21 +178,7 @@ ffi::Error Run(ffi::ThreadPool& pool, std::shared_ptr<Job> job, ffi::Buffer<ffi:
   std::copy_n(hyper.typed_data(), needed, job->h);
   job->chunk = int64_t{1} << 16;  // 256 KiB of each array: big enough to amortise
   job->num_chunks = (job->size + job->chunk - 1) / job->chunk;
-  if (job->num_chunks == 0) return ffi::Error::Success();
-  const bool own = UseOwnPool(pool.num_threads());
-  const int64_t available = own ? OwnPool::Get().num_threads() + 1 : pool.num_threads();
-  const int64_t helpers = std::min(MaxThreads(available), job->num_chunks) - 1;
-  if (job->num_chunks > 1) SayPool(pool.num_threads(), own, helpers + 1, job->size);
-  for (int64_t t = 0; t < helpers; ++t) {
-    if (own) {
-      OwnPool::Get().Schedule([job] { Work(*job); });
-    } else {
-      pool.Schedule([job] { Work(*job); });
-    }
-  }
-  Work(*job);
-  std::unique_lock<std::mutex> lock(job->mu);
-  job->all_done.wait(lock, [&] { return job->done.load() == job->num_chunks; });
+  RunChunks(pool, job, job->size);
   return ffi::Error::Success();
 }
 
@@ -428,11 +240,10 @@ Kernel PickOut(int32_t out, bool low_bf16, bool decay) {
     case Out::kParam:
       return low_bf16 ? PickDecay<G, uint16_t, Out::kParam>(decay)
                       : PickDecay<G, float, Out::kParam>(decay);
+    case Out::kUpdate: return nullptr;  // adam8.cc's only
   }
   return nullptr;
 }
-
-bool F32OrBf16(ffi::DataType t) { return t == ffi::DataType::F32 || t == ffi::DataType::BF16; }
 
 // The whole step: w (the param, or the master) and the moments in place; with
 // `out` != kNone also the low-precision param `low` updated, written as the new

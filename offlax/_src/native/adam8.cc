@@ -6,51 +6,46 @@
 // as optax's expression as written, and the new moments quantized again
 // (absmax scale; the code is the number of midpoints <= m / scale).
 //
-// Lookups: with AVX-512 every table lives in registers: the code by a binary
-// search over the midpoints (Search), the dequantized value by byte-plane
-// permutes (BytePlanes, with VBMI) or float permutes (RegTable); no gathers,
-// which were most of the step's time (on AMD Zen 4 a 16-lane gather costs about
-// what 16 loads do). Without AVX-512, for the last partial vectors of a leaf,
-// and for |m / scale| > 1 (a non-finite or subnormal scale), the code comes
-// from quantized.py's bucket table (keyed by the top 17 bits of m / scale,
-// then one comparison with the next midpoint), which gives the same count for
-// every |y| <= 1 (checked on every float there, in the bench harness of issue
-// 45's kernel8 work). Every table comes from Python (`quantized.py`), so the
-// codes are the JAX path's; every float
-// operation is the JAX path's in its order, so with XLA told to evaluate as
-// written (no algebraic rewrites, no FMA: the tests' flags) the results are
-// bit-identical, and under XLA's defaults they agree to rounding (FMA
-// contraction of the moments, as adam.cc says).
+// Codes: with AVX-512, from the float's bits by arithmetic and lookups in
+// registers (Segments: the octave and the run of evenly spaced midpoints that
+// y falls in give the count as a floor, to within one where y is near a
+// midpoint); a group of 64 with such a y, a block with a subnormal or
+// non-finite scale, the last partial vectors of a leaf and CPUs without
+// AVX-512 take quantized.py's bucket table (keyed by the top 17 bits of
+// m / scale, then one comparison with the next midpoint). Both give the JAX
+// path's count for every float in [-1, 1] (`OfflaxAdam8CheckCodes` checks
+// every one; tests/test_state_bits.py). Dequantized values: byte-plane permutes
+// (BytePlanes, with VBMI) or float permutes (RegTable); no gathers (a 16-lane
+// gather costs about what 16 loads do).
+//
+// Divisions: the update's two divisions by the bias corrections are exact
+// emulations by FMA (DivideBy: Markstein's correction of a multiply by the
+// reciprocal), where the divider took ten cycles a vector each; the division
+// by the denominator and the square root stay.
+//
+// Every table comes from Python (`quantized.py`), so the codes are the JAX
+// path's; every float operation is the JAX path's in its order (or rounds as
+// it does), so with XLA told to evaluate as written (no algebraic rewrites, no
+// FMA: the tests' flags) the results are bit-identical, and under XLA's
+// defaults they agree to rounding (FMA contraction of the moments, as adam.cc
+// says).
 //
 // Threads: the blocks are split in chunks over the calling thread and XLA's
-// intra-op pool (capped by OFFLAX_NATIVE_THREADS, as adam.cc).
-#include <algorithm>
-#include <atomic>
-#include <cmath>
-#include <condition_variable>
-#include <cstdint>
-#include <cstdlib>
-#include <cstring>
-#include <memory>
-#include <mutex>
-#include <type_traits>
+// intra-op pool, or offlax's own where XLA gives fewer than two threads (a GPU
+// program's host computation), capped by OFFLAX_NATIVE_THREADS: adam.cc's
+// (common.h).
+#include "common.h"
 
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
 
-#include "xla/ffi/api/ffi.h"
-
-namespace ffi = xla::ffi;
-
 namespace {
 
-enum { kC1, kB1, kC2, kB2, kBc1, kBc2, kEpsRoot, kEps, kStep, kWd, kNumHyper };
+using namespace offlax_native;  // NOLINT: the kernels share its names
+
 constexpr int64_t kBlockSize = 256;
 constexpr int kKeyShift = 15;
-
-// What the step writes besides the state (host_adam.OUT_*).
-enum class Out { kNone = 0, kDelta = 1, kParam = 2, kUpdate = 3 };
 
 struct Tables {
   const float* map_m;    // the signed map (256)
@@ -61,12 +56,102 @@ struct Tables {
   const int32_t* key_v;
 };
 
+// The index of y (the number of midpoints <= y) from y's bits by arithmetic,
+// a few lookups in registers and no search. The dynamic map's positive
+// midpoints fall in a few runs on arithmetic grids (one run a decade), each
+// after one isolated midpoint (the one between two decades): a run's
+// "segment" starts at that midpoint T, and for T <= a < the next T,
+//   count(a) = C + clamp(floor(a * A + B), 0, K),
+// C the midpoints <= T, K the run's length, A and B its grid (the run's
+// j-th midpoint at t = j). An octave of floats holds at most one T, so a's
+// segment is its octave's first segment, plus one at or above the octave's T
+// (two lookups by the exponent, an integer compare), and A, B, C, K four more
+// lookups by segment. The float32 midpoints sit within 2**-15 of their grid,
+// so a t that is not within kNear of an integer gives the exact count; a
+// vector with a t that is (a few in a thousand vectors), or with |y| > 1, takes
+// the bucket table (IndexOf), which is exact everywhere. The signed map is
+// symmetric (less its top midpoint): for y < 0 the count is 127 minus the
+// positive midpoints below |y| (those <= the float just below it). Checked
+// against IndexOf on every float in [-1, 1] (`offlax_adam8_check_codes`,
+// tests/test_state_bits.py).
+struct Segments {
+  static constexpr int kMax = 16;       // segments, with the one below the first T
+  static constexpr int kOctaves = 32;   // octaves 2**-31 .. 2**0 (lower ones fold into the first)
+  static constexpr int kFirstExponent = 127 - 31;  // biased exponent of octave 0
+  static constexpr int kFraction = 12;  // t in fixed point: 12 fraction bits
+  static constexpr float kNear = 1.0f / (1 << (kFraction + 2));  // the grid's error bound, checked by Build
+  bool ok = false;
+  int32_t octave_segment[kOctaves];  // 1 + the segment of the octave's lowest float, + 1
+  int32_t octave_start[kOctaves];    // the bits of the T in the octave, else of +inf
+  float a[kMax], b[kMax];
+  int32_t c[kMax], k[kMax];
+
+  // From the midpoints (255, ascending, then +inf). False (no fast path) if the
+  // map has not this shape.
+  bool Build(const float* above, bool is_signed) {
+    const float* p = is_signed ? above + 127 : above;  // the positive midpoints
+    const int n = is_signed ? 128 : 255;
+    if (is_signed) {
+      for (int i = 0; i < 127; ++i) {
+        if (above[i] != -above[253 - i]) return ok = false;
+      }
+    }
+    if (!(p[0] > 0)) return ok = false;
+    int segments = 1;  // segment 0: below the first T (count 0)
+    a[0] = 0, b[0] = 0.5f, c[0] = 0, k[0] = 0;
+    int32_t starts[kMax];
+    for (int i = 0; i < n;) {
+      if (segments == kMax) return ok = false;
+      // Midpoint i starts a segment; its run: the longest after it whose grid
+      // (from its first and last) puts every one within kNear / 4 of its slot.
+      int run = 0;
+      float sa = 0, sb = 0.5f;
+      for (int len = 1; i + len < n; ++len) {
+        const double first = p[i + 1], last = p[i + len];
+        const double step = len == 1 ? first : (last - first) / (len - 1);
+        const float ta = static_cast<float>(1 / step), tb = static_cast<float>(1 - first / step);
+        bool fits = true;
+        for (int j = 1; j <= len && fits; ++j) {
+          const float t = std::fma(p[i + j], ta, tb);
+          fits = std::fabs(t - j) <= kNear;
+        }
+        if (!fits) break;
+        run = len, sa = ta, sb = tb;
+      }
+      std::memcpy(&starts[segments], &p[i], sizeof(float));
+      a[segments] = sa, b[segments] = sb, c[segments] = i + 1, k[segments] = run;
+      ++segments;
+      i += 1 + run;
+    }
+    for (int s = segments; s < kMax; ++s) a[s] = 0, b[s] = 0.5f, c[s] = 0, k[s] = 0;
+    for (int s = 0; s < kMax; ++s) {
+      // t in fixed point (exact: powers of two); signed codes are the count - 1 (SegmentRegs::Codes).
+      a[s] *= 1 << kFraction, b[s] *= 1 << kFraction, c[s] -= is_signed ? 1 : 0;
+    }
+    for (int o = 0; o < kOctaves; ++o) {
+      const uint32_t low = o == 0 ? 0u : static_cast<uint32_t>(kFirstExponent + o) << 23;
+      const uint32_t high = static_cast<uint32_t>(kFirstExponent + o + 1) << 23;
+      int below = 0, inside = 0;
+      octave_start[o] = 0x7f800000;
+      for (int s = 1; s < segments; ++s) {
+        const uint32_t t = static_cast<uint32_t>(starts[s]);
+        if (t < low) ++below;
+        if (t >= low && t < high) ++inside, octave_start[o] = starts[s];
+      }
+      if (inside > 1 || (o == 0 && below + inside > 0)) return ok = false;
+      octave_segment[o] = below + 1;
+    }
+    return ok = true;
+  }
+};
+
 struct Job8;
 using Kernel8 = void (*)(const Job8&, int64_t, int64_t);
 
-struct Job8 {
+struct Job8 : Chunks {
   Kernel8 kernel;
   Tables t;
+  Segments segments_m, segments_v;
   const void* g;
   const int8_t* mc;
   const float* ms;
@@ -84,53 +169,8 @@ struct Job8 {
   int64_t size;
   int64_t blocks;
   int64_t chunk;  // blocks per chunk
-  int64_t num_chunks;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-  std::mutex mu;
-  std::condition_variable all_done;
+  void RunChunk(int64_t c) const { kernel(*this, c * chunk, std::min(blocks, (c + 1) * chunk)); }
 };
-
-inline float MulAdd(float a, float b, float c) {
-#ifdef __FMA__
-  return std::fma(a, b, c);
-#else
-  return a * b + c;
-#endif
-}
-
-inline float FromBf16(uint16_t b) {
-  const uint32_t x = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &x, sizeof f);
-  return f;
-}
-
-inline uint16_t ToBf16(float f) {
-  uint32_t x;
-  std::memcpy(&x, &f, sizeof x);
-  const uint32_t rounded = (x + 0x7fffu + ((x >> 16) & 1u)) >> 16;
-  const bool nan = (x & 0x7fffffffu) > 0x7f800000u;
-  return static_cast<uint16_t>(nan ? (x >> 16) | 0x40u : rounded);
-}
-
-template <typename T>
-inline float Widen(T x) {
-  if constexpr (std::is_same_v<T, uint16_t>) {
-    return FromBf16(x);
-  } else {
-    return x;
-  }
-}
-
-template <typename T>
-inline T Narrow(float x) {
-  if constexpr (std::is_same_v<T, uint16_t>) {
-    return ToBf16(x);
-  } else {
-    return x;
-  }
-}
 
 // The bits of |x|: for floats >= 0 (and NaN) they order as the values do, so the
 // absmax is an integer max, which vectorises; a NaN (above every number) wins,
@@ -199,66 +239,58 @@ struct RegTable {
   }
 };
 
-// The index of y (the number of midpoints <= y): a binary search over the 255
-// midpoints for its first five levels (step 128 compares with one of 1
-// candidate, step 64 with one of 2, ..., step 8 with one of 16: each level's
-// candidates fit in a register), which leaves y between midpoints 8c - 1 and
-// 8c + 7; then the 7 midpoints 8c .. 8c + 6 at once, each from a table of 32
-// (one `vpermi2ps` each, and no chain between them: three more levels would
-// take 11 permutes and blends, this takes 7). Exact for |y| <= 1, where the
-// bucket table gives the same count (quantized.bucket_counts).
-struct Search {
-  RegTable<1> s128;
-  RegTable<2> s64;
-  RegTable<4> s32;
-  RegTable<8> s16;
-  RegTable<16> s8;
-  RegTable<32> last[7];  // last[t][c] = midpoint 8c + t
-
-  void Load(const float* above) {
-    float level[128];
-    auto load = [&](auto& table, int step) {
-      for (int c = 0; c < 128 / step; ++c) level[c] = above[c * 2 * step + step - 1];
-      table.Load(level);
-    };
-    load(s128, 128), load(s64, 64), load(s32, 32), load(s16, 16), load(s8, 8);
-    for (int t = 0; t < 7; ++t) {
-      for (int c = 0; c < 32; ++c) level[c] = above[8 * c + t];
-      last[t].Load(level);
+// Segments in registers.
+struct SegmentRegs {
+  __m512i octave_segment[2], octave_start[2], c, k;
+  __m512 a, b;
+  void Load(const Segments& s) {
+    for (int h = 0; h < 2; ++h) {
+      octave_segment[h] = _mm512_loadu_si512(s.octave_segment + 16 * h);
+      octave_start[h] = _mm512_loadu_si512(s.octave_start + 16 * h);
     }
+    a = _mm512_loadu_ps(s.a), b = _mm512_loadu_ps(s.b);
+    c = _mm512_loadu_si512(s.c), k = _mm512_loadu_si512(s.k);
   }
 
-  // One level for kK vectors at once: a level's permute and compare wait on the
-  // last level's add, so a single vector's search is a chain of latencies; kK
-  // independent chains keep the vector units busy.
-  template <int kStep, int kK, typename Table>
-  static void Level(const Table& table, const __m512 (&y)[kK], __m512i (&index)[kK]) {
-    const __m512i step = _mm512_set1_epi32(kStep);
-    for (int k = 0; k < kK; ++k) {
-      // index is a multiple of 2 * kStep here: its candidate is number index / (2 * kStep).
-      const __m512i c = _mm512_srli_epi32(index[k], __builtin_ctz(2 * kStep));
-      const __mmask16 reached = _mm512_cmp_ps_mask(table.At(c), y[k], _CMP_LE_OQ);
-      index[k] = _mm512_mask_add_epi32(index[k], reached, index[k], step);
-    }
-  }
-
-  template <int kK>
-  void IndexOf(const __m512 (&y)[kK], __m512i (&index)[kK]) const {
-    for (int k = 0; k < kK; ++k) index[k] = _mm512_setzero_si512();
-    Level<128>(s128, y, index);
-    Level<64>(s64, y, index);
-    Level<32>(s32, y, index);
-    Level<16>(s16, y, index);
-    Level<8>(s8, y, index);
-    const __m512i one = _mm512_set1_epi32(1);
-    for (int k = 0; k < kK; ++k) {
-      const __m512i c = _mm512_srli_epi32(index[k], 3);
-      __m512i count = index[k];
-      for (int t = 0; t < 7; ++t) {
-        const __mmask16 reached = _mm512_cmp_ps_mask(last[t].At(c), y[k], _CMP_LE_OQ);
-        count = _mm512_mask_add_epi32(count, reached, count, one);
-      }
-      index[k] = count;
+  // The codes of y (index - 128 if signed) for |y| <= 1; `near` gets a lane's
+  // sign bit set where t is within 2**-12 of an integer, where the grid's error
+  // could change the count.
+  template <bool kSigned>
+  __m512i Codes(__m512 y, __m512i& near) const {
+    const __m512i bits = _mm512_castps_si512(y);
+    const __m512i sign = _mm512_srai_epi32(bits, 31);  // -1 where y < 0
+    // Signed: y < 0 counts the midpoints < |y|: those <= the float below it (bits - 1).
+    // Unsigned: y < 0 (never met: v >= 0) has negative bits, so counts as 0, as it should.
+    // Floats below octave 0 (2**-31) count as its lowest: no T lies there.
+    const __m512i x = _mm512_max_epi32(
+        kSigned ? _mm512_add_epi32(_mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)), sign) : bits,
+        _mm512_set1_epi32(Segments::kFirstExponent << 23));
+    // The octave: the exponent - 96, which the permutes take modulo 32.
+    const __m512i octave = _mm512_srli_epi32(x, 23);
+    const __m512i first = _mm512_permutex2var_epi32(octave_segment[0], octave, octave_segment[1]);
+    const __m512i start = _mm512_permutex2var_epi32(octave_start[0], octave, octave_start[1]);
+    // Both >= 0 and <= +inf, so their bits order as their values: x - start < 0 below T.
+    const __m512i segment = _mm512_add_epi32(first, _mm512_srai_epi32(_mm512_sub_epi32(x, start), 31));
+    const __m512 t = _mm512_fmadd_ps(_mm512_castsi512_ps(x), _mm512_permutexvar_ps(segment, a),
+                                     _mm512_permutexvar_ps(segment, b));
+    // t in fixed point, rounded: its integer part is the floor of t unless t is within
+    // half a step of an integer, where the fraction is 0.
+    const __m512i fixed = _mm512_cvt_roundps_epi32(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    near = _mm512_or_si512(
+        near, _mm512_sub_epi32(_mm512_and_si512(fixed, _mm512_set1_epi32((1 << Segments::kFraction) - 1)),
+                               _mm512_set1_epi32(1)));
+    const __m512i floor = _mm512_srai_epi32(fixed, Segments::kFraction);
+    const __m512i count = _mm512_add_epi32(
+        _mm512_permutexvar_epi32(segment, c),
+        _mm512_min_epi32(_mm512_max_epi32(floor, _mm512_setzero_si512()), _mm512_permutexvar_epi32(segment, k)));
+    if constexpr (kSigned) {
+      // count: the positive midpoints <= x, less one. y >= 0: the code is index - 128 =
+      // 127 + (count + 1) - 128; y < 0: 127 - min(count + 1, 127) - 128 = ~min(count + 1, 127)
+      // (no top midpoint among the negative ones).
+      const __m512i q = _mm512_min_epi32(_mm512_sub_epi32(count, sign), _mm512_set1_epi32(127));
+      return _mm512_xor_si512(q, sign);
+    } else {
+      return count;
     }
   }
 };
@@ -314,24 +346,77 @@ struct BytePlanes {
 };
 #endif
 
-// One moment's tables in registers: its map, its midpoints by level.
+// One moment's tables in registers: its map, its segments.
 struct MapRegs {
 #ifdef __AVX512VBMI__
   BytePlanes map;
 #else
   RegTable<256> map;
 #endif
-  Search search;
-  void Load(const float* values, const float* above) {
+  SegmentRegs segments;
+  void Load(const float* values, const Segments& s) {
     map.Load(values);
-    search.Load(above);
+    segments.Load(s);
   }
 };
 #else
 struct MapRegs {
-  void Load(const float*, const float*) {}
+  void Load(const float*, const Segments&) {}
 };
 #endif
+
+#ifdef __AVX512F__
+// a / b rounded as the division rounds it, for a divisor b fixed for a block and
+// its reciprocal rb = 1 / b (rounded): a Newton step puts q within an ulp of
+// a / b, and then, rb being the correctly rounded reciprocal, q + (a - b q) rb
+// rounded is the correctly rounded quotient (Markstein's theorem; Muller et al.,
+// Handbook of Floating-Point Arithmetic, 2nd ed., th. 4.10), with a - b q exact
+// (an FMA). Four FMAs and a multiply where the divider takes about ten cycles a
+// vector: the bias corrections' two divisions were half of the step's time.
+// Valid without underflow and overflow: b in [2**-20, 2], |a| in [2**-76, 2**100]
+// or 0 (DivisorOk, Divides); the sign comes from a, so -0 stays -0.
+inline __m512 DivideBy(__m512 a, __m512 b, __m512 rb) {
+  __m512 q = _mm512_mul_ps(a, rb);
+  q = _mm512_fmadd_ps(_mm512_fnmadd_ps(q, b, a), rb, q);
+  q = _mm512_fmadd_ps(_mm512_fnmadd_ps(q, b, a), rb, q);
+  return _mm512_castsi512_ps(_mm512_ternarylogic_epi32(_mm512_castps_si512(q), _mm512_castps_si512(a),
+                                                       _mm512_set1_epi32(0x7fffffff), 0xe4));
+}
+#endif
+
+// Whether DivideBy may divide by b.
+inline bool DivisorOk(float b) { return b >= 0x1p-20f && b <= 2.0f; }
+
+// Whether DivideBy may divide every element of a block by such a b: from the
+// block's largest |x| bits and its smallest (|x| bits - 1) (unsigned: 0 wraps to the top).
+constexpr uint32_t kLowestDividend = 51u << 23, kHighestDividend = 227u << 23;  // 2**-76, 2**100
+inline bool Divides(uint32_t most_bits, uint32_t least_bits_minus_one) {
+  return most_bits < kHighestDividend && least_bits_minus_one >= kLowestDividend - 1;
+}
+
+// The update before weight decay, optax's (m / bc1) / (sqrt(v / bc2 + eps_root) + eps),
+// each operation rounded as written; with `fast` the two divisions by the bias
+// corrections by DivideBy.
+inline void Updates(const float* m, const float* v, int64_t n, float bc1, float bc2, float eps_root,
+                    float eps, bool fast, float* u) {
+  int64_t i = 0;
+#ifdef __AVX512F__
+  if (fast) {
+    const __m512 b1v = _mm512_set1_ps(bc1), r1 = _mm512_set1_ps(1.0f / bc1);
+    const __m512 b2v = _mm512_set1_ps(bc2), r2 = _mm512_set1_ps(1.0f / bc2);
+    const __m512 er = _mm512_set1_ps(eps_root), ev = _mm512_set1_ps(eps);
+    for (; i + 16 <= n; i += 16) {
+      const __m512 mh = DivideBy(_mm512_loadu_ps(m + i), b1v, r1);
+      const __m512 vh = DivideBy(_mm512_loadu_ps(v + i), b2v, r2);
+      const __m512 d = _mm512_add_ps(_mm512_sqrt_ps(_mm512_add_ps(vh, er)), ev);
+      _mm512_storeu_ps(u + i, _mm512_div_ps(mh, d));
+    }
+  }
+#else
+  (void)fast;
+#endif
+  for (; i < n; ++i) u[i] = (m[i] / bc1) / (std::sqrt(v[i] / bc2 + eps_root) + eps);
+}
 
 // The dequantized moment of a block: map[code + offset] * s (offset 128 for int8 codes).
 template <typename Code>
@@ -363,40 +448,37 @@ inline void Dequantize(const Code* codes, int64_t n, float s, const float* map, 
 
 // The codes of x[i] * (1 / s) (quantized.quantize): the map index, minus 128 for int8 codes.
 template <typename Code>
-inline void Quantize(const float* x, int64_t n, float s, const int32_t* keys, const float* above,
-                     const MapRegs& regs, Code* codes) {
+__attribute__((always_inline)) inline void Quantize(const float* x, int64_t n, float s, const int32_t* keys, const float* above,
+                     bool fast, const MapRegs& regs, Code* codes) {
   constexpr int32_t offset = std::is_signed_v<Code> ? 128 : 0;
   const float r = 1.0f / (s > 0 ? s : 1.0f);
   int64_t i = 0;
 #ifdef __AVX512F__
-  constexpr int kK = 4;  // vectors searched side by side (Search::Level)
+  constexpr int kK = 4;  // vectors a group: one check of the group's lanes for the slow path
   const __m512 rv = _mm512_set1_ps(r);
-  const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
-  for (; i + 16 * kK <= n; i += 16 * kK) {
-    __m512 y[kK];
-    __mmask16 inside = 0xffff;
+  // |y| <= 1 where s is 0 or a normal float: |x| <= s, and r = 1 / s rounded is within
+  // 2**-24 of 1 / s, so x * r rounds to 1 at most. A subnormal or non-finite s
+  // (and its |y| > 1, infinities and NaNs) takes the table, whose clipped buckets
+  // define every code.
+  fast = fast && (s == 0 || (s >= 0x1p-126f && s <= 0x1p126f));
+  for (; fast && i + 16 * kK <= n; i += 16 * kK) {
+    __m512i code[kK], near = _mm512_setzero_si512();
     for (int k = 0; k < kK; ++k) {
-      y[k] = _mm512_mul_ps(_mm512_loadu_ps(x + i + 16 * k), rv);
-      const __m512 abs_y = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(y[k]), abs_mask));
-      inside &= _mm512_cmp_ps_mask(abs_y, _mm512_set1_ps(1.0f), _CMP_LE_OQ);
+      code[k] = regs.segments.Codes<std::is_signed_v<Code>>(_mm512_mul_ps(_mm512_loadu_ps(x + i + 16 * k), rv), near);
     }
-    // |y| > 1, infinities and NaNs (a subnormal or non-finite scale) take the table,
-    // whose clipped buckets define their codes.
-    if (inside != 0xffff) {
+    // A t near an integer: the table for the group.
+    if (_mm512_movepi32_mask(near) != 0) {
       for (int64_t k = i; k < i + 16 * kK; ++k) {
         codes[k] = static_cast<Code>(IndexOf(x[k] * r, keys, above) - offset);
       }
       continue;
     }
-    __m512i index[kK];
-    regs.search.IndexOf(y, index);
     for (int k = 0; k < kK; ++k) {
-      const __m512i code = _mm512_sub_epi32(index[k], _mm512_set1_epi32(offset));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i + 16 * k), _mm512_cvtepi32_epi8(code));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i + 16 * k), _mm512_cvtepi32_epi8(code[k]));
     }
   }
 #else
-  (void)regs;
+  (void)regs, (void)fast;
 #endif
   for (; i < n; ++i) codes[i] = static_cast<Code>(IndexOf(x[i] * r, keys, above) - offset);
 }
@@ -408,8 +490,9 @@ void Step8(const Job8& j, int64_t first_block, int64_t last_block) {
   const float eps = j.h[kEps], step = j.h[kStep], wd = j.h[kWd];
   const Tables t = j.t;
   MapRegs regs_m, regs_v;  // loaded once a chunk (256 blocks)
-  regs_m.Load(t.map_m, t.above_m);
-  regs_v.Load(t.map_v, t.above_v);
+  regs_m.Load(t.map_m, j.segments_m);
+  regs_v.Load(t.map_v, j.segments_v);
+  const bool divisors_ok = DivisorOk(bc1) && DivisorOk(bc2);
   float m[kBlockSize], v[kBlockSize];
   for (int64_t b = first_block; b < last_block; ++b) {
     const int64_t lo = b * kBlockSize, n = std::min(kBlockSize, j.size - lo);
@@ -422,18 +505,24 @@ void Step8(const Job8& j, int64_t first_block, int64_t last_block) {
       v[i] = MulAdd(c2, g * g, b2 * v[i]);  // (1 - b2) * g**2 + b2 * v
     }
     uint32_t am_bits = 0, av_bits = 0;
+    uint32_t am_low = ~0u, av_low = ~0u;  // the least |x| bits - 1 (0 wraps to the top)
     for (int64_t i = 0; i < n; ++i) {
       am_bits = std::max(am_bits, AbsBits(m[i]));
       av_bits = std::max(av_bits, AbsBits(v[i]));
+      am_low = std::min(am_low, AbsBits(m[i]) - 1u);
+      av_low = std::min(av_low, AbsBits(v[i]) - 1u);
     }
     const float am = FromBits(am_bits), av = FromBits(av_bits);
+    const bool fast = divisors_ok && Divides(am_bits, am_low) && Divides(av_bits, av_low);
     // The update from the new float32 moments, before they are rounded to 8 bits,
     // and the new codes, 64 elements at a time: the update is bound by the
     // divider, the codes by the shuffle unit, and in one loop they overlap.
     for (int64_t first = 0; first < n; first += 64) {
       const int64_t last = std::min(n, first + 64);
+      float us[64];
+      Updates(m + first, v + first, last - first, bc1, bc2, eps_root, eps, fast, us);
       for (int64_t i = first; i < last; ++i) {
-        float u = (m[i] / bc1) / (std::sqrt(v[i] / bc2 + eps_root) + eps);
+        float u = us[i - first];
         if constexpr (kOut == Out::kUpdate) {
           if constexpr (kDecay) u = MulAdd(wd, j.w[lo + i], u);  // add_decayed_weights
           static_cast<float*>(j.out)[lo + i] = step * u;          // scale_by_learning_rate
@@ -450,33 +539,12 @@ void Step8(const Job8& j, int64_t first_block, int64_t last_block) {
           }
         }
       }
-      Quantize(m + first, last - first, am, t.key_m, t.above_m, regs_m, j.mc_out + lo + first);
-      Quantize(v + first, last - first, av, t.key_v, t.above_v, regs_v, j.vc_out + lo + first);
+      Quantize(m + first, last - first, am, t.key_m, t.above_m, j.segments_m.ok, regs_m, j.mc_out + lo + first);
+      Quantize(v + first, last - first, av, t.key_v, t.above_v, j.segments_v.ok, regs_v, j.vc_out + lo + first);
     }
     j.ms_out[b] = am;
     j.vs_out[b] = av;
   }
-}
-
-void Work(Job8& j) {
-  for (int64_t c; (c = j.next.fetch_add(1)) < j.num_chunks;) {
-    const int64_t lo = c * j.chunk, hi = std::min(j.blocks, lo + j.chunk);
-    j.kernel(j, lo, hi);
-    if (j.done.fetch_add(1) + 1 == j.num_chunks) {
-      std::lock_guard<std::mutex> lock(j.mu);
-      j.all_done.notify_all();
-    }
-  }
-}
-
-int64_t MaxThreads(int64_t pool_threads) {
-  static const int64_t cap = [] {
-    const char* env = std::getenv("OFFLAX_NATIVE_THREADS");
-    const long value = env == nullptr ? 0 : std::strtol(env, nullptr, 10);
-    return value > 0 ? static_cast<int64_t>(value) : int64_t{0};
-  }();
-  const int64_t threads = std::max<int64_t>(1, pool_threads);
-  return cap > 0 ? std::min(cap, threads) : threads;
 }
 
 template <typename G, typename P, Out kOut>
@@ -498,8 +566,6 @@ Kernel8 PickOut(int32_t out, bool low_bf16, bool decay) {
   }
   return nullptr;
 }
-
-bool F32OrBf16(ffi::DataType t) { return t == ffi::DataType::F32 || t == ffi::DataType::BF16; }
 
 ffi::Error Step8Impl(ffi::ThreadPool pool, ffi::AnyBuffer g, ffi::Buffer<ffi::S8> mc,
                      ffi::Buffer<ffi::F32> ms, ffi::Buffer<ffi::U8> vc, ffi::Buffer<ffi::F32> vs,
@@ -534,6 +600,8 @@ ffi::Error Step8Impl(ffi::ThreadPool pool, ffi::AnyBuffer g, ffi::Buffer<ffi::S8
                                                         : PickOut<float>(out, low_bf16, decay);
   job->t = Tables{maps.typed_data(),         maps.typed_data() + 256, above.typed_data(),
                   above.typed_data() + 256,  keys.typed_data(),       keys.typed_data() + (1 << 17)};
+  job->segments_m.Build(job->t.above_m, true);
+  job->segments_v.Build(job->t.above_v, false);
   job->g = g.untyped_data();
   job->mc = mc.typed_data();
   job->ms = ms.typed_data();
@@ -552,12 +620,7 @@ ffi::Error Step8Impl(ffi::ThreadPool pool, ffi::AnyBuffer g, ffi::Buffer<ffi::S8
   job->blocks = blocks;
   job->chunk = 256;  // 64 Ki elements a chunk
   job->num_chunks = (blocks + job->chunk - 1) / job->chunk;
-  if (job->num_chunks == 0) return ffi::Error::Success();
-  const int64_t helpers = std::min(MaxThreads(pool.num_threads()), job->num_chunks) - 1;
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([job] { Work(*job); });
-  Work(*job);
-  std::unique_lock<std::mutex> lock(job->mu);
-  job->all_done.wait(lock, [&] { return job->done.load() == job->num_chunks; });
+  RunChunks(pool, job, n);
   return ffi::Error::Success();
 }
 
@@ -585,3 +648,45 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OfflaxAdam8Step, Step8Impl,
                                   .Ret<ffi::Buffer<ffi::F32>>()  // w
                                   .Attr<bool>("decay")
                                   .Attr<int32_t>("out"));
+
+// The codes the kernel's fast path gives (Segments) against the bucket table's
+// (IndexOf, quantized.py's) for every `stride`-th float bit pattern in [0, 1]
+// and, for the signed map, [-1, -0]: the number that differ (0), or -1 where
+// the map has no fast path or the CPU no AVX-512 (nothing to check). `slow`
+// gets how many fell to the table (t near an integer). For the tests.
+extern "C" int64_t OfflaxAdam8CheckCodes(const float* above, const int32_t* keys, int32_t is_signed,
+                                         int64_t stride, int64_t* slow) {
+  Segments segments;
+  *slow = 0;
+  if (!segments.Build(above, is_signed != 0)) return -1;
+#ifdef __AVX512F__
+  SegmentRegs regs;
+  regs.Load(segments);
+  int64_t wrong = 0;
+  alignas(64) uint32_t bits[16];
+  alignas(64) int32_t got[16], near[16];
+  for (uint32_t sign = 0; sign <= (is_signed ? 1u : 0u); ++sign) {
+    for (int64_t first = 0; first <= 0x3f800000; first += 16 * stride) {
+      for (int l = 0; l < 16; ++l) {
+        bits[l] = static_cast<uint32_t>(std::min<int64_t>(first + l * stride, 0x3f800000)) | (sign << 31);
+      }
+      const __m512 y = _mm512_castsi512_ps(_mm512_load_si512(bits));
+      __m512i near_v = _mm512_setzero_si512();
+      _mm512_store_si512(got, is_signed ? regs.Codes<true>(y, near_v) : regs.Codes<false>(y, near_v));
+      _mm512_store_si512(near, near_v);
+      for (int l = 0; l < 16; ++l) {
+        if (near[l] < 0) {
+          ++*slow;
+          continue;
+        }
+        const int32_t want = IndexOf(FromBits(bits[l]), keys, above) - (is_signed ? 128 : 0);
+        wrong += want != got[l];
+      }
+    }
+  }
+  return wrong;
+#else
+  (void)keys, (void)stride;
+  return -1;
+#endif
+}
