@@ -439,6 +439,13 @@ def test_trace_time_comments_say_why_not_what_was_measured():
 # Underscore names stay in their module (issue 35.3): `offlax._src` is private already, so a
 # name another module uses drops the underscore. Tests may reach into privates; nothing else.
 ROOT = SRC.parent.parent
+
+
+def _sources(top: str) -> list[pathlib.Path]:
+  """The project's Python files under `top`, not those of a hidden folder (a benchmark's
+  `benchmarks/.venv-torch`, with torch's and DeepSpeed's own)."""
+  paths = sorted((ROOT / top).rglob("*.py"))
+  return [p for p in paths if not any(x.startswith(".") for x in p.relative_to(ROOT).parts)]
 OUTSIDE_TESTS = ["offlax", "benchmarks", "examples"]
 
 
@@ -528,7 +535,7 @@ def test_no_private_name_is_used_across_modules():
   modules = _offlax_modules()
   found = {}
   for top in OUTSIDE_TESTS:
-    for path in sorted((ROOT / top).rglob("*.py")):
+    for path in _sources(top):
       package = ".".join(path.relative_to(ROOT).parent.parts)
       if uses := _private_uses(path.read_text(), modules, package):
         found[str(path.relative_to(ROOT))] = uses
@@ -678,7 +685,7 @@ def test_no_module_uses_another_objects_private_attributes():
   """`store._chunks`, `tier._options` and the like: none, in offlax, benchmarks or examples."""
   found = {}
   for top in OUTSIDE_TESTS:
-    for path in sorted((ROOT / top).rglob("*.py")):
+    for path in _sources(top):
       module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
       for use in _others_private_attributes(path.read_text()):
         found[module, use.rsplit(".", 1)[-1].split("(")[0]] = use
