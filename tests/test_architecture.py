@@ -446,6 +446,8 @@ def _sources(top: str) -> list[pathlib.Path]:
   `benchmarks/.venv-torch`, with torch's and DeepSpeed's own)."""
   paths = sorted((ROOT / top).rglob("*.py"))
   return [p for p in paths if not any(x.startswith(".") for x in p.relative_to(ROOT).parts)]
+
+
 OUTSIDE_TESTS = ["offlax", "benchmarks", "examples"]
 
 
