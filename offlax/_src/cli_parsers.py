@@ -65,6 +65,13 @@ def _plan_memory(p: argparse.ArgumentParser) -> None:
   )  # fmt: skip
 
 
+_UPDATE_BYTES = (
+  "params on disk (a LayerStore): its update's bytes in flight, LayerStore(update_bytes=), e.g. "
+  "16GB (default: whole leaves where they fit in RAM, else 2 layers' reads); the rest's state "
+  "goes to the NVMe tier where RAM is short"
+)
+
+
 def _plan_step(p: argparse.ArgumentParser) -> None:
   p.add_argument(
     "--param-dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
@@ -83,11 +90,7 @@ def _plan_step(p: argparse.ArgumentParser) -> None:
     help="Adam's moments in 32 bits, or 8 (offlax.adamw(..., state_bits=8): ~1 byte each)",
   )  # fmt: skip
   p.add_argument("--chunk", default="64MiB", help="slice size (64MiB; 4KiB to 16GiB)")
-  p.add_argument(
-    "--update-bytes", default=None,
-    help="params on disk (a LayerStore): its update's bytes in flight, LayerStore(update_bytes=), "
-    "e.g. 16GB (default: whole leaves); the rest's state goes to the NVMe tier where RAM is short",
-  )  # fmt: skip
+  p.add_argument("--update-bytes", default=None, help=_UPDATE_BYTES)
   p.add_argument(
     "--layers", default=None,
     help="stacked layers (1 to 10000): lets the plan keep params and gradients in host memory",
