@@ -16,6 +16,7 @@ results.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hashlib
 import logging
 import os
@@ -146,34 +147,40 @@ def _build() -> pathlib.Path:
   if target.exists():
     return target
   cache.mkdir(parents=True, exist_ok=True)
-  compiler = os.environ.get("CXX", "c++")
-  # Built beside the target and renamed: concurrent builders never load half a file.
-  with tempfile.TemporaryDirectory(dir=cache) as tmp:
-    out = pathlib.Path(tmp) / target.name
-    # Each source compiled by its own process, at once (the first use waits for the
-    # slowest, not the sum), then linked.
-    objects = [pathlib.Path(tmp) / f"{s.stem}.o" for s in sources]
-    compiles = [
-      [compiler, *flags, "-fPIC", "-c", f"-I{include}", str(s), "-o", str(o)]
-      for s, o in zip(sources, objects, strict=True)
-    ]
-    runs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            for c in compiles]  # fmt: skip
-    try:
-      for cmd, proc in zip(compiles, runs, strict=True):
-        _, stderr = proc.communicate(timeout=600)
-        if proc.returncode != 0:
-          raise OSError(f"{' '.join(cmd)} failed: {stderr.strip()[-2000:]}")
-    finally:
-      for proc in runs:  # the others, after a failure
-        if proc.poll() is None:
-          proc.kill()
-          proc.wait()
-    cmd = [compiler, *flags, "-shared", *map(str, objects), "-o", str(out)]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    if run.returncode != 0:
-      raise OSError(f"{' '.join(cmd)} failed: {run.stderr.strip()[-2000:]}")
-    os.replace(out, target)
+  # One builder at a time (pytest's workers, a job's processes): the others wait for its
+  # library rather than compile the same sources beside it on the same cores.
+  with open(cache / f"{target.name}.lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if target.exists():
+      return target
+    compiler = os.environ.get("CXX", "c++")
+    # Built beside the target and renamed: concurrent builders never load half a file.
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:
+      out = pathlib.Path(tmp) / target.name
+      # Each source compiled by its own process, at once (the first use waits for the
+      # slowest, not the sum), then linked.
+      objects = [pathlib.Path(tmp) / f"{s.stem}.o" for s in sources]
+      compiles = [
+        [compiler, *flags, "-fPIC", "-c", f"-I{include}", str(s), "-o", str(o)]
+        for s, o in zip(sources, objects, strict=True)
+      ]
+      runs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+              for c in compiles]  # fmt: skip
+      try:
+        for cmd, proc in zip(compiles, runs, strict=True):
+          _, stderr = proc.communicate(timeout=600)
+          if proc.returncode != 0:
+            raise OSError(f"{' '.join(cmd)} failed: {stderr.strip()[-2000:]}")
+      finally:
+        for proc in runs:  # the others, after a failure
+          if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+      cmd = [compiler, *flags, "-shared", *map(str, objects), "-o", str(out)]
+      run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+      if run.returncode != 0:
+        raise OSError(f"{' '.join(cmd)} failed: {run.stderr.strip()[-2000:]}")
+      os.replace(out, target)
   return target
 
 
