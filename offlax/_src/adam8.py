@@ -124,6 +124,35 @@ def mismatch(state: Any, state_bits: int, where: str) -> errors.TreeMismatchErro
   )
 
 
+def block_scales(state: Any) -> list[bool]:
+  """Per leaf of `state` (in `jax.tree.leaves` order): whether it is a moment's block scales.
+
+  The leaves of every `ScaleByAdam8bitState`'s ``mu_scale`` and ``nu_scale`` (a leaf kept in
+  float has none: `optax.MaskedNode`); their codes are shaped like the params, the scales not.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> state = scale_by_adam_8bit().init({"w": jnp.zeros(5000), "b": jnp.zeros(3)})
+    >>> block_scales(state)  # count, mu (b, w), mu_scale (w), nu (b, w), nu_scale (w)
+    [False, False, False, True, False, False, True]
+  """
+  is_8 = lambda x: isinstance(x, ScaleByAdam8bitState)
+
+  def mark(node):
+    if not is_8(node):
+      return False
+    as_ = lambda tree, scales: jax.tree.map(lambda _: scales, tree)
+    return ScaleByAdam8bitState(
+      as_(node.count, False),
+      as_(node.mu, False),
+      as_(node.mu_scale, True),
+      as_(node.nu, False),
+      as_(node.nu_scale, True),
+    )
+
+  return jax.tree.leaves(jax.tree.map(mark, state, is_leaf=is_8))
+
+
 def bits_hint(saved: Iterable[str], target: Iterable[str]) -> str:
   """A sentence for a restore whose saved state and target differ in `state_bits`, else ''.
 

@@ -50,7 +50,10 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -59,6 +62,7 @@ import numpy as np
 BLOCK = 256
 MIN_SIZE = 4096
 SIGNED_OFFSET = 128  # int8 code + 128 = the index into the signed map
+_IN_FLOAT = contextvars.ContextVar("offlax_quantized_in_float", default=False)
 
 
 @functools.cache
@@ -155,7 +159,24 @@ def num_blocks(size: int, block: int = BLOCK) -> int:
 
 def quantizes(x, min_size: int = MIN_SIZE) -> bool:
   """Whether a moment like `x` (an array or shape-dtype struct) is stored in 8 bits."""
+  if _IN_FLOAT.get():
+    return False
   return jnp.issubdtype(x.dtype, jnp.floating) and int(np.prod(x.shape)) >= min_size
+
+
+@contextlib.contextmanager
+def kept_in_float() -> Iterator[None]:
+  """Inside, an 8-bit optimizer's ``init`` keeps every moment in float (`quantizes` is False).
+
+  For an analysis of the rest of its maths: traced inside, ``offlax.adam(..., state_bits=8)``
+  is optax's Adam, and what differs outside is the quantization alone, blockwise within a
+  leaf (`LayerStore`'s check that its update may run a layer, or a range of blocks, at a time).
+  """
+  token = _IN_FLOAT.set(True)
+  try:
+    yield
+  finally:
+    _IN_FLOAT.reset(token)
 
 
 def _blocks(flat: jax.Array, block: int) -> jax.Array:

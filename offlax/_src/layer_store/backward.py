@@ -256,8 +256,7 @@ class BackwardStep:
   def _work(self, handoff: Handoff, gen: int, target: int, step: int, layers: Any) -> Any:
     try:
       updates, flight = self._spec.updates, ranges_lib.Flight()
-      shared = updates[0].shared if updates else []
-      rows = ranges_lib.plan(self._slots, [u.owned for u in updates], shared, self._spec.budget)
+      rows = layer_step.plan(self._slots, updates, self._spec.budget)
       handed = lambda i, k: self._handed(handoff, gen, i, k, rows, flight)
       stats = layer_step.run(self._slots, updates, gen, target, step=step, show=False,
                              layers=layers, handed=handed, where=handoff.where,

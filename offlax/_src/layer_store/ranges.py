@@ -13,10 +13,15 @@ same leaf), and there are at most two shapes a leaf (the range and the last one)
 the jitted update compiles at most twice a leaf.
 
 A range starts on a direct-I/O block (`plan` rounds its rows); the last one runs
-to the slot's end, its padding with it. A slot's crc32c is taken over its ranges in
-order, as they are consumed (`Crcs`): a read one is compared with the slot's after
-its last range (`StoreCorruptedError` as a whole slot's), before the step commits,
-and a written one is recorded after its last. What a range derived from a slot not
+to the slot's end, its padding with it. An 8-bit moment (``state_bits=8``) is a codes
+slot, shaped like the param and cut in its rows, and a block scales slot, one float32 per
+256 elements of the layer's leaf in row-major order: a range of such a leaf starts on a
+block (and on a direct-I/O block of the scales, so at a multiple of 262144 elements), and
+its scales slot is cut in the range's blocks (`blocks`), so that the update of a range
+quantizes the very blocks the update of the whole leaf does. A slot's crc32c is taken
+over its ranges in order, as they are consumed (`Crcs`): a read one is compared with the
+slot's after its last range (`StoreCorruptedError` as a whole slot's), before the step
+commits, and a written one is recorded after its last. What a range derived from a slot not
 yet verified is written into the free generation only, which a mismatch never commits.
 
 `Flight` counts the bytes the step holds (reads issued, results, writes queued) and
@@ -35,6 +40,7 @@ import numpy as np
 
 from offlax._src import errors
 from offlax._src.nvme.direct_io import BLOCK
+from offlax._src.quantized import BLOCK as QBLOCK
 
 if TYPE_CHECKING:
   from offlax._src.layer_store.slots import Slots
@@ -81,9 +87,24 @@ def row_bytes(record: dict) -> int:
   return int(np.prod(record["shape"][1:], dtype=np.int64)) * np.dtype(record["dtype"]).itemsize
 
 
-def _align_rows(records: list[dict]) -> int:
-  """The fewest rows that start every record's ranges on a direct-I/O block."""
-  return math.lcm(*(BLOCK // math.gcd(row_bytes(r), BLOCK) for r in records))
+def _align_rows(records: list[dict], scales: list[dict], elements: int) -> int:
+  """The fewest rows that start every record's ranges on a direct-I/O block (the block
+  `scales` of a leaf of `elements` a row: on a block of its codes too, `blocks`)."""
+  rows = [BLOCK // math.gcd(row_bytes(r), BLOCK) for r in records]
+  for r in scales:  # rows * elements * itemsize / QBLOCK bytes: a multiple of BLOCK
+    unit = BLOCK * QBLOCK
+    rows.append(unit // math.gcd(elements * np.dtype(r["dtype"]).itemsize, unit))
+  return math.lcm(*rows)
+
+
+def blocks(record: dict, r: Range) -> Range:
+  """Range `r` of a leaf of `record` as the range of its 8-bit moment's block scales (one
+  per `QBLOCK` elements in row-major order); `r` starts on a block (`plan`)."""
+  elements = int(np.prod(record["shape"][1:], dtype=np.int64))
+  size = elements * (record["shape"][0] if record["shape"] else 1)
+  assert r.start * elements % QBLOCK == 0, (record["path"], r)
+  stop = -(-size // QBLOCK) if r.last else r.stop * elements // QBLOCK
+  return Range(r.start * elements // QBLOCK, stop, r.last)
 
 
 class _Leaf(NamedTuple):
@@ -98,30 +119,42 @@ class _Leaf(NamedTuple):
   out_fixed: int
   rows: int
   align: int  # the fewest rows a range may have (`rows`: the leaf cannot be cut)
+  scales: bool = False  # 8-bit moments: ranges start on their scales' direct-I/O blocks
 
 
-def _leaf(rec: dict, state: list[dict], shared: list[dict]) -> _Leaf:
+def _leaf(rec: dict, state: list[dict], shared: list[dict], scales: list[dict]) -> _Leaf:
   # param, gradient and state read: where the param and gradient are handed in RAM
   # (``update="backward"``), their share holds the sum an accumulation's last reads
   ins, outs = [rec, rec, *state], [rec, *state]  # param and state written
   rows = rec["shape"][0] if rec["shape"] else 0
-  in_row, out_row = sum(map(row_bytes, ins)), 2 * sum(map(row_bytes, outs))
+  elements = int(np.prod(rec["shape"][1:], dtype=np.int64))
+  # A row's block scales: elements / QBLOCK of them, a part of one more a range (its end)
+  scale_row = sum(-(-elements * np.dtype(r["dtype"]).itemsize // QBLOCK) for r in scales)
+  scale_end = sum(np.dtype(r["dtype"]).itemsize for r in scales)
+  in_row = sum(map(row_bytes, ins)) + scale_row
+  out_row = 2 * (sum(map(row_bytes, outs)) + scale_row)
   cuttable = rows > 1 and in_row > 0 and all(r["shape"][:1] == [rows] for r in state)
   shared_slots = sum(r["slot"] for r in shared)
+  slots = sum(r["slot"] for r in [*outs, *scales])
   return _Leaf(
-    ins=sum(r["slot"] for r in ins) + shared_slots,
-    outs=2 * (sum(r["slot"] for r in outs) + shared_slots),
+    ins=slots + rec["slot"] + shared_slots,
+    outs=2 * (slots + shared_slots),
     in_row=in_row,
     out_row=out_row,
-    in_fixed=shared_slots + BLOCK * len(ins),
-    out_fixed=2 * (shared_slots + BLOCK * len(outs)),
+    in_fixed=shared_slots + scale_end + BLOCK * (len(ins) + len(scales)),
+    out_fixed=2 * (shared_slots + scale_end + BLOCK * (len(outs) + len(scales))),
     rows=rows,
-    align=min(rows, _align_rows([rec, *state])) if cuttable else rows,
+    align=min(rows, _align_rows([rec, *state], scales, elements)) if cuttable else rows,
+    scales=bool(scales),
   )
 
 
 def plan(
-  slots: Slots, owned: list[list[int]], shared: list[int], budget: int | None
+  slots: Slots,
+  owned: list[list[int]],
+  shared: list[int],
+  budget: int | None,
+  scales: list[tuple[int, ...]] | None = None,
 ) -> list[int | None]:
   """Per leaf, the rows of its ranges, or None for the whole leaf, within `budget` bytes.
 
@@ -135,6 +168,7 @@ def plan(
     owned: per leaf, the indices of its state leaves (`step.LeafUpdate.owned`).
     shared: the indices of the state leaves of no leaf (the count), read with leaf 0.
     budget: the most bytes the step may hold in flight (None: no bound, whole leaves).
+    scales: per leaf, which of its `owned` are an 8-bit moment's block scales (`blocks`).
 
   Raises:
     InvalidOptionError: `budget` cannot hold a leaf's smallest range, or a leaf that
@@ -144,7 +178,9 @@ def plan(
   if budget is None or not records:
     return [None] * len(records)
   shared_records = [states[j] for j in shared]
-  leaves = [_leaf(rec, [states[j] for j in owned[k]], shared_records if k == 0 else [])
+  scales = scales or [()] * len(records)
+  leaves = [_leaf(rec, [states[j] for j in owned[k] if j not in scales[k]],
+                  shared_records if k == 0 else [], [states[j] for j in scales[k]])
             for k, rec in enumerate(records)]  # fmt: skip
   big = max(leaves, key=lambda x: x.ins + x.outs)
   part = big.in_row / (big.in_row + big.out_row) if big.in_row else big.ins / (big.ins + big.outs)
@@ -166,6 +202,9 @@ def plan(
       w = max(range(len(leaves)), key=lambda j: least(leaves[j]))
       rec, x = records[w], leaves[w]
       unit = "whole (it cannot be cut)" if x.align >= x.rows else f"{x.align} rows at least"
+      if x.scales:  # (the scales' direct-I/O block: 1024 float32 scales, of 256 elements each)
+        unit += (f"; its 8-bit moments are cut at multiples of {BLOCK // 4 * QBLOCK} elements "
+                 "(a direct-I/O block of their block scales)")  # fmt: skip
       raise errors.InvalidOptionError(
         f"LayerStore: update_bytes={budget} cannot hold leaf {rec['path']} "
         f"({rec['dtype']}{rec['shape']} a layer; its unit {unit}) in flight: the optimizer "

@@ -29,8 +29,8 @@ import jax
 import numpy as np
 import optax
 
+from offlax._src import adam8, errors, quantized
 from offlax._src import coupling as coupling_lib
-from offlax._src import errors
 from offlax._src import layout as layout_lib
 from offlax._src.layer_store import clip as clip_lib
 from offlax._src.layer_store import ranges as ranges_lib
@@ -115,9 +115,17 @@ def check_elementwise(optimizer: Any, stacked: Any) -> None:
   """Raises `InvalidOptionError` unless the update of each leaf is elementwise.
 
   A leading `optax.clip_by_global_norm` is taken apart (`clip.split`): the rest of the
-  chain is checked.
+  chain is checked. So is an 8-bit Adam's (``state_bits=8``) with its moments kept in float
+  (`quantized.kept_in_float`): the quantization is the one part of its update that reads more
+  than an element, a block of 256 of one layer's leaf (the store's state is each layer's own,
+  `slots.write_initial`, so a block never spans two layers; `ranges` cuts at blocks).
   """
   optimizer = clip_lib.split(optimizer).tail
+  with quantized.kept_in_float():  # 8-bit moments: the rest of the maths (their blocks: `ranges`)
+    _check_elementwise(optimizer, stacked)
+
+
+def _check_elementwise(optimizer: Any, stacked: Any) -> None:
   spec = layout_lib.ParamSpec.of(stacked)
   state = jax.eval_shape(optimizer.init, stacked)
   layout = layout_lib.StateLayout(state, spec)
@@ -153,12 +161,15 @@ class LeafUpdate(NamedTuple):
     shared: indices of the state leaves that belong to no leaf (the count).
     clipped: with a leading global-norm clip, the same with the gradient clipped first
       (param, grad, owned, global, norm), for the steps where the clip applies; else None.
+    scales: which of `owned` are an 8-bit moment's block scales (`adam8.block_scales`): cut
+      by blocks, not rows (`ranges.blocks`).
   """
 
   fn: Any
   owned: list[int]
   shared: list[int]
   clipped: Any = None
+  scales: tuple[int, ...] = ()
 
 
 def layer_update(optimizer: Any, treedef: Any, records: list[dict]) -> list[LeafUpdate]:
@@ -177,9 +188,11 @@ def layer_update(optimizer: Any, treedef: Any, records: list[dict]) -> list[Leaf
     treedef, [jax.ShapeDtypeStruct(tuple(r["shape"]), np.dtype(r["dtype"])) for r in records]
   )
   spec = layout_lib.ParamSpec.of(one)
-  layout = layout_lib.StateLayout(jax.eval_shape(optimizer.init, one), spec)
+  state = jax.eval_shape(optimizer.init, one)
+  layout = layout_lib.StateLayout(state, spec)
   owners = layout.owners  # in the state's leaf order, as the store's state records
   shared = [j for j, o in enumerate(owners) if o == coupling_lib.GLOBAL]
+  is_scales = adam8.block_scales(state)
 
   def make(k: int) -> LeafUpdate:
     owned = [j for j, o in enumerate(owners) if o == k]
@@ -199,9 +212,9 @@ def layer_update(optimizer: Any, treedef: Any, records: list[dict]) -> list[Leaf
     def clipped(p, g, s_owned, s_shared, norm):
       return update(p, clip_lib.scale_gradient(g, norm, max_norm), s_owned, s_shared)
 
-    return LeafUpdate(
-      jax.jit(update), owned, shared, None if max_norm is None else jax.jit(clipped)
-    )
+    clip = None if max_norm is None else jax.jit(clipped)
+    scales = tuple(j for j in owned if is_scales[j])
+    return LeafUpdate(jax.jit(update), owned, shared, clip, scales)
 
   return [make(k) for k in range(len(records))]
 
@@ -245,12 +258,15 @@ def run(
   cpu = jax.devices("cpu")[0]  # the host's compute, whatever the default device
   nk = len(slots.records)
   order = list(range(slots.n_layers) if layers is None else layers)
-  owned_of = [u.owned for u in updates]
-  shared_of = updates[0].shared if updates else []
   # As for reading the param and gradient even where handed (`handed`): their share leaves
   # room for the sum on disk an accumulation's last micro-step reads (`backward`).
-  rows = ranges_lib.plan(slots, owned_of, shared_of, budget)
+  rows = plan(slots, updates, budget)
   cuts = [ranges_lib.of(slots.records[k], rows[k]) for k in range(nk)]
+
+  def cut(kind, k, j, r):  # range `r` of leaf `k` as rows of its slot `j` of `kind`
+    scales = kind == "state" and j in updates[k].scales
+    return ranges_lib.blocks(slots.records[k], r) if scales and r is not None else r
+
   units = [(i, k, r) for i in order for k in range(nk) for r in cuts[k]]
   ahead = AHEAD
   lock = threading.Lock()
@@ -273,7 +289,7 @@ def run(
       if r is None:
         flight.add(ranges_lib.nbytes(record))  # (the bytes `read_slot` gives)
         return pool.submit(timed, "read", slots.read_slot, kind, g, j, i)
-      start, nbytes = ranges_lib.span(record, r)
+      start, nbytes = ranges_lib.span(record, cut(kind, k, j, r))
       flight.add(nbytes)
       return pool.submit(timed, "read", slots.read_range, kind, g, j, i, start, nbytes)
 
@@ -300,8 +316,8 @@ def run(
       ("state", gen, updates[k].owned, owned),
     ):
       for j, x in zip(js, xs, strict=True):
-        crcs.read(kind, g, j, i, r, x)
-        out.append(ranges_lib.view(slots.records_of(kind)[j], x, r))
+        crcs.read(kind, g, j, i, cut(kind, k, j, r), x)
+        out.append(ranges_lib.view(slots.records_of(kind)[j], x, cut(kind, k, j, r)))
     n = len(ps)
     return out[:n], out[n : n + len(gs)], out[n + len(gs) :]
 
@@ -316,10 +332,10 @@ def run(
       if r is None:
         futures.append(pool.submit(timed, "write", slots.write_slot, kind, target, j, i, x))
         continue
-      record = slots.records_of(kind)[j]
-      buffer = ranges_lib.to_buffer(record, x, r, kind, i)  # (its crc streamed here, in order)
-      crcs.written(kind, target, j, i, r, buffer)
-      start = ranges_lib.span(record, r)[0]
+      record, rj = slots.records_of(kind)[j], cut(kind, k, j, r)
+      buffer = ranges_lib.to_buffer(record, x, rj, kind, i)  # (its crc streamed here, in order)
+      crcs.written(kind, target, j, i, rj, buffer)
+      start = ranges_lib.span(record, rj)[0]
       futures.append(pool.submit(timed, "write", slots.write_range, kind, target, j, i, start,
                                  buffer))  # fmt: skip
     futures += [pool.submit(timed, "write", slots.write_slot, kind, target, j, i, x)
@@ -410,6 +426,13 @@ def run(
   )
 
 
+def plan(slots: Slots, updates: list[LeafUpdate], budget: int | None) -> list[int | None]:
+  """`ranges.plan` for the leaves' `updates`: per leaf its ranges' rows, or None (whole)."""
+  shared = updates[0].shared if updates else []
+  owned, scales = [u.owned for u in updates], [u.scales for u in updates]
+  return ranges_lib.plan(slots, owned, shared, budget, scales)
+
+
 def check_budget(slots: Slots, updates: list[LeafUpdate], budget: Any) -> int | None:
   """`budget` (``update_bytes``) if the step can run within it, else `InvalidOptionError`."""
   if budget is None:
@@ -420,7 +443,7 @@ def check_budget(slots: Slots, updates: list[LeafUpdate], budget: Any) -> int | 
       "optimizer step holds in flight), or None to update whole leaves."
     )
   if updates:  # (without an optimizer the store runs no step)
-    ranges_lib.plan(slots, [u.owned for u in updates], updates[0].shared, int(budget))
+    plan(slots, updates, int(budget))
   return int(budget)
 
 
