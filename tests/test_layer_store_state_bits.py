@@ -18,6 +18,8 @@ import optax
 import pytest
 
 import offlax
+from offlax._src import errors
+from offlax._src.layer_store import ranges
 
 L = 3
 
@@ -48,8 +50,9 @@ def layer(tree, i):
   return jax.tree.map(lambda x: x[i], tree)
 
 
-def reference(tx, layers, steps, micro=1):
-  """Params and state after `steps` steps, the 8-bit optimizer run on each layer in memory."""
+def reference(tx, layers, steps, micro=1, transform=None):
+  """Params and state after `steps` steps, the 8-bit optimizer run on each layer in memory
+  (the gradients of every layer through `transform` first, where given)."""
   update = jax.jit(
     lambda g, s, p: (lambda u, s: (optax.apply_updates(p, u), s))(*tx.update(g, s, p))
   )
@@ -60,6 +63,7 @@ def reference(tx, layers, steps, micro=1):
     g = gs[0]
     for more in gs[1:]:
       g = jax.tree.map(lambda a, b: np.asarray(a) + np.asarray(b), g, more)
+    g = g if transform is None else transform(g)
     new = [update(layer(g, i), states[i], layer(params, i)) for i in range(L)]
     params = jax.tree.map(lambda *xs: np.stack(xs), *[p for p, _ in new])
     states = [s for _, s in new]
@@ -123,3 +127,82 @@ def test_8bit_store_equals_the_optimizer_on_each_layer_and_reopens(tmp_path, mod
   want = 2 + 2 + 2 * state + 2 + 2 * 4096 / n + (6 if mode == "explicit" else 0)
   assert moved / (L * n) == want  # 18.09 a param (backward), 24.09 (explicit): fp32 30, 36
   assert mode == "explicit" or moved / (L * n) <= 20
+
+
+def create(path, layers, tx, mode="explicit", budget=None):
+  return offlax.LayerStore.create(
+    path, layers, optimizer=tx, progress=False, update=mode, update_bytes=budget
+  )
+
+
+def least_budget(tmp_path, layers, tx):
+  """The least ``update_bytes`` the store takes, from the refusal of a smaller one."""
+  with pytest.raises(errors.InvalidOptionError, match=r"update_bytes=100000 cannot hold") as e:
+    create(str(tmp_path / "refused"), layers, tx, budget=100_000)
+  return int(str(e.value).split("update_bytes >= ")[1].split(" ")[0])
+
+
+def test_a_budget_that_cannot_hold_an_8bit_leaf_names_it_and_the_least_that_works(tmp_path):
+  layers = make_layers(rows=64, cols=64)  # 4096 elements a layer: its blocks cannot be cut
+  with pytest.raises(errors.InvalidOptionError) as e:
+    create(str(tmp_path / "s"), layers, master_8bit(), budget=10_000)
+  assert "leaf ['w'] (bfloat16[64, 64] a layer; its unit whole" in str(e.value)
+  assert "8-bit moments are cut at multiples of 262144 elements" in str(e.value)
+  assert "update_bytes >= " in str(e.value)
+  assert not (tmp_path / "s").exists()  # refused before writing anything
+
+
+def test_8bit_ranges_start_on_blocks_of_codes_and_scales():
+  """`ranges.plan` cuts an 8-bit leaf where its codes and its scales both start a direct-I/O
+  block, and `ranges.blocks` maps its ranges onto the scales, covering them once."""
+  rec = {"path": "['w']", "shape": [1000, 1024], "dtype": "bfloat16", "slot": 2048000}
+  codes = {"path": "mu", "shape": [1000, 1024], "dtype": "int8", "slot": 1024000}
+  scales = {"path": "mu_scale", "shape": [4000], "dtype": "float32", "slot": 16384}
+  assert ranges._align_rows([rec, codes], [scales], 1024) == 256  # 262144 elements
+  leaf = ranges._leaf(rec, [codes], [], [scales])
+  assert leaf.align == 256 and leaf.scales
+  cut = ranges.of(rec, 256)
+  spans = [ranges.span(scales, ranges.blocks(rec, r)) for r in cut]
+  assert [ranges.blocks(rec, r)[:2] for r in cut] == [(0, 1024), (1024, 2048), (2048, 3072),
+                                                      (3072, 4000)]  # fmt: skip
+  assert all(start % 4096 == 0 for start, _ in spans)
+  assert sum(n for _, n in spans) == scales["slot"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["explicit", "backward"])
+def test_8bit_leaves_cut_in_ranges_of_blocks_give_the_same_bits(tmp_path, mode):
+  layers, tx = make_layers(rows=512, bias=True), master_8bit()
+  budget = least_budget(tmp_path, layers, tx)  # w in 2 ranges of 256 rows (262144 elements)
+  with create(str(tmp_path / "s"), layers, tx, mode, budget) as store:
+    train(store, 2, rows=512)
+    params, state, stats = store.read_params(), store.read_state(), store.last_update
+  with create(str(tmp_path / "w"), layers, tx, mode) as store:
+    train(store, 2, rows=512)
+    whole = store.last_update
+  want_params, want_state = reference(tx, layers, 2)
+  assert_bits(params, want_params)
+  assert_bits(state, want_state)
+  assert 0 < stats.peak_bytes <= budget < whole.peak_bytes  # w was cut
+  assert stats.bytes_written == whole.bytes_written
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["explicit", "backward"])
+def test_8bit_accumulation_and_a_clip_that_applies_within_a_budget(tmp_path, mode):
+  layers = make_layers(rows=512, bias=True)
+  make = lambda: optax.chain(optax.clip_by_global_norm(1e-4), master_8bit())
+  budget = least_budget(tmp_path, layers, make())
+  out = []
+  for name, b in (("cut", budget), ("whole", None)):
+    with create(str(tmp_path / name), layers, make(), mode, b) as store:
+      train(store, 2, micro=2, rows=512)
+      assert store.last_update.clipped
+      out.append((store.read_params(), store.read_state()))
+  assert_bits(out[0], out[1])
+  # The clip is the chain's, over every layer's gradients: on the stacked tree, then the
+  # 8-bit optimizer on each layer.
+  clip = optax.clip_by_global_norm(1e-4)
+  clipped = jax.jit(lambda g: clip.update(g, clip.init(g))[0])
+  want = reference(master_8bit(), layers, 2, micro=2, transform=clipped)
+  assert_bits(out[0], want)

@@ -618,14 +618,6 @@ def test_retier_moves_8bit_state_between_tiers_exactly(tmp_path):
     offlax.checkpoint.retier(offlax.adamw(1e-3), params, plain, offlax.HostTier())
 
 
-def test_layer_store_refuses_8bit_state(tmp_path):
-  layers = {"w": jnp.zeros((3, 64, 64))}  # a block of 256 may not span two layers: refused
-  with pytest.raises(InvalidOptionError, match="not elementwise"):
-    offlax.LayerStore.create(
-      str(tmp_path / "s"), layers, optimizer=offlax.adam(1e-3, state_bits=8), progress=False
-    )
-
-
 @pytest.mark.parametrize(
   "stride",
   [pytest.param(997, id="every_997th"), pytest.param(1, id="every", marks=pytest.mark.slow)],
