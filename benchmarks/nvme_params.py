@@ -41,6 +41,10 @@ What is measured, in one run and on one filesystem (a fresh directory under `--d
 
   python benchmarks/nvme_params.py [--sizes 0.5 1.8] [--steps 3] [--dir /tmp]
                                    [--modes explicit backward] [--no-ram-baseline]
+                                   [--state-bits 8]
+
+`--state-bits 8`: the store's AdamW keeps 8-bit moments (`offlax.adamw(..., state_bits=8)`):
+about 12 bytes a parameter fewer a step (docs/nvme_tier.md, "8-bit optimizer state").
 
 Results: `<out>/nvme_params.json` and `<out>/nvme_params.png`.
 """
@@ -132,7 +136,8 @@ def ram_child(n_layers: int, steps: int, d: int, f: int) -> dict[str, Any]:
   return {"steps": rows, "peak_rss_bytes": _common.peak_rss()}
 
 
-def child(path: str, n_layers: int, steps: int, d: int, f: int, mode: str) -> dict[str, Any]:
+def child(path: str, n_layers: int, steps: int, d: int, f: int, mode: str,
+          bits: int = 32) -> dict[str, Any]:  # fmt: skip
   """One size in one mode: create, `steps` steps, RSS and I/O figures (JSON on stdout)."""
   import jax
   import jax.numpy as jnp
@@ -141,7 +146,7 @@ def child(path: str, n_layers: int, steps: int, d: int, f: int, mode: str) -> di
 
   if mode == "ram":
     return ram_child(n_layers, steps, d, f)
-  tx = offlax.master_weights(offlax.adamw(1e-4, weight_decay=0.01))
+  tx = offlax.master_weights(offlax.adamw(1e-4, weight_decay=0.01, state_bits=bits))
   start = time.perf_counter()
   store = offlax.LayerStore.create(
     path, layer_like(n_layers, d, f), optimizer=tx, keep=1, progress=False,
@@ -174,22 +179,23 @@ def child(path: str, n_layers: int, steps: int, d: int, f: int, mode: str) -> di
 
 
 def run_size(workdir: pathlib.Path, billions: float, steps: int, d: int, f: int,
-             modes: list[str], ram: bool = True) -> dict[str, Any]:  # fmt: skip
+             modes: list[str], ram: bool = True, bits: int = 32) -> dict[str, Any]:  # fmt: skip
   """One size in each of `modes`, one fresh subprocess each; the first mode's figures on top.
-  With `ram`, the baseline too (`ram_child`), under ``"ram"``."""
+  With `ram`, the baseline too (`ram_child`), under ``"ram"``. `bits`: Adam's moments'
+  ``state_bits`` in the store (the baseline's stay 32)."""
   n_layers = max(2, round(billions * 1e9 / (4 * d * d + 2 * d * f)))
   n_params = n_layers * (4 * d * d + 2 * d * f)
   baseline = {}
   if ram:
     cmd = [sys.executable, __file__, "--child", "-", str(n_layers), str(steps), str(d), str(f),
-           "ram"]  # fmt: skip
+           "ram", "32"]  # fmt: skip
     done = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True)
     baseline["ram"] = json.loads(done.stdout.splitlines()[-1])
   runs = {}
   for mode in modes:
     path = workdir / f"store-{billions:g}b-{mode}"
     cmd = [sys.executable, __file__, "--child", str(path), str(n_layers), str(steps), str(d),
-           str(f), mode]  # fmt: skip
+           str(f), mode, str(bits)]  # fmt: skip
     print(f"{n_params / 1e9:.2f}B params ({n_layers} layers): {' '.join(cmd)}", flush=True)
     done = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True)
     out = json.loads(done.stdout.splitlines()[-1])
@@ -203,7 +209,9 @@ def run_size(workdir: pathlib.Path, billions: float, steps: int, d: int, f: int,
     runs[mode] = out
   return {
     "n_params": n_params, "n_layers": n_layers,
-    "train_state_bytes": 16 * n_params,  # bf16 params + grads, fp32 master + two moments
+    # bf16 params + grads, fp32 master + two moments (8-bit: a byte and a 256th of a scale each)
+    "train_state_bytes": int((16 if bits == 32 else 10 + 2 * 4 / 256) * n_params),
+    "state_bits": bits,
     **runs[modes[0]], "modes": runs, **baseline,
   }  # fmt: skip
 
@@ -361,7 +369,9 @@ def main(argv=None) -> dict[str, Any]:
   parser.add_argument("--sizes", type=float, nargs="+", default=[0.5, 1.8], help="billions")
   parser.add_argument("--steps", type=int, default=3)
   parser.add_argument("--width", type=int, default=D, help="d (f = 1.375 d)")
-  parser.add_argument("--child", nargs=6, help=argparse.SUPPRESS)
+  parser.add_argument("--child", nargs=7, help=argparse.SUPPRESS)
+  parser.add_argument("--state-bits", type=int, default=32, choices=[32, 8],
+                      help="Adam's moments in the store: 32 bits or 8")  # fmt: skip
   modes = ["explicit", "backward"]
   parser.add_argument("--modes", nargs="+", default=modes, choices=modes, help="update= modes")
   parser.add_argument("--compile", default="a100-80gb", help="GPU target, or 'none' (a100-80gb)")
@@ -372,8 +382,8 @@ def main(argv=None) -> dict[str, Any]:
   _common.add_out_argument(parser, "nvme_params")
   args = parser.parse_args(argv)
   if args.child:
-    path, n, steps, d, f, mode = args.child
-    print(json.dumps(child(path, int(n), int(steps), int(d), int(f), mode)))
+    path, n, steps, d, f, mode, bits = args.child
+    print(json.dumps(child(path, int(n), int(steps), int(d), int(f), mode, int(bits))))
     return {}
   d, f = args.width, int(args.width * 1.375) // 64 * 64
   need = max(args.sizes) * 1e9 * (2 * 14 + 2) * 1.05 + args.raw_gib * 2**30 * 2
@@ -393,7 +403,7 @@ def main(argv=None) -> dict[str, Any]:
       result["compiled"] = compiled(args.compile, workdir)
     result["raw"] = _disk.combine_raw([_disk.raw_pass(workdir, args, "before")])
     for b in args.sizes:
-      size = run_size(workdir, b, args.steps, d, f, args.modes, args.ram)
+      size = run_size(workdir, b, args.steps, d, f, args.modes, args.ram, args.state_bits)
       size["io"] = io_figures(size, result["raw"])
       size["speed"] = speed_goals(size, result["raw"])
       result["sizes"].append(size)
