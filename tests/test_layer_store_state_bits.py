@@ -11,6 +11,9 @@ Default run: one small store per update mode, with a master, reopened (`test_8bi
 the bytes a param and the refusals; the budget's cuts and the clip on larger leaves are slow.
 """
 
+import json
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -206,3 +209,23 @@ def test_8bit_accumulation_and_a_clip_that_applies_within_a_budget(tmp_path, mod
   clipped = jax.jit(lambda g: clip.update(g, clip.init(g))[0])
   want = reference(master_8bit(), layers, 2, micro=2, transform=clipped)
   assert_bits(out[0], want)
+
+
+@pytest.mark.slow
+def test_a_flipped_byte_in_a_cut_8bit_scales_slot_is_refused(tmp_path):
+  from test_layer_store_budget import flip
+
+  path, layers, tx = str(tmp_path / "s"), make_layers(rows=512), master_8bit()
+  budget = least_budget(tmp_path, layers, tx)
+  with create(path, layers, tx, budget=budget) as store:
+    train(store, 1, rows=512)
+    before = store.read_params()
+  records = json.load(open(os.path.join(path, "layers.json")))["state"]
+  nu_scale = next(j for j, r in enumerate(records) if "nu_scale" in r["path"])
+  flip(path, "state", nu_scale, 1, 5)  # in w's first range of layer 1: seen after its last
+  with offlax.LayerStore.open(path, like(layers), optimizer=tx, progress=False,
+                              update_bytes=budget) as store:  # fmt: skip
+    with pytest.raises(errors.StoreCorruptedError, match=r"layer 1 of state leaf .*nu_scale"):
+      train(store, 1, start=1, rows=512)
+    assert store.step == 1
+    assert_bits(store.read_params(), before)  # nothing committed
