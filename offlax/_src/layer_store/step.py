@@ -11,8 +11,10 @@ Piece by piece is the optimizer applied to the stacked tree only where every
 leaf's update is elementwise (Adam: yes; a global-norm clip, LAMB's per-leaf
 trust ratio: no). `check_elementwise` checks that on the update's jaxpr
 (`coupling.analyze`) rather than trusting a list of optimizers. The state is
-`jax.vmap` of ``init``: each layer holds its own copy of global leaves (the
-step count), all equal, since a global leaf never depends on the params.
+each layer's ``init`` (`slots.write_initial`): each layer holds its own copy of
+global leaves (the step count), all equal, since a global leaf never depends on
+the params, and an 8-bit Adam's moments (``state_bits=8``) are quantized in
+blocks of that layer's leaf: the store equals the optimizer run on each layer.
 """
 
 from __future__ import annotations
