@@ -61,9 +61,10 @@ from offlax._src.layer_store import grads as grads_lib
 from offlax._src.layer_store import ranges as ranges_lib
 from offlax._src.layer_store import rest as layer_rest
 from offlax._src.layer_store import step as layer_step
+from offlax._src.layer_store import whole_norm
 from offlax._src.layer_store.commits import Commits
 from offlax._src.layer_store.grads import GradientWriter
-from offlax._src.layer_store.handoff import Handoff, KeptReads
+from offlax._src.layer_store.handoff import Aborted, Handoff, KeptReads
 from offlax._src.layer_store.read_ahead import ReadAhead
 from offlax._src.layer_store.slots import Slots
 from offlax._src.layer_store.speculate import Speculation
@@ -178,6 +179,31 @@ class BackwardStep:
     self._kept = KeptReads(writer.queued + 2)  # the layers the model read last, for `_param`
     reads.on_drop(self._forget_kept)  # a commit or a rewrite: of the generation before
 
+  @property
+  def whole(self) -> Any:
+    """A clip by the whole model's norm (`whole_norm.attach`), or None."""
+    return self._spec.whole
+
+  @whole.setter
+  def whole(self, value: Any) -> None:
+    self._spec.whole = value
+
+  def layer_squares(self) -> np.ndarray:
+    """The layers' sums of squares of the step in flight (the rest's callback, `whole_norm`),
+    once its worker kept every layer's gradient; `StoreError` where the worker failed."""
+    handoff = self._handoff
+
+    def abort() -> None:
+      try:
+        handoff.check()
+      except Aborted:
+        raise errors.IncompleteStepError(
+          f"LayerStore {self._commits.path}: the step's update in the backward pass stopped "
+          "before the whole model's norm was known; store.update() says why."
+        ) from None
+
+    return self._spec.layer_squares(abort)
+
   def read(self, i: Any, fetch: Callable[[Any], list[np.ndarray]]) -> list[np.ndarray]:
     """Layer `i` for the model (a callback, by `fetch`), kept: the update's params. A step
     updated and not committed is committed first (`before_read`). The backward pass reads
@@ -247,6 +273,7 @@ class BackwardStep:
     commits = self._commits
     self._writer.settle_kept()  # (none: a step dropped settles its own, `_settle`)
     self._target, self._late = commits.free_generation(), None
+    self._spec.start()
     self._handoff = Handoff(self._slots.n_layers, self._writer.queued, last)
     layers = range(self._slots.n_layers - 1, -1, -1)
     self._run = self._worker.submit(
@@ -319,6 +346,10 @@ class BackwardStep:
         arrived = self._handoff.started and self._run is not None
         self._drop(None)
         raise _incomplete(commits.step, self._handoff if arrived else None)
+      whole = self._spec.whole
+      if whole is not None and not whole.arrived:  # the step's program ran: it never will
+        self._drop(None)
+        raise whole_norm.missing(commits.path, commits.step + 1)
       layer_rest.check_leaves(rest)  # before the step is waited for: it stays
       self._drop_reads()  # of the generation this step replaces
       try:

@@ -18,6 +18,7 @@ master and Adam.
 
 from __future__ import annotations
 
+import threading
 import warnings
 from typing import Any
 
@@ -53,6 +54,9 @@ class Speculation:
     self.max_norm = clip_lib.split(optimizer).max_norm
     self.budget = layer_step.check_budget(slots, self.updates, budget)
     self._slots, self._writer = slots, writer
+    self.whole: Any = None  # a clip by the whole model's norm (`whole_norm.attach`)
+    # The leaves kept this step (`keep`): all of them, and the layers' squares are the step's.
+    self._kept, self._all_kept = 0, threading.Event()
 
   def settle(self, handoff: Handoff, path: str) -> bool:
     """After a step dropped (its worker ended, `handoff` its): its kept gradients' writes waited
@@ -78,7 +82,24 @@ class Speculation:
     redo (written behind, `grads.GradientWriter.keep`) where there is a clip."""
     if self.max_norm is not None:  # (a dropped step's kept writes: settled when dropped)
       self._writer.keep(i, k, grad)
+      self._kept += 1
+      if self._kept == self._slots.n_layers * len(self._slots.records):
+        self._all_kept.set()
     return grad
+
+  def start(self) -> None:
+    """A new step: none of its leaves kept yet, its whole norm not known."""
+    self._kept = 0
+    self._all_kept.clear()
+    if self.whole is not None:
+      self.whole.clear()
+
+  def layer_squares(self, abort: Any) -> np.ndarray:
+    """The layers' sums of squares of the step in flight, once the worker kept every leaf
+    (`whole_norm.WholeNorm.arrive`, from the rest's callback); `abort` raises to stop."""
+    while not self._all_kept.wait(0.05):
+      abort()
+    return self._writer.kept_squares()
 
   def validate(self, stats: layer_step.Stats, gen: int, target: int, step: int,
                where: list[tuple[int, int]], abort: Any = None) -> layer_step.Stats:  # fmt: skip
@@ -103,7 +124,10 @@ class Speculation:
     if self.max_norm is None:
       return stats
     records = self._slots.records
-    norm = clip_lib.global_norm(self._writer.squares(), records, self.max_norm)
+    if self.whole is not None:  # the rest's callback gives it (`whole_norm`)
+      norm = self.whole.wait(abort if abort is not None else lambda: None)
+    else:
+      norm = clip_lib.global_norm(self._writer.squares(), records, self.max_norm)
     kept = self._slots.n_layers * sum(r["slot"] for r in records)  # the gradients written
     stats = stats._replace(
       bytes_written=stats.bytes_written + kept, grad_norm=float(norm.norm), clipped=norm.applies
