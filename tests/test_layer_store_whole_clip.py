@@ -11,6 +11,8 @@ rest to the bit. SGD's step is the scale times the gradient, so a wrong scale fa
 Default cases: the clip applying in both modes, and the errors; the rest are slow.
 """
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -102,8 +104,8 @@ def reference(c, tail, steps=2, norms=None):
 
 
 CASES = [
-  pytest.param("explicit", SMALL, id="explicit-clip-applies"),
-  pytest.param("backward", SMALL, id="backward-clip-applies"),
+  pytest.param("explicit", SMALL, id="explicit-clip-applies", marks=pytest.mark.slow),
+  pytest.param("backward", SMALL, id="backward-clip-applies"),  # (explicit: the test below)
   pytest.param("explicit", BIG, id="explicit-clip-idle", marks=pytest.mark.slow),
   pytest.param("backward", BIG, id="backward-clip-idle", marks=pytest.mark.slow),
 ]
@@ -145,8 +147,9 @@ def test_a_store_without_the_clip_or_another_bound_is_refused(tmp_path):
   with offlax.LayerStore.create(str(tmp_path / "b"), layers, progress=False) as store:
     with pytest.raises(errors.InvalidOptionError, match="no optimizer"):
       offlax.clip_by_global_norm(0.5, store=store)
+  clipped = optax.chain(optax.clip_by_global_norm(1.0), sgd())
   with offlax.LayerStore.create(str(tmp_path / "c"), layers, progress=False,
-                                optimizer=optax.chain(optax.clip_by_global_norm(1.0), sgd())) as s:  # fmt: skip
+                                optimizer=clipped) as s:  # fmt: skip
     with pytest.raises(errors.InvalidOptionError, match=r"max_norm=0.5, and the store .* "
                        r"clips to max_norm=1.0"):  # fmt: skip
       offlax.clip_by_global_norm(0.5, store=s)
@@ -172,7 +175,69 @@ def test_a_step_whose_rest_never_came_is_refused(tmp_path, update):
     with pytest.raises(errors.IncompleteStepError, match="rest's part of it never came"):
       store.update()
     assert store.step == 0
-    gs, gr = grads(store.source(), rest, batch(0, jnp.float32))
+    overwritten = pytest.warns(errors.GradientsOverwrittenWarning) if update == "explicit" else None
+    with overwritten or contextlib.nullcontext():  # (the explicit mode's gradients, unused)
+      gs, gr = grads(store.source(), rest, batch(0, jnp.float32))
     u, _ = jax.jit(tx.update)(gr, tx.init(rest), rest, layer_grads=gs)
     store.update()
     assert store.step == 1 and store.last_update.clipped
+
+
+def given_clip(c):
+  """optax's clip by a norm given as the extra arg ``norm``, in place of its own."""
+
+  def update(u, state, params=None, *, norm, **extra):
+    return jax.tree.map(
+      lambda t: jax.lax.select(norm < c, t, (t / norm.astype(t.dtype)) * c), u
+    ), state
+
+  return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update)
+
+
+@pytest.mark.slow  # compiles NNX steps
+@pytest.mark.parametrize("c", [SMALL, BIG], ids=["clip-applies", "clip-idle"])
+def test_an_nnx_model_s_optimizer_clips_by_the_whole_norm(tmp_path, c):
+  """`offload_params(model, store=, commit_in_update=True)` and `nnx.Optimizer` updating the
+  rest (in host memory: inside `offlax.offload`) with the whole-norm clip first, as Tunix's
+  trainer steps: the layers' token gradients in the rest's gradients order its callback
+  after the hand-offs, and the commit after it. The same model in memory, given the norm:
+  layers and rest to the bit; with optax's own norm: to its rounding."""
+  from flax import nnx
+  from test_layer_store_nnx import Model
+  from test_layer_store_nnx import batch as nnx_batch
+
+  @nnx.jit
+  def step(model, optimizer, x, **norm):
+    _, g = nnx.value_and_grad(lambda m: m(x))(model)
+    optimizer.update(model, g, **norm)
+
+  @nnx.jit
+  def plain_step(model, optimizer, x):  # (its params on the device) and optax's norm
+    _, g = nnx.value_and_grad(lambda m: m(x))(model)
+    optimizer.update(model, g)
+    return optax.tree.norm(nnx.state(g, nnx.Param))
+
+  store = offlax.LayerStore.create(str(tmp_path / "s"), offlax.stack_layers(Model(nnx.Rngs(0)),
+                                   "layers"), optimizer=optax.chain(optax.clip_by_global_norm(c),
+                                   sgd()), update="backward", progress=False)  # fmt: skip
+  with store:
+    model = offlax.offload_params(Model(nnx.Rngs(0)), store=store, commit_in_update=True)
+    tx = optax.chain(offlax.clip_by_global_norm(c, store=store), sgd())
+    optimizer = nnx.Optimizer(model, offlax.offload(tx, compute="host"), wrt=nnx.Param)
+    stats = []
+    for i in range(2):
+      step(model, optimizer, nnx_batch(i))
+      assert store.step == i + 1  # committed by the update
+      stats.append(store.last_update)
+    layers = store.read_params()
+  plain = Model(nnx.Rngs(0))
+  ref = nnx.Optimizer(plain, optax.chain(optax.clip_by_global_norm(c), sgd()), wrt=nnx.Param)
+  norms = [float(plain_step(plain, ref, nnx_batch(i))) for i in range(2)]
+  assert [s.clipped for s in stats] == [c == SMALL] * 2
+  np.testing.assert_allclose([s.grad_norm for s in stats], norms, rtol=1e-6)
+  given = Model(nnx.Rngs(0))
+  opt = nnx.Optimizer(given, optax.chain(given_clip(c), sgd()), wrt=nnx.Param)
+  for i, s in enumerate(stats):
+    step(given, opt, nnx_batch(i), norm=jnp.float32(s.grad_norm))
+  assert_bits(layers, offlax.stack_layers(given, "layers"))
+  assert_bits(nnx.state(model.embed, nnx.Param), nnx.state(given.embed, nnx.Param))
