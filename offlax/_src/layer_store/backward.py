@@ -61,10 +61,9 @@ from offlax._src.layer_store import grads as grads_lib
 from offlax._src.layer_store import ranges as ranges_lib
 from offlax._src.layer_store import rest as layer_rest
 from offlax._src.layer_store import step as layer_step
-from offlax._src.layer_store import whole_norm
 from offlax._src.layer_store.commits import Commits
 from offlax._src.layer_store.grads import GradientWriter
-from offlax._src.layer_store.handoff import Aborted, Handoff, KeptReads
+from offlax._src.layer_store.handoff import Handoff, KeptReads
 from offlax._src.layer_store.read_ahead import ReadAhead
 from offlax._src.layer_store.slots import Slots
 from offlax._src.layer_store.speculate import Speculation
@@ -166,7 +165,7 @@ class BackwardStep:
                writer: GradientWriter, reads: ReadAhead, budget: int | None = None):  # fmt: skip
     self._slots, self._commits, self._drop_reads = slots, commits, reads.drop
     # a leading clip: validated; the budget checked
-    self._spec = Speculation(optimizer, treedef, slots, writer, budget)
+    self.spec = Speculation(optimizer, treedef, slots, writer, budget)
     self._writer = writer
     # The step in flight's hand-off: one per step, so a worker of a step dropped (or cut
     # short by Ctrl-C) never takes the next step's gradients.
@@ -178,31 +177,6 @@ class BackwardStep:
     self._late: layer_step.Stats | None = None  # a step a read committed, without rest
     self._kept = KeptReads(writer.queued + 2)  # the layers the model read last, for `_param`
     reads.on_drop(self._forget_kept)  # a commit or a rewrite: of the generation before
-
-  @property
-  def whole(self) -> Any:
-    """A clip by the whole model's norm (`whole_norm.attach`), or None."""
-    return self._spec.whole
-
-  @whole.setter
-  def whole(self, value: Any) -> None:
-    self._spec.whole = value
-
-  def layer_squares(self) -> np.ndarray:
-    """The layers' sums of squares of the step in flight (the rest's callback, `whole_norm`),
-    once its worker kept every layer's gradient; `StoreError` where the worker failed."""
-    handoff = self._handoff
-
-    def abort() -> None:
-      try:
-        handoff.check()
-      except Aborted:
-        raise errors.IncompleteStepError(
-          f"LayerStore {self._commits.path}: the step's update in the backward pass stopped "
-          "before the whole model's norm was known; store.update() says why."
-        ) from None
-
-    return self._spec.layer_squares(abort)
 
   def read(self, i: Any, fetch: Callable[[Any], list[np.ndarray]]) -> list[np.ndarray]:
     """Layer `i` for the model (a callback, by `fetch`), kept: the update's params. A step
@@ -234,7 +208,7 @@ class BackwardStep:
     if param is None:  # not kept (another reader's order): read now
       param = self._slots.read_slot("params", gen, k, i)
       handoff.read_bytes += param.nbytes
-    return self._spec.keep(i, k, grad), param  # (kept for a clip's redo)
+    return self.spec.keep(i, k, grad), param  # (kept for a clip's redo)
 
   def put(self, accumulate: bool, i: Any, *grads: np.ndarray) -> np.ndarray:
     """Layer `i`'s gradients (a callback): copied out, the layer updated by the worker. A
@@ -273,8 +247,7 @@ class BackwardStep:
     commits = self._commits
     self._writer.settle_kept()  # (none: a step dropped settles its own, `_settle`)
     self._target, self._late = commits.free_generation(), None
-    self._spec.start()
-    self._handoff = Handoff(self._slots.n_layers, self._writer.queued, last)
+    self._handoff = self.spec.start(Handoff(self._slots.n_layers, self._writer.queued, last))
     layers = range(self._slots.n_layers - 1, -1, -1)
     self._run = self._worker.submit(
       self._work, self._handoff, commits.generation, self._target, commits.step + 1, layers
@@ -282,15 +255,15 @@ class BackwardStep:
 
   def _work(self, handoff: Handoff, gen: int, target: int, step: int, layers: Any) -> Any:
     try:
-      updates, flight = self._spec.updates, ranges_lib.Flight()
+      updates, flight = self.spec.updates, ranges_lib.Flight()
       shared = updates[0].shared if updates else []
-      rows = ranges_lib.plan(self._slots, [u.owned for u in updates], shared, self._spec.budget)
+      rows = ranges_lib.plan(self._slots, [u.owned for u in updates], shared, self.spec.budget)
       handed = lambda i, k: self._handed(handoff, gen, i, k, rows, flight)
       stats = layer_step.run(self._slots, updates, gen, target, step=step, show=False,
                              layers=layers, handed=handed, where=handoff.where,
-                             budget=self._spec.budget, flight=flight)  # fmt: skip
+                             budget=self.spec.budget, flight=flight)  # fmt: skip
       stats = stats._replace(bytes_read=stats.bytes_read + handoff.read_bytes)
-      return self._spec.validate(stats, gen, target, step, handoff.where, handoff.check)
+      return self.spec.validate(stats, gen, target, step, handoff.where, handoff.check)
     except BaseException:
       handoff.abort()  # the backward pass's hand-offs no longer wait for it
       raise
@@ -320,7 +293,7 @@ class BackwardStep:
     e = run.exception()
     self._run = None
     self._kept.clear()
-    spent = self._spec.settle(self._handoff, self._commits.path)
+    spent = self.spec.settle(self._handoff, self._commits.path)
     return _failure(where, commits, self._slots.records, self._handoff.where, e, spent)
 
   def __call__(self, rest: Any) -> layer_step.Stats:
@@ -346,10 +319,6 @@ class BackwardStep:
         arrived = self._handoff.started and self._run is not None
         self._drop(None)
         raise _incomplete(commits.step, self._handoff if arrived else None)
-      whole = self._spec.whole
-      if whole is not None and not whole.arrived:  # the step's program ran: it never will
-        self._drop(None)
-        raise whole_norm.missing(commits.path, commits.step + 1)
       layer_rest.check_leaves(rest)  # before the step is waited for: it stays
       self._drop_reads()  # of the generation this step replaces
       try:
@@ -381,7 +350,7 @@ class BackwardStep:
     concurrent.futures.wait([run])  # handoff.Aborted, or the worker's own error: nothing committed
     self._run = None
     self._kept.clear()
-    spent = self._spec.settle(self._handoff, self._commits.path)  # the sum written over?
+    spent = self.spec.settle(self._handoff, self._commits.path)  # the sum written over?
     if why is not None or spent:  # `why`: what became of the step, for the warning
       warnings.warn(_dropped(self._commits, why, spent), stacklevel=3)
 

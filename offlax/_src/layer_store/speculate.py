@@ -28,7 +28,7 @@ from offlax._src import errors
 from offlax._src.layer_store import clip as clip_lib
 from offlax._src.layer_store import step as layer_step
 from offlax._src.layer_store.grads import GradientWriter
-from offlax._src.layer_store.handoff import Handoff
+from offlax._src.layer_store.handoff import Aborted, Handoff
 from offlax._src.layer_store.slots import Slots
 
 
@@ -57,6 +57,7 @@ class Speculation:
     self.whole: Any = None  # a clip by the whole model's norm (`whole_norm.attach`)
     # The leaves kept this step (`keep`): all of them, and the layers' squares are the step's.
     self._kept, self._all_kept = 0, threading.Event()
+    self._handoff = Handoff(slots.n_layers, writer.queued, last=False)  # the step's (`start`)
 
   def settle(self, handoff: Handoff, path: str) -> bool:
     """After a step dropped (its worker ended, `handoff` its): its kept gradients' writes waited
@@ -87,18 +88,27 @@ class Speculation:
         self._all_kept.set()
     return grad
 
-  def start(self) -> None:
-    """A new step: none of its leaves kept yet, its whole norm not known."""
-    self._kept = 0
+  def start(self, handoff: Handoff) -> Handoff:
+    """A new step, its `handoff`: none of its leaves kept yet, its whole norm not known."""
+    self._kept, self._handoff = 0, handoff
     self._all_kept.clear()
     if self.whole is not None:
       self.whole.clear()
+    return handoff
 
-  def layer_squares(self, abort: Any) -> np.ndarray:
+  def layer_squares(self) -> np.ndarray:
     """The layers' sums of squares of the step in flight, once the worker kept every leaf
-    (`whole_norm.WholeNorm.arrive`, from the rest's callback); `abort` raises to stop."""
+    (`whole_norm.WholeNorm.arrive`, from the rest's callback); `IncompleteStepError` where
+    the step was dropped first (its worker failed: `update()` says why)."""
+    handoff = self._handoff
     while not self._all_kept.wait(0.05):
-      abort()
+      try:
+        handoff.check()
+      except Aborted:
+        raise errors.IncompleteStepError(
+          f"LayerStore {self._slots.path}: the step's update in the backward pass stopped "
+          "before the whole model's norm was known; store.update() says why."
+        ) from None
     return self._writer.kept_squares()
 
   def validate(self, stats: layer_step.Stats, gen: int, target: int, step: int,

@@ -448,6 +448,11 @@ class LayerStep:
     self._budget = check_budget(slots, self._updates, budget)
     self.whole: Any = None  # a clip by the whole model's norm (`whole_norm.attach`)
 
+  def layer_squares(self) -> np.ndarray:
+    """The gradient slots' sums of squares, their writes waited for (`whole_norm`)."""
+    assert self._squares is not None  # (given with a clip, which `whole_norm` checks)
+    return self._squares()
+
   def __call__(self, rest: Any) -> Stats:
     """Writes the next step (and `rest`) into a free generation, flushes it and commits it.
 

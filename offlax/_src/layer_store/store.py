@@ -54,7 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from offlax._src import errors
-from offlax._src.layer_store import backward, opening
+from offlax._src.layer_store import backward, opening, whole_norm
 from offlax._src.layer_store import rest as layer_rest
 from offlax._src.layer_store import step as layer_step
 from offlax._src.layer_store.commits import Commits
@@ -352,10 +352,22 @@ class LayerStore(_Reads):
         "LayerStore.create or LayerStore.open."
       )
     self.flush_grads()
+    whole = whole_norm.part_of(self._update).whole  # (`whole_norm()`)
+    if whole is not None:  # the step's programs ran: the rest's part came, or never will
+      whole.end(self.step + 1)
     self.drop_read_ahead()  # they are of the generation this step replaces
     self.last_update = self._update(rest)
     self._grads.used()
     return self.step
+
+  def whole_norm(self, max_norm: Any) -> whole_norm.WholeNorm:
+    """The store's side of ``offlax.clip_by_global_norm(max_norm, store=self)``: one norm over
+    the layers and the rest of the model (`whole_norm`), made once.
+
+    Raises:
+      InvalidOptionError: the optimizer has no leading global-norm clip, or another max_norm.
+    """
+    return whole_norm.attach(self, whole_norm.part_of(self._update), max_norm)
 
   def drop_read_ahead(self) -> None:
     """Forgets the layers read ahead and kept (before a commit replaces their generation)."""

@@ -67,6 +67,7 @@ class WholeNorm:
     self._layer_squares = layer_squares
     self._cond = threading.Condition()
     self._norm: clip_lib.GlobalNorm | None = None
+    self._missing: Exception | None = None  # the step ended without the rest's part (`end`)
 
   def arrive(self, rest: np.ndarray, dtype: Any) -> np.ndarray:
     """The callback: the rest's sum of squares `rest`; returns the whole norm (`dtype`)."""
@@ -77,10 +78,13 @@ class WholeNorm:
       self._cond.notify_all()
     return np.asarray(norm.norm)
 
-  @property
-  def arrived(self) -> bool:
-    """Whether the rest's part of the step in flight came."""
-    return self._norm is not None
+  def end(self, step: int) -> None:
+    """`update()`, its step's programs run (waited for): a rest's part not come never will,
+    and the norm's waits (`wait`, `take`) raise `IncompleteStepError`."""
+    with self._cond:
+      if self._norm is None:
+        self._missing = missing(self._path, step)
+        self._cond.notify_all()
 
   def take(self, step: int) -> clip_lib.GlobalNorm:
     """The whole norm of `step` (explicit `update()`), or `IncompleteStepError`."""
@@ -90,17 +94,20 @@ class WholeNorm:
     return norm
 
   def wait(self, abort: Callable[[], None]) -> clip_lib.GlobalNorm:
-    """The whole norm, waited for (the backward mode's worker); `abort` raises to stop."""
+    """The whole norm, waited for (the backward mode's worker); `abort` raises to stop, and
+    so does a step ended without it (`end`)."""
     with self._cond:
       while self._norm is None:
         abort()
+        if self._missing is not None:
+          raise self._missing
         self._cond.wait(0.05)
       return self._norm
 
   def clear(self) -> None:
     """Forgets the norm (a step committed, or a new one begun)."""
     with self._cond:
-      self._norm = None
+      self._norm, self._missing = None, None
 
 
 def missing(path: str, step: int) -> errors.IncompleteStepError:
@@ -115,8 +122,15 @@ def missing(path: str, step: int) -> errors.IncompleteStepError:
   )
 
 
-def attach(store: Any, max_norm: Any) -> WholeNorm:
-  """The store's `WholeNorm` for `max_norm`, made once; `InvalidOptionError` where its
+def part_of(update: Any) -> Any:
+  """The part of a store's step (`LayerStore._update`) that runs its clip: a `step.LayerStep`,
+  or a `backward.BackwardStep`'s `speculate.Speculation`."""
+  return getattr(update, "spec", update)
+
+
+def attach(store: Any, part: Any, max_norm: Any) -> WholeNorm:
+  """The store's `WholeNorm` for `max_norm`, made once into its step's `part` (`step.LayerStep`,
+  `speculate.Speculation`: ``whole``, ``layer_squares``); `InvalidOptionError` where its
   optimizer has no leading clip, or one of another ``max_norm``."""
   have = None if store.optimizer is None else clip_lib.split(store.optimizer).max_norm
   if have is None:
@@ -132,11 +146,9 @@ def attach(store: Any, max_norm: Any) -> WholeNorm:
       f"{store.path} clips to max_norm={have!r}: one norm clips the whole model, to one "
       "bound. Pass the store's max_norm, or open the store with the clip you mean."
     )
-  step = store._update  # LayerStep or BackwardStep
-  if step.whole is None:
-    squares = getattr(step, "layer_squares", None) or store._grads.squares
-    step.whole = WholeNorm(have, store.records, store.path, squares)
-  return step.whole
+  if part.whole is None:
+    part.whole = WholeNorm(have, store.records, store.path, part.layer_squares)
+  return part.whole
 
 
 def clip_by_global_norm(max_norm: Any, *, store: Any) -> optax.GradientTransformationExtraArgs:
@@ -160,7 +172,7 @@ def clip_by_global_norm(max_norm: Any, *, store: Any) -> optax.GradientTransform
     InvalidOptionError: the store has no clip, or one of another ``max_norm``; at trace
       time, the update got none of the layers' token gradients.
   """
-  whole = attach(store, max_norm)
+  whole = store.whole_norm(max_norm)
 
   def init_fn(params: Any) -> WholeNormState:
     del params
