@@ -202,7 +202,8 @@ class LayerStore(_Reads):
         written and no space reserved (to compile a model larger than the disk).
       optimizer: an elementwise optax `GradientTransformation` (Adam, AdamW, SGD,
         `offlax.master_weights` of them, ...) applied a layer at a time, or one after a leading
-        ``optax.clip_by_global_norm(c)`` in an ``optax.chain`` (`clip`); None: no optimizer.
+        ``optax.clip_by_global_norm(c)`` in an ``optax.chain`` (`clip`; one norm with the rest
+        of the model: `offlax.clip_by_global_norm`); None: no optimizer.
       keep: committed steps kept on disk (>= 1); the store holds ``keep + 1``
         copies of the params and state.
       init_layer: with `layers` as `jax.ShapeDtypeStruct`s, a function of the layer index

@@ -58,7 +58,7 @@ class WholeNorm:
     records: the store's param records.
     path: the store's directory (for errors).
     layer_squares: the layers' sums of squares of the step, float32 [layer, leaf], waited
-      for (`grads.GradientWriter.squares`, `backward.BackwardStep.layer_squares`).
+      for (`step.LayerStep.layer_squares`, `speculate.Speculation.layer_squares`).
   """
 
   def __init__(self, max_norm: Any, records: list[dict], path: str,
@@ -115,10 +115,11 @@ def missing(path: str, step: int) -> errors.IncompleteStepError:
   return errors.IncompleteStepError(
     f"LayerStore.update: step {step} of {path} clips by the whole model's norm "
     "(offlax.clip_by_global_norm(c, store=store) in the rest's optimizer), and the rest's "
-    "part of it never came: the step's jitted function did not apply the rest's optimizer "
-    "after its backward pass. Nothing was committed. Run the step with the rest's update "
-    "(tx.update(rest_grads, state, rest, layer_grads=source_grads)) in the same jitted "
-    "function, then store.update(rest=...)."
+    "part of it never came: the rest's optimizer was not applied after the backward pass. "
+    "Nothing was committed. Apply it, tx.update(rest_grads, state, rest, "
+    "layer_grads=source_grads), then store.update(rest=...): to this step's gradients with "
+    "update='explicit' (the layers' are still on disk); with update='backward' the step was "
+    "dropped: run it again, the rest's update with it."
   )
 
 
@@ -187,7 +188,8 @@ def clip_by_global_norm(max_norm: Any, *, store: Any) -> optax.GradientTransform
     _check_tokens(tokens, store)
     wide = [x.astype(jnp.complex64 if jnp.iscomplexobj(x) else jnp.float32) for x in rest]
     squares = optax.tree.norm(wide, squared=True)
-    dtype = jnp.result_type(*[jnp.real(x).dtype for x in rest], clip_lib.norm_dtype(store.records))
+    reals = [np.empty(0, x.dtype).real.dtype for x in rest]  # optax's norm's dtype
+    dtype = jnp.result_type(*reals, clip_lib.norm_dtype(store.records))
     [norm] = host_callbacks.call(
       lambda s, *_: whole.arrive(s, dtype), [jax.ShapeDtypeStruct((), dtype)], squares, *tokens,
       side_effect=True,
