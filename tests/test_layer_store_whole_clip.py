@@ -202,6 +202,8 @@ def test_an_nnx_model_s_optimizer_clips_by_the_whole_norm(tmp_path, c):
   from test_layer_store_nnx import Model
   from test_layer_store_nnx import batch as nnx_batch
 
+  from offlax._src import nnx_store_commit
+
   @nnx.jit
   def step(model, optimizer, x, **norm):
     _, g = nnx.value_and_grad(lambda m: m(x))(model)
@@ -220,6 +222,7 @@ def test_an_nnx_model_s_optimizer_clips_by_the_whole_norm(tmp_path, c):
     model = offlax.offload_params(Model(nnx.Rngs(0)), store=store, commit_in_update=True)
     tx = optax.chain(offlax.clip_by_global_norm(c, store=store), sgd())
     optimizer = nnx.Optimizer(model, offlax.offload(tx, compute="host"), wrt=nnx.Param)
+    assert len(nnx_store_commit._whole_norms(optimizer.opt_state)) == 1  # the commit's operand
     stats = []
     for i in range(2):
       step(model, optimizer, nnx_batch(i))
