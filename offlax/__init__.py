@@ -26,6 +26,7 @@ _NAMES: dict[str, str | tuple[str, str]] = {
   "abstract_state": "offlax._src.checkpoint",
   "adam": "offlax._src.host_adam",
   "adamw": "offlax._src.host_adam",
+  "clip_by_global_norm": "offlax._src.layer_store.whole_norm",
   "compile_for_gpu": "offlax._src.gpu_compile",
   "fetch": "offlax._src.host_params",
   "load_safetensors": "offlax._src.hf.load",
@@ -83,6 +84,7 @@ if _typing.TYPE_CHECKING:  # what the lazy names are, for type checkers and the 
   from offlax._src.host_params import fetch, to_host
   from offlax._src.host_tier import HostTier
   from offlax._src.layer_store.store import LayerStore
+  from offlax._src.layer_store.whole_norm import clip_by_global_norm
   from offlax._src.layers import scan_layers
   from offlax._src.master import master_weights
   from offlax._src.nnx_layer_store import LayerToken, stack_layers
@@ -120,6 +122,7 @@ __all__ = [
   "adam",
   "adamw",
   "checkpoint",
+  "clip_by_global_norm",
   "compile_for_gpu",
   "errors",
   "extend",

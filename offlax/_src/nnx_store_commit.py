@@ -86,11 +86,22 @@ def commit(optimizer: Any, model: Any, grads: Any) -> None:
       [jax.ShapeDtypeStruct((), jnp.int32)],
       step,
       *tokens,
+      *_whole_norms(optimizer.opt_state),
       side_effect=True,
     )
 
 
-def _commit(store: Any, step: Any, *tokens: Any) -> np.ndarray:
+def _whole_norms(opt_state: Any) -> list[Any]:
+  """The norms of the whole-model clips in `opt_state` (`whole_norm.WholeNormState`): operands
+  of the commit, so that it runs after the rest's part of the norm reached the store."""
+  from offlax._src.layer_store.whole_norm import WholeNormState
+
+  is_state = lambda x: isinstance(x, WholeNormState)
+  found = [x for x in jax.tree.leaves(opt_state, is_leaf=is_state) if is_state(x)]
+  return jax.tree.leaves(found)
+
+
+def _commit(store: Any, step: Any, *tokens: Any) -> np.ndarray:  # (tokens: and the norms)
   """The callback: commits the store's step, the optimizer's `step` (checked)."""
   step, held = int(step), store.step
   if step != held + 1:

@@ -165,7 +165,7 @@ class BackwardStep:
                writer: GradientWriter, reads: ReadAhead, budget: int | None = None):  # fmt: skip
     self._slots, self._commits, self._drop_reads = slots, commits, reads.drop
     # a leading clip: validated; the budget checked
-    self._spec = Speculation(optimizer, treedef, slots, writer, budget)
+    self.spec = Speculation(optimizer, treedef, slots, writer, budget)
     self._writer = writer
     # The step in flight's hand-off: one per step, so a worker of a step dropped (or cut
     # short by Ctrl-C) never takes the next step's gradients.
@@ -208,7 +208,7 @@ class BackwardStep:
     if param is None:  # not kept (another reader's order): read now
       param = self._slots.read_slot("params", gen, k, i)
       handoff.read_bytes += param.nbytes
-    return self._spec.keep(i, k, grad), param  # (kept for a clip's redo)
+    return self.spec.keep(i, k, grad), param  # (kept for a clip's redo)
 
   def put(self, accumulate: bool, i: Any, *grads: np.ndarray) -> np.ndarray:
     """Layer `i`'s gradients (a callback): copied out, the layer updated by the worker. A
@@ -247,7 +247,7 @@ class BackwardStep:
     commits = self._commits
     self._writer.settle_kept()  # (none: a step dropped settles its own, `_settle`)
     self._target, self._late = commits.free_generation(), None
-    self._handoff = Handoff(self._slots.n_layers, self._writer.queued, last)
+    self._handoff = self.spec.start(Handoff(self._slots.n_layers, self._writer.queued, last))
     layers = range(self._slots.n_layers - 1, -1, -1)
     self._run = self._worker.submit(
       self._work, self._handoff, commits.generation, self._target, commits.step + 1, layers
@@ -255,14 +255,14 @@ class BackwardStep:
 
   def _work(self, handoff: Handoff, gen: int, target: int, step: int, layers: Any) -> Any:
     try:
-      updates, flight = self._spec.updates, ranges_lib.Flight()
-      rows = layer_step.plan(self._slots, updates, self._spec.budget)
+      updates, flight = self.spec.updates, ranges_lib.Flight()
+      rows = layer_step.plan(self._slots, updates, self.spec.budget)
       handed = lambda i, k: self._handed(handoff, gen, i, k, rows, flight)
       stats = layer_step.run(self._slots, updates, gen, target, step=step, show=False,
                              layers=layers, handed=handed, where=handoff.where,
-                             budget=self._spec.budget, flight=flight)  # fmt: skip
+                             budget=self.spec.budget, flight=flight)  # fmt: skip
       stats = stats._replace(bytes_read=stats.bytes_read + handoff.read_bytes)
-      return self._spec.validate(stats, gen, target, step, handoff.where, handoff.check)
+      return self.spec.validate(stats, gen, target, step, handoff.where, handoff.check)
     except BaseException:
       handoff.abort()  # the backward pass's hand-offs no longer wait for it
       raise
@@ -292,7 +292,7 @@ class BackwardStep:
     e = run.exception()
     self._run = None
     self._kept.clear()
-    spent = self._spec.settle(self._handoff, self._commits.path)
+    spent = self.spec.settle(self._handoff, self._commits.path)
     return _failure(where, commits, self._slots.records, self._handoff.where, e, spent)
 
   def __call__(self, rest: Any) -> layer_step.Stats:
@@ -349,7 +349,7 @@ class BackwardStep:
     concurrent.futures.wait([run])  # handoff.Aborted, or the worker's own error: nothing committed
     self._run = None
     self._kept.clear()
-    spent = self._spec.settle(self._handoff, self._commits.path)  # the sum written over?
+    spent = self.spec.settle(self._handoff, self._commits.path)  # the sum written over?
     if why is not None or spent:  # `why`: what became of the step, for the warning
       warnings.warn(_dropped(self._commits, why, spent), stacklevel=3)
 

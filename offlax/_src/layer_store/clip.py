@@ -164,17 +164,21 @@ class GlobalNorm(NamedTuple):
   applies: bool
 
 
-def global_norm(squares: np.ndarray, records: list[dict], max_norm: Any) -> GlobalNorm:
+def global_norm(squares: np.ndarray, records: list[dict], max_norm: Any, rest: Any = None,
+                dtype: Any = None) -> GlobalNorm:  # fmt: skip
   """The norm from `squares` (float32, [layer, leaf]), as optax's `clip_by_global_norm`.
 
   optax sums each leaf's squares, adds the leaves' sums in their dtype and takes the root
   (`optax.tree.norm`); here each leaf's layers are added in float32 first, then the leaves in
-  tree order, the total cast to that dtype before the root, as optax's would be.
+  tree order, then `rest` (the rest of the model's sum, `whole_norm`), the total cast to that
+  dtype before the root, as optax's would be.
 
   Args:
     squares: the sum of squares of each layer's gradient leaf (`sum_squares`).
     records: the store's param records (the leaves' dtypes).
     max_norm: the clip's ``max_norm``.
+    rest: the float32 sum of squares of the rest of the model's gradients, or None.
+    dtype: the norm's dtype (with `rest`: the whole model's); None: `norm_dtype(records)`.
 
   Returns:
     The `GlobalNorm`.
@@ -183,16 +187,23 @@ def global_norm(squares: np.ndarray, records: list[dict], max_norm: Any) -> Glob
   total = np.float32(0)
   for s in per_leaf:  # the leaves in tree order, as optax's tree sum
     total = np.float32(total + s)
+  if rest is not None:
+    total = np.float32(total + np.float32(rest))
+  dtype = norm_dtype(records) if dtype is None else np.dtype(dtype)
   with jax.default_device(jax.devices("cpu")[0]):
-    norm = jnp.sqrt(jnp.asarray(total).astype(norm_dtype(records)))
+    norm = jnp.sqrt(jnp.asarray(total).astype(dtype))
     applies = not bool(norm < max_norm)
   return GlobalNorm(np.asarray(norm), applies)
 
 
 def scale_gradient(g: Any, norm: Any, max_norm: Any) -> Any:
   """`g` clipped, where the clip applies: optax's expression, ``(g / norm) * max_norm``, in
-  `g`'s dtype (traced inside the jitted leaf update)."""
-  return (g / norm.astype(g.dtype)) * max_norm
+  `g`'s dtype (traced inside the jitted leaf update).
+
+  Under optax's own ``select`` on ``norm < max_norm`` too (False where this runs): XLA
+  simplifies a bare ``(g / norm) * max_norm`` into other roundings than optax's chain has.
+  """
+  return jax.lax.select(norm < max_norm, g, (g / norm.astype(g.dtype)) * max_norm)
 
 
 def not_recognised(path: str, why: str) -> errors.InvalidOptionError:

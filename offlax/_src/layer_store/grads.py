@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import errno
 import os
 import threading
 from collections.abc import Callable
@@ -150,6 +151,22 @@ class GradientWriter:
     for i, k in zip(*np.nonzero(np.isnan(self._squares)), strict=True):
       self._squares[i, k] = clip_lib.sum_squares(self._slots.read_slot("grads", 0, k, i))
     return self._squares.copy()
+
+  def kept_squares(self) -> np.ndarray:
+    """The sums of squares of the gradients `keep` wrote (float32 [layer, leaf]), its writes
+    waited for, not taken: the worker takes them (and their errors). `StoreError` where one
+    failed (its squares unknown): the worker's step fails too, said at `update()`."""
+    with self._lock:
+      kept = list(self._kept)
+    concurrent.futures.wait(kept)
+    squares = self._squares.copy()
+    if np.isnan(squares).any():
+      raise errors.StoreError(
+        errno.EIO,
+        f"LayerStore {self._slots.path}: a gradient kept for the global-norm clip was not "
+        "written, so the whole model's norm is not known; store.update() says which.",
+      )
+    return squares
 
   def close(self) -> None:
     """Waits for the writes queued."""

@@ -18,6 +18,7 @@ master and Adam.
 
 from __future__ import annotations
 
+import threading
 import warnings
 from typing import Any
 
@@ -27,7 +28,7 @@ from offlax._src import errors
 from offlax._src.layer_store import clip as clip_lib
 from offlax._src.layer_store import step as layer_step
 from offlax._src.layer_store.grads import GradientWriter
-from offlax._src.layer_store.handoff import Handoff
+from offlax._src.layer_store.handoff import Aborted, Handoff
 from offlax._src.layer_store.slots import Slots
 
 
@@ -53,6 +54,10 @@ class Speculation:
     self.max_norm = clip_lib.split(optimizer).max_norm
     self.budget = layer_step.check_budget(slots, self.updates, budget)
     self._slots, self._writer = slots, writer
+    self.whole: Any = None  # a clip by the whole model's norm (`whole_norm.attach`)
+    # The leaves kept this step (`keep`): all of them, and the layers' squares are the step's.
+    self._kept, self._all_kept = 0, threading.Event()
+    self._handoff = Handoff(slots.n_layers, writer.queued, last=False)  # the step's (`start`)
 
   def settle(self, handoff: Handoff, path: str) -> bool:
     """After a step dropped (its worker ended, `handoff` its): its kept gradients' writes waited
@@ -78,7 +83,33 @@ class Speculation:
     redo (written behind, `grads.GradientWriter.keep`) where there is a clip."""
     if self.max_norm is not None:  # (a dropped step's kept writes: settled when dropped)
       self._writer.keep(i, k, grad)
+      self._kept += 1
+      if self._kept == self._slots.n_layers * len(self._slots.records):
+        self._all_kept.set()
     return grad
+
+  def start(self, handoff: Handoff) -> Handoff:
+    """A new step, its `handoff`: none of its leaves kept yet, its whole norm not known."""
+    self._kept, self._handoff = 0, handoff
+    self._all_kept.clear()
+    if self.whole is not None:
+      self.whole.clear()
+    return handoff
+
+  def layer_squares(self) -> np.ndarray:
+    """The layers' sums of squares of the step in flight, once the worker kept every leaf
+    (`whole_norm.WholeNorm.arrive`, from the rest's callback); `IncompleteStepError` where
+    the step was dropped first (its worker failed: `update()` says why)."""
+    handoff = self._handoff
+    while not self._all_kept.wait(0.05):
+      try:
+        handoff.check()
+      except Aborted:
+        raise errors.IncompleteStepError(
+          f"LayerStore {self._slots.path}: the step's update in the backward pass stopped "
+          "before the whole model's norm was known; store.update() says why."
+        ) from None
+    return self._writer.kept_squares()
 
   def validate(self, stats: layer_step.Stats, gen: int, target: int, step: int,
                where: list[tuple[int, int]], abort: Any = None) -> layer_step.Stats:  # fmt: skip
@@ -103,7 +134,10 @@ class Speculation:
     if self.max_norm is None:
       return stats
     records = self._slots.records
-    norm = clip_lib.global_norm(self._writer.squares(), records, self.max_norm)
+    if self.whole is not None:  # the rest's callback gives it (`whole_norm`)
+      norm = self.whole.wait(abort if abort is not None else lambda: None)
+    else:
+      norm = clip_lib.global_norm(self._writer.squares(), records, self.max_norm)
     kept = self._slots.n_layers * sum(r["slot"] for r in records)  # the gradients written
     stats = stats._replace(
       bytes_written=stats.bytes_written + kept, grad_norm=float(norm.norm), clipped=norm.applies

@@ -471,6 +471,12 @@ class LayerStep:
     self._updates = layer_update(optimizer, treedef, slots.records)
     self._max_norm, self._squares = clip_lib.split(optimizer).max_norm, squares
     self._budget = check_budget(slots, self._updates, budget)
+    self.whole: Any = None  # a clip by the whole model's norm (`whole_norm.attach`)
+
+  def layer_squares(self) -> np.ndarray:
+    """The gradient slots' sums of squares, their writes waited for (`whole_norm`)."""
+    assert self._squares is not None  # (given with a clip, which `whole_norm` checks)
+    return self._squares()
 
   def __call__(self, rest: Any) -> Stats:
     """Writes the next step (and `rest`) into a free generation, flushes it and commits it.
@@ -480,12 +486,14 @@ class LayerStep:
     """
     commits = self._commits
     target = commits.free_generation()
+    # the whole model's norm (its rest's part came in the step), or IncompleteStepError
+    whole = None if self.whole is None else self.whole.take(commits.step + 1)
     try:
       rest_records = (
         None if rest is None else layer_rest.write(commits.path, target, rest, fsync=commits.fsync)
       )
-      norm = None
-      if self._max_norm is not None and self._squares is not None:
+      norm = whole
+      if norm is None and self._max_norm is not None and self._squares is not None:
         norm = clip_lib.global_norm(self._squares(), self._slots.records, self._max_norm)
       stats = run(self._slots, self._updates, commits.generation, target,
                   step=commits.step + 1, show=self._progress, budget=self._budget,
@@ -503,4 +511,6 @@ class LayerStep:
         + "call update() again.",
       ) from e
     commits.commit(target, rest_records)
+    if self.whole is not None:
+      self.whole.clear()
     return stats

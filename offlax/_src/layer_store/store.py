@@ -54,7 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from offlax._src import errors
-from offlax._src.layer_store import backward, opening
+from offlax._src.layer_store import backward, opening, whole_norm
 from offlax._src.layer_store import rest as layer_rest
 from offlax._src.layer_store import step as layer_step
 from offlax._src.layer_store.commits import Commits
@@ -202,7 +202,8 @@ class LayerStore(_Reads):
         written and no space reserved (to compile a model larger than the disk).
       optimizer: an elementwise optax `GradientTransformation` (Adam, AdamW, SGD,
         `offlax.master_weights` of them, ...) applied a layer at a time, or one after a leading
-        ``optax.clip_by_global_norm(c)`` in an ``optax.chain`` (`clip`); None: no optimizer.
+        ``optax.clip_by_global_norm(c)`` in an ``optax.chain`` (`clip`; one norm with the rest
+        of the model: `offlax.clip_by_global_norm`); None: no optimizer.
       keep: committed steps kept on disk (>= 1); the store holds ``keep + 1``
         copies of the params and state.
       init_layer: with `layers` as `jax.ShapeDtypeStruct`s, a function of the layer index
@@ -352,10 +353,22 @@ class LayerStore(_Reads):
         "LayerStore.create or LayerStore.open."
       )
     self.flush_grads()
+    whole = whole_norm.part_of(self._update).whole  # (`whole_norm()`)
+    if whole is not None:  # the step's programs ran: the rest's part came, or never will
+      whole.end(self.step + 1)
     self.drop_read_ahead()  # they are of the generation this step replaces
     self.last_update = self._update(rest)
     self._grads.used()
     return self.step
+
+  def whole_norm(self, max_norm: Any) -> whole_norm.WholeNorm:
+    """The store's side of ``offlax.clip_by_global_norm(max_norm, store=self)``: one norm over
+    the layers and the rest of the model (`whole_norm`), made once.
+
+    Raises:
+      InvalidOptionError: the optimizer has no leading global-norm clip, or another max_norm.
+    """
+    return whole_norm.attach(self, whole_norm.part_of(self._update), max_norm)
 
   def drop_read_ahead(self) -> None:
     """Forgets the layers read ahead and kept (before a commit replaces their generation)."""
