@@ -58,7 +58,12 @@ def offload_params(
   compiles far faster for them). Under `nnx.grad` the gradients of
   offloaded params come back in host memory; train with
   ``nnx.Optimizer(model, offlax.offload(tx, compute="host"), wrt=...)``,
-  whose ``update`` then runs offlax's fused host update.
+  whose ``update`` then runs offlax's fused host update. A param read by
+  several methods in one call of the model (a tied embedding: ``__call__``
+  embeds, ``attend`` is the head) has its uses' gradients added on the
+  device, then copied to host memory once (`nnx_tied`): the first use's
+  gradient waits on the device for the last, the param's size in the
+  backward pass.
 
   With ``store``, an `offlax.LayerStore`, the model's list of layers keeps
   its params on disk instead (ZeRO-Infinity's params on NVMe): each layer's
@@ -331,7 +336,8 @@ def _fetching(method: Callable[..., Any]) -> Callable[..., Any]:
       return method(self, *args, **kwargs)
     with nnx_tied.sharing():  # a param's uses in this call: its gradient summed on the device
       out, rest = remat_call(
-        method, graphdef, params, rest, args, kwargs, carry=nnx_tied.carrier,
+        method, graphdef, params, rest, args, kwargs,
+        carry=nnx_tied.carrier if nnx_tied.wanted(params) else None,
         offload_activations=getattr(cls, _OFFLOAD_ACTIVATIONS), params_filter=getattr(cls, _WRT),
       )  # fmt: skip
     nnx.update(self, rest)

@@ -46,6 +46,15 @@ def sharing() -> Iterator[None]:
     _LOCAL.carriers = None
 
 
+def wanted(tree: Any) -> bool:
+  """Whether `tree`'s params take carriers: where some are abstract (inside `jax.jit`, where
+  XLA drops the carriers' unused zeros). Eagerly they would be computed, a device buffer of
+  each param's size, for an eager sum whose memory does not matter."""
+  return any(
+    isinstance(x, jax.core.Tracer) and x.to_concrete_value() is None for x in jax.tree.leaves(tree)
+  )
+
+
 def carrier(x: Any) -> Any:
   """The carrier of `x`, a param in host memory: a device value whose cotangent, summed over
   the uses that take it, becomes `x`'s in host memory.
