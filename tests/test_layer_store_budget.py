@@ -6,7 +6,8 @@ optimizer on the layers in memory, in both update modes, with gradient accumulat
 with a global-norm clip that applies; the step's peak bytes in flight stay within the
 budget (well under the whole leaves' peak); a flipped byte anywhere in a cut slot is
 refused with `StoreCorruptedError`, nothing committed; a budget that cannot hold a leaf's
-smallest range is refused naming the leaf and the minimum.
+smallest range is refused naming the leaf and the minimum; a SIGKILL inside a ranged update
+leaves the store at its last committed step, to the bit (slow).
 """
 
 import json
