@@ -6,24 +6,30 @@ optimizer on the layers in memory, in both update modes, with gradient accumulat
 with a global-norm clip that applies; the step's peak bytes in flight stay within the
 budget (well under the whole leaves' peak); a flipped byte anywhere in a cut slot is
 refused with `StoreCorruptedError`, nothing committed; a budget that cannot hold a leaf's
-smallest range is refused naming the leaf and the minimum.
+smallest range is refused naming the leaf and the minimum; a SIGKILL inside a ranged update
+leaves the store at its last committed step, to the bit (slow).
 """
 
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from test_layer_update import OPTIMIZERS
+from test_layer_update import OPTIMIZERS, rest_of, run_optimizer
 
 import offlax
 from offlax._src import errors
 from offlax._src.layer_store import ranges
 
 L, D = 3, 256
+HERE = os.path.dirname(os.path.abspath(__file__))
 BUDGET = 2_000_000  # w's whole leaves need about 5.3 MB in flight: cut in ranges of 32 rows
 
 
@@ -244,3 +250,47 @@ def test_an_update_of_another_dtype_is_refused_whole_or_by_ranges(tmp_path, budg
     with pytest.raises(errors.StoreMismatchError, match=r"of state leaf \['m'\]\['w'\] .*bfloat16"):
       store.update()
     assert store.step == 0
+
+
+@pytest.mark.slow  # the default run's cover of the ranges: the tests above; of the kills: none
+@pytest.mark.parametrize("update", ["explicit", "backward"])
+def test_killed_inside_a_ranged_update_resumes_one_whole_step(tmp_path, update):
+  """SIGKILL in the middle of a leaf's ranges (`w` cut by ``BUDGET``): the store reopens at the
+  last committed step, params, state and rest to the bit of the layers in memory.
+
+  Half the runs are killed at a random moment after their first commit (as
+  test_layer_update's), half just after a random read or write of a range (`kill_at`: one
+  inside a ranged update for sure, in the backward pass's with ``update="backward"``).
+  """
+  path, rng = str(tmp_path / "s"), np.random.default_rng(2)
+  cmd = [sys.executable, os.path.join(HERE, "layer_store_run.py"), path, update, "budget"]
+  like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), make_layers())
+  steps = []
+  for run in range(6):
+    counted = run % 2 == 1
+    # a step reads or writes a range 162 times (explicit; 126 backward): past the first commit
+    at = [str(rng.integers(200, 700))] if counted else []
+    proc = subprocess.Popen(cmd + at, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    assert proc.stdout.readline().startswith("ready")  # jax imported, the store open
+    if not counted:
+      assert proc.stdout.readline().startswith("committed")  # compiled: the kill lands later
+      time.sleep(rng.uniform(0.05, 1.5))
+      proc.send_signal(signal.SIGKILL)
+    words = proc.communicate(timeout=300)[0].split()
+    assert proc.returncode == -signal.SIGKILL
+    printed = [
+      int(b) for a, b in zip(words, words[1:], strict=False) if a in ("ready", "committed")
+    ]
+    with offlax.LayerStore.open(
+      path, like, optimizer=run_optimizer(), update_bytes=BUDGET
+    ) as store:
+      steps.append(store.step)
+      if counted:  # killed in a step's ranges: before its commit
+        assert store.step == printed[-1], printed
+      params, state = reference(run_optimizer(), make_layers(), store.step, jnp.float32)
+      assert_bits(store.read_params(), params)
+      assert_bits(store.read_state(), per_layer(state))
+      if store.step:  # the rest of the model committed with the layers: of the same step
+        assert_bits(store.read_rest(rest_of(0)), rest_of(store.step))
+  assert steps == sorted(steps) and steps[-1] > 0, steps

@@ -401,3 +401,41 @@ def test_an_offload_inside_an_optax_wrapper_trains_in_nnx():
   assert got == want
   assert_trees_equal(nnx.state(model, nnx.Param), nnx.state(want_model, nnx.Param))
   assert kinds(nnx.state(model, nnx.Param)) == {"pinned_host"}
+
+
+def test_a_tied_embedding_s_gradient_is_summed_on_the_device():
+  """`ListModel`'s one `nnx.Embed` is read by ``__call__`` and by ``attend`` (a tied head, as
+  Gemma 3's): its two uses' gradients are added on the device, then copied to host memory
+  once; not copied twice and added in host memory, which XLA:GPU does as host compute
+  (the test below). `test_trains_as_on_the_device`'s list-of-layers case trains it to the bit."""
+  model = offlax.offload_params(ListModel(nnx.Rngs(0), layers=0))  # the embedding alone
+  graphdef, state = nnx.split(model)
+  jaxpr = str(jax.make_jaxpr(lambda s: nnx.grad(loss_fn)(nnx.merge(graphdef, s)))(state))
+  adds = [line for line in jaxpr.splitlines() if f"[11,{D}] = add_any" in line]
+  assert len(adds) == 1 and "<host>" not in adds[0], adds
+
+
+@pytest.mark.slow  # a GPU compile (14 s on a busy 2-core machine); the test above by default
+@pytest.mark.skipif(
+  not offlax.extend.gpu_compile_available(), reason="needs offlax[gpu-compile] (jax-cuda12-plugin)"
+)
+def test_a_tied_embedding_compiles_to_no_host_compute():
+  """The tied `ListModel`'s whole step (offlax's host AdamW), compiled by XLA:GPU: no
+  instruction on host memory converted into host compute (was the add of the embedding's
+  two gradients, ``add_any``, every step)."""
+  model = offlax.offload_params(ListModel(nnx.Rngs(0)))
+  optimizer = nnx.Optimizer(model, offlax.offload(optax.adamw(1e-2), compute="host"), wrt=nnx.Param)
+  graphdef, state = nnx.split((model, optimizer))
+
+  def step(state):
+    model, optimizer = nnx.merge(graphdef, state)
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return nnx.state((model, optimizer)), loss
+
+  from offlax._src import gpu_compile
+
+  options = {"xla_disable_hlo_passes": ""}  # the simplifier XLA:GPU needs (the suite's flags)
+  step = jax.jit(step, donate_argnums=0)
+  c = offlax.compile_for_gpu(step, gpu_compile.state_specs(state), compiler_options=options)
+  assert c.host_compute == (), c.table()

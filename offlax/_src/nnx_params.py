@@ -26,7 +26,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from offlax._src import donation, errors, host_params, memory, nnx_hooks
+from offlax._src import donation, errors, host_params, memory, nnx_hooks, nnx_tied
 from offlax._src import nnx_paths as paths
 
 # The attributes of an offloaded unit's class (and of its instances' graphdefs): which
@@ -58,7 +58,12 @@ def offload_params(
   compiles far faster for them). Under `nnx.grad` the gradients of
   offloaded params come back in host memory; train with
   ``nnx.Optimizer(model, offlax.offload(tx, compute="host"), wrt=...)``,
-  whose ``update`` then runs offlax's fused host update.
+  whose ``update`` then runs offlax's fused host update. A param read by
+  several methods in one call of the model (a tied embedding: ``__call__``
+  embeds, ``attend`` is the head) has its uses' gradients added on the
+  device, then copied to host memory once (`nnx_tied`): the first use's
+  gradient waits on the device for the last, the param's size in the
+  backward pass.
 
   With ``store``, an `offlax.LayerStore`, the model's list of layers keeps
   its params on disk instead (ZeRO-Infinity's params on NVMe): each layer's
@@ -280,7 +285,8 @@ def _guarded_class(cls: Any) -> type:
     @functools.wraps(method)
     def wrapped(self, *args, **kwargs):
       try:
-        return method(self, *args, **kwargs)
+        with nnx_tied.sharing():  # a tied param's uses in the call share a carrier
+          return method(self, *args, **kwargs)
       except ValueError as e:
         # The condition itself: an operation given operands in two memory spaces.
         if not memory.mixed_operands(e) or isinstance(e, errors.OffloadError):
@@ -328,10 +334,12 @@ def _fetching(method: Callable[..., Any]) -> Callable[..., Any]:
     graphdef, params, rest = nnx.split(self, getattr(cls, _WRT), ...)
     if not memory.any_on_host(params):  # inside a unit that fetched them already
       return method(self, *args, **kwargs)
-    out, rest = remat_call(
-      method, graphdef, params, rest, args, kwargs,
-      offload_activations=getattr(cls, _OFFLOAD_ACTIVATIONS), params_filter=getattr(cls, _WRT),
-    )  # fmt: skip
+    with nnx_tied.sharing():  # a param's uses in this call: its gradient summed on the device
+      out, rest = remat_call(
+        method, graphdef, params, rest, args, kwargs,
+        carry=nnx_tied.carrier if nnx_tied.wanted(params) else None,
+        offload_activations=getattr(cls, _OFFLOAD_ACTIVATIONS), params_filter=getattr(cls, _WRT),
+      )  # fmt: skip
     nnx.update(self, rest)
     return out
 
@@ -379,6 +387,7 @@ def remat_call(
   params_filter: Any,
   states: Callable[[Any], tuple[Any, ...]] = lambda params: (params,),
   order_grads: bool = False,
+  carry: Callable[[Any], Any] | None = None,
 ) -> tuple[Any, Any]:
   """``method(nnx.merge(graphdef, fetch(params), rest), *args, **kwargs)``, rematerialised.
 
@@ -390,6 +399,8 @@ def remat_call(
   its params read from the store). With ``order_grads`` the cotangents of
   the unit's inputs wait for those of its params: a stored layer's gradients
   leave for the store before the layer below starts its backward pass.
+  With ``carry`` (`nnx_tied.carrier`), a fetched param's gradient goes, on the
+  device, to the cotangent of its carrier, ``carry(param)``, not to the param's.
   """
   from flax import nnx
 
@@ -418,11 +429,13 @@ def remat_call(
   def fetch(inputs):
     return [host_params.fetch(x) if f else x for x, f in zip(inputs, fetched, strict=True)]
 
+  carried = None if carry is None else [carry(x) for x, f in zip(inputs, fetched, strict=True) if f]
+
   @jax.custom_vjp
-  def call(inputs, consts):
+  def call(inputs, carried, consts):
     return traced(fetch(inputs), *consts)
 
-  def call_fwd(inputs, consts):
+  def call_fwd(inputs, carried, consts):
     # The fetch waits for the unit's inputs: the previous layer's output.
     out = traced(fetch(jax.lax.optimization_barrier(inputs)), *consts)
     saved = [
@@ -438,16 +451,25 @@ def remat_call(
       jax.device_put(x, jax.memory.Space.Device) if offload_activations and not f else x
       for x, f in zip(saved, fetched, strict=True)
     ]
-    _, vjp = jax.vjp(lambda i, c: traced(fetch(i), *c), inputs, consts)
+    if carried is None:
+      _, vjp = jax.vjp(lambda i, c: traced(fetch(i), *c), inputs, consts)
+    else:  # by the fetched copies: their gradients on the device
+      _, vjp = jax.vjp(lambda i, c: traced(i, *c), fetch(inputs), consts)
     grads, const_grads = vjp(cotangent)
     if order_grads:  # the input's cotangent waits for the params' (a stored layer's hand-off)
       grads = jax.lax.optimization_barrier(grads)
+    if carried is not None:  # the params' to their carriers (the copy to host is theirs)
+      return (
+        [None if f else g for g, f in zip(grads, fetched, strict=True)],
+        [g for g, f in zip(grads, fetched, strict=True) if f],
+        const_grads,
+      )
     grads = [jax.device_put(g, jax.memory.Space.Host) if f else g
              for g, f in zip(grads, fetched, strict=True)]  # fmt: skip
-    return grads, const_grads
+    return grads, None, const_grads
 
   call.defvjp(call_fwd, call_bwd)
-  return call(inputs, consts)
+  return call(inputs, carried, consts)
 
 
 def _is_float(x: Any) -> bool:
