@@ -61,12 +61,13 @@ def planned(name: str, setup: dict[str, Any]) -> dict[str, Any]:
   import offlax
   from offlax._src import plan_models, plan_options
 
-  model = plan_models.load(name, tunix_offload.TOKENS).model
+  shape = plan_models.load(name, tunix_offload.TOKENS)  # a Tunix config: its step unrolled
+  model = shape.model
   params = plan_models.params(model, jnp.bfloat16)
   tx = offlax.master_weights(optax.adamw(1e-3))
   size = lambda key: int(plan_options.parse_bytes(setup[key]))
   p = offlax.plan(params, tx, device_bytes=size("device_mem"), host_bytes=setup["host_goal"],
-                  nvme_bytes=size("nvme"), activation_bytes=model.device_bytes(),
+                  nvme_bytes=size("nvme"), activation_bytes=shape.device_bytes(),
                   layers=model.layers, update_bytes=setup["update_bytes"])  # fmt: skip
   return {"mode": p.mode, "fits": p.fits, "device": p.bytes["device"], "host": p.bytes["host"],
           "nvme": p.bytes["nvme"], "advice": list(p.advice)}  # fmt: skip

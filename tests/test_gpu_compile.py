@@ -431,3 +431,28 @@ def test_the_docs_train_steps_keep_the_bound_at_1b(compute, capsys):
   with capsys.disabled():
     print(f"\n{compute} fused-arg (masked): {m.per_param(m.device_peak):.2f} B/param")
   assert m.device_peak <= limit and m.host_compute == (), m.table()
+
+
+@pytest.mark.slow  # 25 s of compile; test_planner.py checks the CLI counts this figure
+def test_unrolled_working_set_agrees_with_a_compiled_tunix_step(tmp_path):
+  """`Llama.unrolled_device_bytes`, the planner's figure for a Tunix model: within 10%.
+
+  Tunix's Llama3 at 0.2B (2 layers, 1024 tokens), unedited, its layers in a sparse
+  `LayerStore`, the whole train step compiled: +7.8% (405B and 70B: benchmarks/capacity.py).
+  """
+  pytest.importorskip("tunix")
+  from tunix.models.llama3 import model as llama3
+
+  from benchmarks import tunix_offload
+
+  shape = llama.Llama(layers=2, d=2048, ffn=5632, vocab=32000, heads=16, kv_heads=4, tokens=1024)
+  cfg = llama3.ModelConfig(
+    num_layers=shape.layers, vocab_size=shape.vocab, embed_dim=shape.d, hidden_dim=shape.ffn,
+    num_heads=shape.heads, head_dim=shape.d // shape.heads, num_kv_heads=shape.kv_heads,
+    rope_theta=500_000, norm_eps=1e-5,
+  )  # fmt: skip
+  case = tunix_offload.Case("llama3", "llama3_70b", "h100", 0, tokens=shape.tokens)
+  compiled, n = tunix_offload.compile_step(case, store=str(tmp_path / "layers"), cfg=cfg)
+  assert n == shape.n_params
+  planned = shape.unrolled_device_bytes()
+  assert abs(planned / compiled.device_peak - 1) <= 0.10, (planned, compiled.device_peak)
