@@ -42,8 +42,10 @@ def abstract_state(
       transformation itself (then its tier is used).
     params: the params, or their `jax.ShapeDtypeStruct`s.
     tier: a `HostTier`; None means the default one (or the one of `inner`
-      if `inner` is an `offload` transformation). The NVMe tier keeps its
-      own store, see ``docs/checkpoints.md``.
+      if `inner` is an `offload` transformation). An `NVMeTier` gives the
+      state a new store would give (its items on disk `OnDisk`), writing
+      nothing: for a compile; a checkpoint of it is its store, see
+      ``docs/checkpoints.md``.
 
   Returns:
     An `OffloadState` of `jax.ShapeDtypeStruct`s.
@@ -69,6 +71,11 @@ def abstract_state(
       return composed
   tier = HostTier() if tier is None else tier
   params = flax_glue.unbox(params)
+  if isinstance(tier, NVMeTier):
+    # Its init of specs is the state a new store would give, nothing written.
+    spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+    specs = jax.tree.map(spec, params)
+    return transform_lib.offload(inner, tier).init(specs)
   shapes = jax.eval_shape(optax.with_extra_args_support(inner).init, params)
   return _placed_like_init(shapes, layout_lib.ParamSpec.of(params), params, tier)
 
