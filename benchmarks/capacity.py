@@ -134,7 +134,12 @@ def plot(result: dict[str, Any], path) -> None:
       got = m[key] / GB
       want = (m["runs"][0]["target_memory"] if goal == "target_memory" else m[goal]) / GB
       plan = (m["plan"]["device"] if key == "device_peak" else m["plan"]["host"]) / GB
-      ax.bar(i - 0.2, got, 0.4, color="C0", label="compiled (extrapolated)" if not i else None)
+      how = (
+        "compiled"
+        if {r["layers"] for r in m["runs"]} == {m["layers"]}
+        else "compiled (extrapolated)"
+      )
+      ax.bar(i - 0.2, got, 0.4, color="C0", label=how if not i else None)
       ax.bar(i + 0.2, plan, 0.4, color="C1", label="offlax plan" if not i else None)
       ax.plot([i - 0.45, i + 0.45], [want, want], "k--", label="the goal" if not i else None)
     ax.set_xticks(range(len(names)), names)
