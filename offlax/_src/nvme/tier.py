@@ -213,24 +213,14 @@ class NVMeTier(tier_lib.Tier):
     """Creates or resumes the store; returns (inner state with OnDisk items, step).
 
     A new store holds `inner.init(params)`, or `state` (an inner state with its
-    values in memory) if given. Abstract params (`jax.ShapeDtypeStruct`s, or
-    traced under `jax.eval_shape`) give the state a new store would hold, as
-    specs or traced values, and write nothing: for a compile, not a step
+    values in memory) if given; abstract params, the state it would hold
     (`tier_init.abstract_store`).
     """
     if spec.placeholder:
       # A tree without arrays (optax.tree.map_params' placeholder) has no state
       # to store: the inner state as is, with a step, has the state's structure.
       return inner.init(params), jnp.zeros((), jnp.int32)
-    abstract = (jax.core.Tracer, jax.ShapeDtypeStruct)
-    if any(isinstance(x, abstract) for x in jax.tree.leaves(params)):
-      if spec.mesh is not None:
-        raise errors.InvalidTierError(
-          "NVMeTier: init of abstract params (jax.ShapeDtypeStructs, or under jax.eval_shape "
-          "or jax.jit) on a mesh: the state's specs are made for params on one device only. "
-          "Init with the params' arrays."
-        )
-      # What a new store would hold, nothing written: for a compile (`abstract_store`).
+    if tier_init.is_abstract(params):  # a new store's state, nothing written: for a compile
       return tier_init.abstract_store(self, inner, params, spec)
     if spec.mesh is not None:
       return init_sharded(self, inner, params, spec, state)

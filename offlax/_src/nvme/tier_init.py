@@ -79,6 +79,12 @@ def open_store(tier: NVMeTier, inner, params, spec: layout_lib.ParamSpec, state)
   return layout.merge(items), jnp.asarray(tier.store.step, jnp.int32)
 
 
+def is_abstract(params) -> bool:
+  """Whether `params` are `jax.ShapeDtypeStruct`s or traced (under `jax.eval_shape`, `jax.jit`)."""
+  abstract = (jax.core.Tracer, jax.ShapeDtypeStruct)
+  return any(isinstance(x, abstract) for x in jax.tree.leaves(params))
+
+
 def abstract_store(tier: NVMeTier, inner, params, spec: layout_lib.ParamSpec) -> tuple[Any, Any]:
   """`NVMeTier.init` of abstract params: the state a new store would give, nothing written.
 
@@ -91,6 +97,12 @@ def abstract_store(tier: NVMeTier, inner, params, spec: layout_lib.ParamSpec) ->
   compile, `offlax.compile_for_gpu`) reads them; the directory is not touched,
   and such a step cannot run (`pipeline.Reader` refuses a store not open).
   """
+  if spec.mesh is not None:
+    raise errors.InvalidTierError(
+      "NVMeTier: init of abstract params (jax.ShapeDtypeStructs, or under jax.eval_shape or "
+      "jax.jit) on a mesh: the state's specs are made for params on one device only. Init "
+      "with the params' arrays."
+    )
   abstract = jax.eval_shape(inner.init, params)
   layout = layout_lib.StateLayout(abstract, spec)
   shapes = layout.split(abstract)
