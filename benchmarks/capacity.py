@@ -75,7 +75,9 @@ def planned(name: str, setup: dict[str, Any]) -> dict[str, Any]:
           "nvme": p.bytes["nvme"], "advice": list(p.advice)}  # fmt: skip
 
 
-def measure(name: str, depths: list[int], rest_state: str | None = None) -> dict[str, Any]:
+def measure(
+  name: str, depths: list[int], rest_state: str | None = None, nvme_chunk: int = 64 << 20
+) -> dict[str, Any]:
   """The step compiled at `depths`, extrapolated to the full depth; RAM counted (above).
 
   A single depth is the figure at that depth (the full one: measured, not extrapolated).
@@ -92,7 +94,7 @@ def measure(name: str, depths: list[int], rest_state: str | None = None) -> dict
     with tempfile.TemporaryDirectory() as d:
       tier = None
       if setup["rest_state"] == "nvme":  # abstract: the compile writes no store
-        tier = offlax.NVMeTier(os.path.join(d, "rest"), chunk_bytes=64 << 20, progress=False)
+        tier = offlax.NVMeTier(os.path.join(d, "rest"), chunk_bytes=nvme_chunk, progress=False)
       c, n = tunix_offload.compile_step(
         case, layers, store=os.path.join(d, "layers"), rest_tier=tier
       )
@@ -113,6 +115,7 @@ def measure(name: str, depths: list[int], rest_state: str | None = None) -> dict
   host = out["host_bytes"]
   if setup["rest_state"] == "nvme":  # the compiled program's, and the tier's slices in flight
     host = host + NVME_BUFFERS
+    out["nvme_chunk"] = nvme_chunk
   reads = 2 * layer_params * 2  # the model's reads: 2 layers of bf16 params
   out["program_host"] = host
   out["store_ram"] = max(setup["update_bytes"], reads)
@@ -164,6 +167,8 @@ def main(argv=None) -> dict[str, Any]:
   ap.add_argument("--depths", type=int, nargs="+", default=[2, 4])
   ap.add_argument("--rest-state", choices=["nvme", "host"], default=None,
                   help="where the rest's optimizer state lives (default: the model's)")  # fmt: skip
+  ap.add_argument("--nvme-chunk", type=int, default=64 << 20,
+                  help="the NVMe tier's slices (bytes; 64 MiB): larger compile faster")  # fmt: skip
   _common.add_out_argument(ap, "capacity")
   args = ap.parse_args(argv)
   import offlax
@@ -171,7 +176,9 @@ def main(argv=None) -> dict[str, Any]:
   if not offlax.extend.gpu_compile_available():
     raise SystemExit("XLA's GPU compiler is not installed: pip install -e '.[gpu-compile]'")
   start = time.perf_counter()
-  models = {name: measure(name, args.depths, args.rest_state) for name in args.models}
+  models = {
+    name: measure(name, args.depths, args.rest_state, args.nvme_chunk) for name in args.models
+  }
   result = {**_common.environment(), "depths": args.depths, "models": models,
             "wall_s": time.perf_counter() - start}  # fmt: skip
   _common.write_outputs(result, args.out, "capacity", plot, summary_table)
