@@ -456,3 +456,25 @@ def test_unrolled_working_set_agrees_with_a_compiled_tunix_step(tmp_path):
   assert n == shape.n_params
   planned = shape.unrolled_device_bytes()
   assert abs(planned / compiled.device_peak - 1) <= 0.10, (planned, compiled.device_peak)
+
+
+@pytest.mark.slow  # 20 s of compile; test_nvme.py lowers a step from the abstract state
+def test_the_nvme_tiers_abstract_state_compiles_writing_nothing(tmp_path):
+  """A Tunix model's rest with its optimizer state on the NVMe tier, the tier's init of the
+  abstract params (no store written): the step compiles for a GPU, the state's arrays on disk
+  are not the program's host buffers."""
+  pytest.importorskip("tunix")
+  from benchmarks import tunix_offload
+
+  case = tunix_offload.CASES["tiny"]
+  kw = dict(store=str(tmp_path / "layers"))
+  in_host, _ = tunix_offload.compile_step(case, **kw)
+  tier = offlax.NVMeTier(tmp_path / "rest", cache_bytes=0, chunk_bytes=2**16, progress=False)
+  on_disk, _ = tunix_offload.compile_step(
+    case, rest_tier=tier, **{**kw, "store": kw["store"] + "2"}
+  )
+  assert not (tmp_path / "rest").exists()
+  assert any(r.hot is False for r in tier.store.records)
+  # The rest's fp32 master and moments: 12 B a param of the embedding and the head.
+  rest = 2 * 512 * 256 + 256
+  assert in_host.host_peak - on_disk.host_peak >= 12 * rest * 0.9, (in_host.host, on_disk.host)
