@@ -86,9 +86,10 @@ class Llama:
     - the head's backward pass: its gradient (vocab x d) and the logits'.
     Both hold the saved hidden states: one per layer and about 8 more.
     Against the compiled step (tests/test_gpu_compile.py, benchmarks/capacity.py):
-    Llama 3.1 405B +0.2% at 2 layers and +0.1% at 126, Llama3-70B -5% at 2 and -4% at
-    80, a 0.2B Llama at 1024 tokens +8%; Llama 3.1 8B at 2 layers +39% (its schedule
-    holds less at once: over, not under) (2026-12-07).
+    Llama 3.1 405B +0.2% at 2 layers and +0.1% at 126 (+5.6% with the rest's state on
+    the NVMe tier), Llama3-70B -5% at 2 and -4% at 80, a 0.2B Llama at 1024 tokens +8%;
+    Llama 3.1 8B at 2 layers +39% (its schedule holds less at once: over, not under)
+    (2026-12-07).
     """
     hidden = 2 * self.tokens * self.d  # bf16
     logits = 2 * self.tokens * self.vocab  # the logits' gradient, bf16
