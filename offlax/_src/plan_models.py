@@ -145,7 +145,7 @@ def load(name: str, tokens: int, flag: str = "--model") -> Shape:
       )
   else:
     shape = dataclasses.asdict(llama.from_config(name, tokens=tokens))
-    tunix = not (name.endswith(".json") or os.path.isfile(name))
+    tunix = True
   allowed = {"layers", "d", "ffn", "vocab", "heads", "kv_heads"}
   missing, extra = {"layers", "d", "ffn", "vocab", "heads"} - set(shape), set(shape) - allowed
   extra.discard("tokens")
