@@ -172,7 +172,7 @@ def test_abstract_init_is_the_concrete_ones_structure_and_writes_nothing(tmp_pat
   """`init` of `jax.ShapeDtypeStruct`s (or under `jax.eval_shape`): the state a new store
   would give, leaf for leaf (shapes, dtypes, memory kinds, the same items on disk), for a
   compile; nothing is written, and the step lowers against it."""
-  params = _float_params()
+  params = {"w": jnp.ones((64, 32), jnp.float32), "b": jnp.ones((32,), jnp.float32)}
   specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
   inner = offlax.master_weights(optax.adam(1e-3))
   concrete = offlax.offload(inner, _tier(tmp_path / "c")).init(params)
