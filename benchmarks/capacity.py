@@ -11,16 +11,19 @@ buffers are extrapolated linearly to the full depth (126 and 80 layers).
 RAM is the program's host buffers plus the store's: the update's budget
 (``LayerStore(update_bytes=)``, `--update-bytes`) or, when larger, the model's reads (2 layers).
 With ``--rest-state nvme`` (405B's default) the rest's optimizer state lives on the NVMe tier
-(``offlax.offload(tx, offlax.NVMeTier(...))``) rather than in host memory: the NVMe tier's
-init writes its store eagerly, so the compile keeps the state in host memory and the figure
-takes its bytes (the rest's params x 12: fp32 master and moments, from the shapes) out of the
-host buffers and adds the tier's buffers (8 slices of 64 MiB) -- derived, and said so.
+(``offlax.offload(tx, offlax.NVMeTier(...))``, slices of `--nvme-chunk`, 1 GiB: with 64 MiB, 16
+times as many, the compile had not finished in 15 minutes) rather than in host memory, and
+the compile has it so: the tier's init of the abstract params writes nothing and gives the
+state a new store would give (its items on disk, `OnDisk`). The program's host buffers are then
+the rest's params and gradients (and the tier's small items cached in RAM), measured; the tier's
+slices in flight (8 of 64 MiB, the planner's count) are added.
 
 The planner (`offlax.plan`, as ``python -m offlax plan --model NAME ... --update-bytes B``)
 counts the same: its device and host figures against the compile's (goal: within 10%).
 
   python benchmarks/capacity.py                       # 405B at 2 and 4 layers, 70B at 2 and 4
   python benchmarks/capacity.py --models llama3_70b --depths 2 4 8
+  python benchmarks/capacity.py --models llama3p1_405b --depths 126 --out /tmp/cap  # full depth
 
 Writes ``benchmarks/results/capacity.{json,png}``.
 """
@@ -61,20 +64,28 @@ def planned(name: str, setup: dict[str, Any]) -> dict[str, Any]:
   import offlax
   from offlax._src import plan_models, plan_options
 
-  model = plan_models.load(name, tunix_offload.TOKENS).model
+  shape = plan_models.load(name, tunix_offload.TOKENS)  # a Tunix config: its step unrolled
+  model = shape.model
   params = plan_models.params(model, jnp.bfloat16)
   tx = offlax.master_weights(optax.adamw(1e-3))
   size = lambda key: int(plan_options.parse_bytes(setup[key]))
   p = offlax.plan(params, tx, device_bytes=size("device_mem"), host_bytes=setup["host_goal"],
-                  nvme_bytes=size("nvme"), activation_bytes=model.device_bytes(),
+                  nvme_bytes=size("nvme"), activation_bytes=shape.device_bytes(),
                   layers=model.layers, update_bytes=setup["update_bytes"])  # fmt: skip
   return {"mode": p.mode, "fits": p.fits, "device": p.bytes["device"], "host": p.bytes["host"],
           "nvme": p.bytes["nvme"], "advice": list(p.advice)}  # fmt: skip
 
 
-def measure(name: str, depths: list[int]) -> dict[str, Any]:
-  """The step compiled at `depths`, extrapolated to the full depth; RAM counted (above)."""
-  setup = SETUPS[name]
+def measure(
+  name: str, depths: list[int], rest_state: str | None = None, nvme_chunk: int = 1 << 30
+) -> dict[str, Any]:
+  """The step compiled at `depths`, extrapolated to the full depth; RAM counted (above).
+
+  A single depth is the figure at that depth (the full one: measured, not extrapolated).
+  """
+  import offlax
+
+  setup = {**SETUPS[name], "rest_state": rest_state or SETUPS[name]["rest_state"]}
   case = tunix_offload.CASES[name]
   cfg = tunix_offload.config(case)
   full = cfg.num_layers
@@ -82,7 +93,12 @@ def measure(name: str, depths: list[int]) -> dict[str, Any]:
   for layers in depths:
     t = time.perf_counter()
     with tempfile.TemporaryDirectory() as d:
-      c, n = tunix_offload.compile_step(case, layers, store=os.path.join(d, "layers"))
+      tier = None
+      if setup["rest_state"] == "nvme":  # abstract: the compile writes no store
+        tier = offlax.NVMeTier(os.path.join(d, "rest"), chunk_bytes=nvme_chunk, progress=False)
+      c, n = tunix_offload.compile_step(
+        case, layers, store=os.path.join(d, "layers"), rest_tier=tier
+      )
     wall = time.perf_counter() - t
     print(f"{name}, {layers} layers ({n / 1e9:.2f}B params): {wall:.0f} s\n{c.table()}", flush=True)
     runs.append({"layers": layers, "n_params": n, "device_peak": c.device_peak,
@@ -98,8 +114,9 @@ def measure(name: str, depths: list[int]) -> dict[str, Any]:
   layer_params = (runs[-1]["n_params"] - rest_params) / runs[-1]["layers"]
   out["rest_params"], out["layer_params"] = rest_params, layer_params
   host = out["host_bytes"]
-  if setup["rest_state"] == "nvme":  # derived: the rest's fp32 master and moments off RAM
-    host = host - 12 * rest_params + NVME_BUFFERS
+  if setup["rest_state"] == "nvme":  # the compiled program's, and the tier's slices in flight
+    host = host + NVME_BUFFERS
+    out["nvme_chunk"] = nvme_chunk
   reads = 2 * layer_params * 2  # the model's reads: 2 layers of bf16 params
   out["program_host"] = host
   out["store_ram"] = max(setup["update_bytes"], reads)
@@ -121,7 +138,12 @@ def plot(result: dict[str, Any], path) -> None:
       got = m[key] / GB
       want = (m["runs"][0]["target_memory"] if goal == "target_memory" else m[goal]) / GB
       plan = (m["plan"]["device"] if key == "device_peak" else m["plan"]["host"]) / GB
-      ax.bar(i - 0.2, got, 0.4, color="C0", label="compiled (extrapolated)" if not i else None)
+      how = (
+        "compiled"
+        if {r["layers"] for r in m["runs"]} == {m["layers"]}
+        else "compiled (extrapolated)"
+      )
+      ax.bar(i - 0.2, got, 0.4, color="C0", label=how if not i else None)
       ax.bar(i + 0.2, plan, 0.4, color="C1", label="offlax plan" if not i else None)
       ax.plot([i - 0.45, i + 0.45], [want, want], "k--", label="the goal" if not i else None)
     ax.set_xticks(range(len(names)), names)
@@ -144,6 +166,10 @@ def main(argv=None) -> dict[str, Any]:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--models", nargs="+", choices=list(SETUPS), default=list(SETUPS))
   ap.add_argument("--depths", type=int, nargs="+", default=[2, 4])
+  ap.add_argument("--rest-state", choices=["nvme", "host"], default=None,
+                  help="where the rest's optimizer state lives (default: the model's)")  # fmt: skip
+  ap.add_argument("--nvme-chunk", type=int, default=1 << 30,
+                  help="the NVMe tier's slices, bytes (1 GiB; smaller: slow)")  # fmt: skip
   _common.add_out_argument(ap, "capacity")
   args = ap.parse_args(argv)
   import offlax
@@ -151,7 +177,9 @@ def main(argv=None) -> dict[str, Any]:
   if not offlax.extend.gpu_compile_available():
     raise SystemExit("XLA's GPU compiler is not installed: pip install -e '.[gpu-compile]'")
   start = time.perf_counter()
-  models = {name: measure(name, args.depths) for name in args.models}
+  models = {
+    name: measure(name, args.depths, args.rest_state, args.nvme_chunk) for name in args.models
+  }
   result = {**_common.environment(), "depths": args.depths, "models": models,
             "wall_s": time.perf_counter() - start}  # fmt: skip
   _common.write_outputs(result, args.out, "capacity", plot, summary_table)

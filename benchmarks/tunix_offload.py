@@ -121,6 +121,9 @@ def abstract_optimizer(model: Any, tx: Any, offloaded: bool) -> Any:
     params = nnx.as_pure(nnx.state(model, nnx.Param))
     specs = jax.tree.leaves(offlax.abstract_state(tx, params))
     variables = jax.tree.leaves(optimizer.opt_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    # The NVMe tier's items on disk hold no array (`offlax.extend.OnDisk`): no spec of theirs.
+    on_disk = lambda v: isinstance(v.get_value(), offlax.extend.OnDisk)
+    variables = [v for v in variables if not on_disk(v)]
     assert len(specs) == len(variables), (len(specs), len(variables))
     for variable, spec in zip(variables, specs, strict=True):
       assert (variable.get_value().shape, variable.get_value().dtype) == (spec.shape, spec.dtype)
@@ -136,6 +139,7 @@ def compile_step(
   offload_activations: bool = False,
   store: str | None = None,
   rest_tier: Any = None,
+  cfg: Any = None,
   **compile_options: Any,
 ) -> tuple[Any, int]:
   """The compiled train step of `case` at `layers` layers: (`CompiledMemory`, parameter count).
@@ -143,7 +147,8 @@ def compile_step(
   With `store` (a directory), the model's layers are read from a sparse
   `offlax.LayerStore` made there (``offload_params(model, store=...)``); the
   rest of the model is offloaded to host memory as without it. `rest_tier`, where given
-  (an `offlax.NVMeTier`), holds the rest's optimizer state instead of host memory.
+  (an `offlax.NVMeTier`), holds the rest's optimizer state instead of host memory. `cfg`:
+  a Tunix config of `case`'s family to compile instead of `case`'s own.
   """
   import jax
   import jax.numpy as jnp
@@ -152,7 +157,7 @@ def compile_step(
 
   import offlax
 
-  cfg = config(case, layers)
+  cfg = config(case, layers) if cfg is None else cfg
   model = abstract_model(case, cfg)
   n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
   tx: Any = offlax.master_weights(optax.adamw(1e-5))

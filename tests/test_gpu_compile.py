@@ -431,3 +431,50 @@ def test_the_docs_train_steps_keep_the_bound_at_1b(compute, capsys):
   with capsys.disabled():
     print(f"\n{compute} fused-arg (masked): {m.per_param(m.device_peak):.2f} B/param")
   assert m.device_peak <= limit and m.host_compute == (), m.table()
+
+
+@pytest.mark.slow  # 25 s of compile; test_planner.py checks the CLI counts this figure
+def test_unrolled_working_set_agrees_with_a_compiled_tunix_step(tmp_path):
+  """`Llama.unrolled_device_bytes`, the planner's figure for a Tunix model: within 10%.
+
+  Tunix's Llama3 at 0.2B (2 layers, 1024 tokens), unedited, its layers in a sparse
+  `LayerStore`, the whole train step compiled: +7.8% (405B and 70B: benchmarks/capacity.py).
+  """
+  pytest.importorskip("tunix")
+  from tunix.models.llama3 import model as llama3
+
+  from benchmarks import tunix_offload
+
+  shape = llama.Llama(layers=2, d=2048, ffn=5632, vocab=32000, heads=16, kv_heads=4, tokens=1024)
+  cfg = llama3.ModelConfig(
+    num_layers=shape.layers, vocab_size=shape.vocab, embed_dim=shape.d, hidden_dim=shape.ffn,
+    num_heads=shape.heads, head_dim=shape.d // shape.heads, num_kv_heads=shape.kv_heads,
+    rope_theta=500_000, norm_eps=1e-5,
+  )  # fmt: skip
+  case = tunix_offload.Case("llama3", "llama3_70b", "h100", 0, tokens=shape.tokens)
+  compiled, n = tunix_offload.compile_step(case, store=str(tmp_path / "layers"), cfg=cfg)
+  assert n == shape.n_params
+  planned = shape.unrolled_device_bytes()
+  assert abs(planned / compiled.device_peak - 1) <= 0.10, (planned, compiled.device_peak)
+
+
+@pytest.mark.slow  # 20 s of compile; test_nvme.py lowers a step from the abstract state
+def test_the_nvme_tiers_abstract_state_compiles_writing_nothing(tmp_path):
+  """A Tunix model's rest with its optimizer state on the NVMe tier, the tier's init of the
+  abstract params (no store written): the step compiles for a GPU, the state's arrays on disk
+  are not the program's host buffers."""
+  pytest.importorskip("tunix")
+  from benchmarks import tunix_offload
+
+  case = tunix_offload.CASES["tiny"]
+  kw = dict(store=str(tmp_path / "layers"))
+  in_host, _ = tunix_offload.compile_step(case, **kw)
+  tier = offlax.NVMeTier(tmp_path / "rest", cache_bytes=0, chunk_bytes=2**16, progress=False)
+  on_disk, _ = tunix_offload.compile_step(
+    case, rest_tier=tier, **{**kw, "store": kw["store"] + "2"}
+  )
+  assert not (tmp_path / "rest").exists()
+  assert any(r.hot is False for r in tier.store.records)
+  # The rest's fp32 master and moments: 12 B a param of the embedding and the head.
+  rest = 2 * 512 * 256 + 256
+  assert in_host.host_peak - on_disk.host_peak >= 12 * rest * 0.9, (in_host.host, on_disk.host)

@@ -168,11 +168,32 @@ def test_stale_state_is_refused(tmp_path):
   tier.close()
 
 
-def test_init_under_jit_is_refused(tmp_path):
-  tx = offlax.offload(optax.adam(1e-3), _tier(tmp_path))
-  with pytest.raises(offlax.errors.InvalidTierError, match="must run eagerly"):
-    jax.eval_shape(tx.init, {"w": jax.ShapeDtypeStruct((3,), jnp.float32)})
-  assert not (tmp_path / "offlax.json").exists()
+def test_abstract_init_is_the_concrete_ones_structure_and_writes_nothing(tmp_path):
+  """`init` of `jax.ShapeDtypeStruct`s (or under `jax.eval_shape`): the state a new store
+  would give, leaf for leaf (shapes, dtypes, memory kinds, the same items on disk), for a
+  compile; nothing is written, and the step lowers against it."""
+  params = {"w": jnp.ones((64, 32), jnp.float32), "b": jnp.ones((32,), jnp.float32)}
+  specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+  inner = offlax.master_weights(optax.adam(1e-3))
+  concrete = offlax.offload(inner, _tier(tmp_path / "c")).init(params)
+  tx = offlax.offload(inner, _tier(tmp_path / "a"))
+  abstract = tx.init(specs)
+  traced = jax.eval_shape(tx.init, params)
+  assert not (tmp_path / "a").exists()
+  is_disk = lambda x: isinstance(x, offlax.extend.OnDisk)
+  form = lambda x: x if is_disk(x) else (x.shape, x.dtype, x.sharding.memory_kind)
+  assert jax.tree.map(form, abstract, is_leaf=is_disk) == jax.tree.map(
+    form, concrete, is_leaf=is_disk
+  )
+  assert any(is_disk(x) for x in jax.tree.leaves(abstract, is_leaf=is_disk))
+  shape = lambda x: x if is_disk(x) else (x.shape, x.dtype)
+  assert jax.tree.map(shape, traced, is_leaf=is_disk) == jax.tree.map(
+    shape, concrete, is_leaf=is_disk
+  )
+  assert offlax.abstract_state(tx, specs).inner_state == abstract.inner_state
+  step = jax.jit(lambda p, s, g: tx.update(g, s, p))
+  step.lower(specs, abstract, specs)  # the tier's records, kept in memory, plan the reads
+  assert not (tmp_path / "a").exists()
 
 
 def test_path_is_a_file(tmp_path):

@@ -1,5 +1,8 @@
 """The planner: modes, byte accounting against real states and compiled steps, the CLI."""
 
+import dataclasses
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -658,3 +661,21 @@ def test_update_bytes_counts_the_store_budget_and_the_rest_state_on_nvme(capsys,
   with pytest.raises(SystemExit):
     cli([*args, "--update-bytes", "1KB"])
   assert "--update-bytes (update_bytes=): got 1.0 kB" in capsys.readouterr().err
+
+
+def test_a_tunix_model_counts_its_unrolled_working_set(tmp_path):
+  """``--model NAME`` of a Tunix config counts its step as Tunix runs it: layers unrolled,
+  each one's input saved (`Llama.unrolled_device_bytes`, 21.9 GB for 405B: the compiled step's
+  21.9 GB, benchmarks/capacity.py); the same shapes from a JSON file, offlax's scanned step.
+  tests/test_gpu_compile.py checks the figure against a compiled Tunix step (slow)."""
+  pytest.importorskip("tunix")  # (the run has imported it: test_safetensors.py does)
+  from offlax._src import plan_models
+
+  shape = plan_models.load("llama3p1_405b", 2048)
+  assert shape.unrolled and shape.device_bytes() == shape.model.unrolled_device_bytes()
+  assert shape.device_bytes() == pytest.approx(21.9e9, rel=0.01)
+  # (The CLI's output for it: docs/planner.md, run by tests/test_docs.py.)
+  shapes = tmp_path / "405b.json"
+  shapes.write_text(json.dumps(dataclasses.asdict(shape.model)))
+  json_shape = plan_models.load(str(shapes), 2048)
+  assert not json_shape.unrolled and json_shape.device_bytes() == shape.model.device_bytes()

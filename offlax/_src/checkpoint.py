@@ -26,7 +26,7 @@ from offlax._src.transform import OffloadState, devices_of
 
 
 def abstract_state(
-  inner: optax.GradientTransformation, params: Any, tier: HostTier | None = None
+  inner: optax.GradientTransformation, params: Any, tier: HostTier | NVMeTier | None = None
 ) -> OffloadState:
   """The state `offload(inner, tier).init(params)` would return, as shapes and shardings.
 
@@ -41,9 +41,11 @@ def abstract_state(
     inner: the offloaded transformation, or the `offload(inner, tier)`
       transformation itself (then its tier is used).
     params: the params, or their `jax.ShapeDtypeStruct`s.
-    tier: a `HostTier`; None means the default one (or the one of `inner`
-      if `inner` is an `offload` transformation). The NVMe tier keeps its
-      own store, see ``docs/checkpoints.md``.
+    tier: a `HostTier` or an `NVMeTier`; None means the default one (or the one of `inner`
+      if `inner` is an `offload` transformation). An `NVMeTier` gives the
+      state a new store would give (its items on disk `OnDisk`), writing
+      nothing: for a compile; a checkpoint of it is its store, see
+      ``docs/checkpoints.md``.
 
   Returns:
     An `OffloadState` of `jax.ShapeDtypeStruct`s.
@@ -69,6 +71,11 @@ def abstract_state(
       return composed
   tier = HostTier() if tier is None else tier
   params = flax_glue.unbox(params)
+  if isinstance(tier, NVMeTier):
+    # Its init of specs is the state a new store would give, nothing written.
+    spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+    specs = jax.tree.map(spec, params)
+    return transform_lib.offload(inner, tier).init(specs)
   shapes = jax.eval_shape(optax.with_extra_args_support(inner).init, params)
   return _placed_like_init(shapes, layout_lib.ParamSpec.of(params), params, tier)
 
@@ -106,7 +113,7 @@ def _placed_like_init(shapes: Any, spec: Any, params: Any, tier: Any) -> Offload
 
 
 def _abstract_composition(
-  tx: optax.GradientTransformation, params: Any, tier: HostTier | None
+  tx: optax.GradientTransformation, params: Any, tier: HostTier | NVMeTier | None
 ) -> Any | None:
   """`abstract_state` of a transformation holding `offload`s (a chain): None if it holds none.
 

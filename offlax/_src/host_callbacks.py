@@ -41,6 +41,11 @@ def lowering_for_gpu() -> contextlib.AbstractContextManager:
   return _FOR_GPU(True)
 
 
+def for_gpu() -> bool:
+  """Whether the trace lowers for a GPU from CPU devices (inside `lowering_for_gpu`)."""
+  return bool(_FOR_GPU.value)
+
+
 def call(
   fn: Callable[..., Any], avals: Sequence[jax.ShapeDtypeStruct], *args: Any, side_effect: bool
 ) -> list[Any]:

@@ -70,6 +70,35 @@ class Llama:
     update = 1.4 * layer + 0.13 * 2 * self.vocab * self.d + 185e6
     return int(max(backward, update))
 
+  def unrolled_device_bytes(self) -> int:
+    """The device peak of a Flax NNX model's step with its layers off the device, estimated.
+
+    Tunix's models (``offlax.offload_params``, layers in host memory or an
+    `offlax.LayerStore`) run their layers unrolled, without remat: the backward
+    pass keeps every layer's input (a bf16 hidden state each), so the peak grows
+    with the depth, unlike `device_bytes`' scanned step. The larger of two phases
+    of XLA:GPU's program (read off its buffer assignment at 2 layers):
+    - a layer's backward pass: the attention's scores, f32, and probabilities,
+      bf16 (6 B per head and token pair); the layer's bf16 weights read for it
+      and the gradients of some (1.3 layers: how many are live at once is the
+      scheduler's choice); the MLP's activations (4 x tokens x ffn, bf16); the
+      logits' gradient (tokens x vocab, bf16) or the embedding's, bf16;
+    - the head's backward pass: its gradient (vocab x d) and the logits'.
+    Both hold the saved hidden states: one per layer and about 8 more.
+    Against the compiled step (tests/test_gpu_compile.py, benchmarks/capacity.py):
+    Llama 3.1 405B +0.2% at 2 layers and +0.1% at 126 (+5.6% with the rest's state on
+    the NVMe tier), Llama3-70B -5% at 2 and -4% at 80, a 0.2B Llama at 1024 tokens +8%;
+    Llama 3.1 8B at 2 layers +39% (its schedule holds less at once: over, not under)
+    (2026-12-07).
+    """
+    hidden = 2 * self.tokens * self.d  # bf16
+    logits = 2 * self.tokens * self.vocab  # the logits' gradient, bf16
+    saved = (8 + self.layers) * hidden
+    backward = 6 * self.heads * self.tokens**2 + 1.3 * 2 * self.layer_params
+    backward += 4 * 2 * self.tokens * self.ffn + logits
+    head = 2 * self.vocab * self.d + logits
+    return int(max(backward, head) + saved)
+
 
 MODELS = {
   "13b": Llama(layers=40, d=5120, ffn=13824, vocab=32000, heads=40),

@@ -125,7 +125,7 @@ def run(args: Any, opts: Options) -> int:
   # --tokens checked before planning: its working set grows as its square.
   planned = shape if shape is not None else guess
   assert planned is not None  # options() asks for --params or --model
-  working_set(planned.model)
+  working_set(planned)
   if shape is not None:
     print(f"shape: {shape.source}: {plan_models.describe(shape.model)}")
   rates.update(_measured(args))
@@ -144,10 +144,11 @@ def run(args: Any, opts: Options) -> int:
     model, n, layers = shape.model, shape.model.n_params, shape.model.layers
     tree = plan_models.params(model, dtype)
     if args.activations is None:
-      sizes["activation_bytes"] = working_set(model)
+      sizes["activation_bytes"] = working_set(shape)
+      how = "unrolled layers, each one's input saved" if shape.unrolled else "remat"
       print(
         f"working set on the device: {planner.format_bytes(sizes['activation_bytes'])} "
-        f"(estimated for this shape and --tokens {opts.tokens}: XLA's attention, remat)"
+        f"(estimated for this shape and --tokens {opts.tokens}: XLA's attention, {how})"
       )
   else:
     assert opts.params is not None
@@ -164,7 +165,7 @@ def run(args: Any, opts: Options) -> int:
     # in host memory or on disk, which the plan can only weigh knowing the model's shape;
     # that plan's verdict, fits or not, is the one to give (its advice counts those ways).
     assert guess is not None
-    counted = {**sizes, "activation_bytes": working_set(guess.model)}
+    counted = {**sizes, "activation_bytes": working_set(guess)}
     guessed_tree = plan_models.params(guess.model, dtype)
     other = offlax.plan(guessed_tree, tx, **counted, **rates, layers=guess.model.layers, fused=True)
     print(
@@ -187,12 +188,12 @@ def run(args: Any, opts: Options) -> int:
   return _compile(args, result, model, n, sizes)
 
 
-def working_set(m: Any) -> int:
-  """`m.device_bytes()`, the step's working set; `InvalidOptionError` naming --tokens past 1PB.
+def working_set(shape: Any) -> int:
+  """`shape.device_bytes()`, the step's working set; `InvalidOptionError` naming --tokens past 1PB.
 
   XLA's attention holds scores that grow as the square of the tokens in one sequence.
   """
-  need = m.device_bytes()
+  m, need = shape.model, shape.device_bytes()
   if need > plan_options.LIMITS["activation_bytes"].high:
     raise plan_options.error(
       "tokens",
@@ -230,7 +231,7 @@ def _with_layers(n: int, tx: Any, sizes: dict, rates: dict, args: Any, tokens: i
 
   guess = plan_models.guess(n, tokens)
   m = guess.model
-  counted = {**sizes, "activation_bytes": working_set(m)}
+  counted = {**sizes, "activation_bytes": working_set(guess)}
   tree = plan_models.params(m, jnp.dtype(args.param_dtype))
   other = offlax.plan(tree, tx, **counted, **rates, layers=m.layers, fused=args.fused)
   fraction = f", fraction {other.fraction:.2f}" if other.mode == "host" else ""

@@ -51,6 +51,13 @@ class Shape(NamedTuple):
 
   model: llama.Llama
   source: str  # e.g. "Llama 3.1 70B, the nearest known model to 70B params"
+  # A Tunix config's model: a Flax NNX model whose layers run unrolled, without remat
+  # (`llama.Llama.unrolled_device_bytes`); else offlax's scanned step (`device_bytes`).
+  unrolled: bool = False
+
+  def device_bytes(self) -> int:
+    """The step's working set on the device, as this model is trained (see `unrolled`)."""
+    return self.model.unrolled_device_bytes() if self.unrolled else self.model.device_bytes()
 
 
 def describe(m: llama.Llama) -> str:
@@ -122,6 +129,7 @@ def load(name: str, tokens: int, flag: str = "--model") -> Shape:
   """
   from offlax._src.hf import config as hf_config
 
+  tunix = False  # a Tunix config's name (below): its model's step is unrolled
   if hf_config.is_hf_config(name):  # a Hugging Face checkpoint folder or its config.json
     shape = hf_config.planner_shapes(name)
   elif name.endswith(".json") or os.path.isfile(name):
@@ -137,6 +145,7 @@ def load(name: str, tokens: int, flag: str = "--model") -> Shape:
       )
   else:
     shape = dataclasses.asdict(llama.from_config(name, tokens=tokens))
+    tunix = True
   allowed = {"layers", "d", "ffn", "vocab", "heads", "kv_heads"}
   missing, extra = {"layers", "d", "ffn", "vocab", "heads"} - set(shape), set(shape) - allowed
   extra.discard("tokens")
@@ -159,7 +168,7 @@ def load(name: str, tokens: int, flag: str = "--model") -> Shape:
       raise errors.InvalidOptionError(
         f"plan: {flag} {name}: {key} is {value!r}; it must be a whole number from {low} to {high}"
       )
-  return Shape(llama.Llama(tokens=tokens, **values), f"{flag} {name}")
+  return Shape(llama.Llama(tokens=tokens, **values), f"{flag} {name}", unrolled=tunix)
 
 
 def params(m: llama.Llama, dtype: Any) -> dict:

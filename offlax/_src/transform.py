@@ -94,7 +94,8 @@ def offload(
     inner_state, step = tier.init(inner, params, spec)
     checks.check_not_nested(inner_state)
     state = OffloadState(inner_state, spec, step, ref)
-    if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(params)):
+    abstract = (jax.core.Tracer, jax.ShapeDtypeStruct)  # traced, or specs: nothing to place
+    if not any(isinstance(x, abstract) for x in jax.tree.leaves(params)):
       if spec.mesh is None and len(devices) == 1:
         device = next(iter(devices))
         mesh = sharding_lib.one_device_target(params, device)

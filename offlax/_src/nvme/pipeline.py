@@ -146,6 +146,14 @@ class Reader:
     return self.buffers.offsets
 
   def _check(self, step) -> None:
+    if not self.store.locked:  # no store behind the records (`tier_init.abstract_store`)
+      self.ahead.forget()
+      raise errors.StoreError(
+        f"{self.store.path}: the step reads a store that is not open: its state came from "
+        "an init of abstract params (jax.ShapeDtypeStructs, or under jax.eval_shape), which "
+        "writes no store and is for a compile only, or the tier was closed. Init the tier "
+        "with the params' arrays to train."
+      )
     if int(step) != self.store.step:
       self.ahead.forget()
       raise errors.StaleStateError(_stale(self.store, int(step)))

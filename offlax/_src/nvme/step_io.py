@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
-from offlax._src import errors, ffi
+from offlax._src import errors, ffi, host_callbacks
 from offlax._src import layout as layout_lib
 from offlax._src.host_tier import HostIO
 from offlax._src.nvme.format import is_key, key_data, key_impl
@@ -121,24 +121,35 @@ class DiskIO:
     commit = functools.partial(self.reader.commit, hot, len(self.tickets))
     tickets = [t for _, t in self.tickets]
     values = [key_data(items[j]) for j in hot]  # (a callback takes no PRNG key)
-    io_callback(commit, None, *self.shard, self.step, *tickets, *values)
+    _io_callback(commit, None, *self.shard, self.step, *tickets, *values)
     return items
 
   def next_step(self):
     return self.step + 1
 
 
+def _io_callback(fn, result, *args):
+  """`io_callback(fn, result, *args)`, or while `compile_for_gpu` lowers, the custom call a
+  GPU lowers it to (`host_callbacks`: JAX cannot lower a callback for CUDA on CPU devices)."""
+  if not host_callbacks.for_gpu():
+    return io_callback(fn, result, *args)
+  many = isinstance(result, (list, tuple))
+  avals = [] if result is None else list(result) if many else [result]
+  out = host_callbacks.call(fn, avals, *args, side_effect=True)
+  return None if result is None else out if many else out[0]
+
+
 def _read_slice(io: DiskIO, k: int, avals, dep):
   """Slice k's values, and (where, ticket) for `_write_slice` on XLA:CPU with the native library."""
   read = functools.partial(io.reader.read, k)
   via_callback = lambda shard, step, dep: (
-    io_callback(read, avals, *shard, step, dep),
+    _io_callback(read, avals, *shard, step, dep),
     (jnp.zeros(4, jnp.uint32), jnp.int32(0)),
   )
 
   def native(shard, step, dep):
     locate = functools.partial(io.reader.locate, k)
-    where = io_callback(locate, jax.ShapeDtypeStruct((4,), jnp.uint32), *shard, step, dep)
+    where = _io_callback(locate, jax.ShapeDtypeStruct((4,), jnp.uint32), *shard, step, dep)
     out = (*avals, jax.ShapeDtypeStruct((), jnp.int32))
     copy = jax.ffi.ffi_call("offlax_from_slice", out, has_side_effect=True)
     *values, ticket = copy(where, offsets=io.reader.offsets[k])
@@ -151,13 +162,13 @@ def _write_slice(io: DiskIO, k: int, cold):
   """Writes slice k's new values (the other end of `_read_slice`); a ticket."""
   ticket = jax.ShapeDtypeStruct((), jnp.int32)
   write = functools.partial(io.reader.write, k)
-  via_callback = lambda shard, copied, cold: io_callback(write, ticket, *shard, *cold)
+  via_callback = lambda shard, copied, cold: _io_callback(write, ticket, *shard, *cold)
 
   def native(shard, copied, cold):
     where, after = copied
     copy = jax.ffi.ffi_call("offlax_to_slice", ticket, has_side_effect=True)
     copied = copy(where, after, *cold, offsets=io.reader.offsets[k])
-    return io_callback(functools.partial(io.reader.submit, k), ticket, *shard, copied)
+    return _io_callback(functools.partial(io.reader.submit, k), ticket, *shard, copied)
 
   return ffi.on_cpu(native, via_callback, io.shard, io.copied[k], cold)
 

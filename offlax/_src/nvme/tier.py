@@ -213,17 +213,15 @@ class NVMeTier(tier_lib.Tier):
     """Creates or resumes the store; returns (inner state with OnDisk items, step).
 
     A new store holds `inner.init(params)`, or `state` (an inner state with its
-    values in memory) if given.
+    values in memory) if given; abstract params, the state it would hold
+    (`tier_init.abstract_store`).
     """
     if spec.placeholder:
       # A tree without arrays (optax.tree.map_params' placeholder) has no state
       # to store: the inner state as is, with a step, has the state's structure.
       return inner.init(params), jnp.zeros((), jnp.int32)
-    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(params)):
-      raise errors.InvalidTierError(
-        "NVMeTier: init writes the store, so it must run eagerly, not under jax.jit or "
-        "jax.eval_shape."
-      )
+    if tier_init.is_abstract(params):  # a new store's state, nothing written: for a compile
+      return tier_init.abstract_store(self, inner, params, spec)
     if spec.mesh is not None:
       return init_sharded(self, inner, params, spec, state)
     return tier_init.open_store(self, inner, params, spec, state)

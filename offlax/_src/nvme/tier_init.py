@@ -21,6 +21,7 @@ from offlax._src import coupling as coupling_lib
 from offlax._src import errors, host_params
 from offlax._src import layout as layout_lib
 from offlax._src import schedule as schedule_lib
+from offlax._src import sharding as sharding_lib
 from offlax._src import telemetry as telemetry_lib
 from offlax._src.nvme.format import (
   DEFAULT_KEEP,
@@ -35,6 +36,7 @@ from offlax._src.nvme.format import (
   read_json,
   stored_form,
 )
+from offlax._src.nvme.manifest import Manifest
 from offlax._src.nvme.rollback import rollback_locked
 from offlax._src.nvme.store import progress_bar
 
@@ -75,6 +77,56 @@ def open_store(tier: NVMeTier, inner, params, spec: layout_lib.ParamSpec, state)
     raise
   telemetry_lib.check_cache(tier.store.records, tier.cache_bytes)
   return layout.merge(items), jnp.asarray(tier.store.step, jnp.int32)
+
+
+def is_abstract(params) -> bool:
+  """Whether `params` are `jax.ShapeDtypeStruct`s or traced (under `jax.eval_shape`, `jax.jit`)."""
+  abstract = (jax.core.Tracer, jax.ShapeDtypeStruct)
+  return any(isinstance(x, abstract) for x in jax.tree.leaves(params))
+
+
+def abstract_store(tier: NVMeTier, inner, params, spec: layout_lib.ParamSpec) -> tuple[Any, Any]:
+  """`NVMeTier.init` of abstract params: the state a new store would give, nothing written.
+
+  Params as `jax.ShapeDtypeStruct`s give the state as specs: `OnDisk` for the
+  items on disk, `ShapeDtypeStruct`s placed as `init` places the others (host
+  memory, or the device for what the host tier keeps there). Traced params
+  (under `jax.eval_shape`) give the same as traced values. The store's records
+  (each item's chunking, whether it stays in RAM) are made as `create` makes
+  them and kept in memory only, so that a step traced with this state (a
+  compile, `offlax.compile_for_gpu`) reads them; the directory is not touched,
+  and such a step cannot run (`pipeline.Reader` refuses a store not open).
+  """
+  if spec.mesh is not None:
+    raise errors.InvalidTierError(
+      "NVMeTier: init of abstract params (jax.ShapeDtypeStructs, or under jax.eval_shape or "
+      "jax.jit) on a mesh: the state's specs are made for params on one device only. Init "
+      "with the params' arrays."
+    )
+  abstract = jax.eval_shape(inner.init, params)
+  layout = layout_lib.StateLayout(abstract, spec)
+  shapes = layout.split(abstract)
+  recorded = records(tier, shapes, item_paths(abstract, layout), layout)
+  keep = DEFAULT_KEEP if tier.keep is None else tier.keep
+  tier.store.manifest = Manifest(recorded, str(layout.treedef), tier.chunk_bytes, 0, keep, keep + 1)
+  if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(params)):
+    values = layout.split(inner.init(params))
+    items = [entry(tier.host, r, x) for r, x in zip(recorded, values, strict=True)]
+    return layout.merge(items), jnp.zeros((), jnp.int32)
+  device = jax.local_devices()[0]
+  mesh = sharding_lib.one_device_target(params, device) or sharding_lib.one_device_mesh(device)
+
+  def spec_of(x, kind=None):  # a NamedSharding: JAX types its host memory kind as host memory
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(), memory_kind=kind)
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+  items = [
+    layout_lib.OnDisk(r.index, r.shape, r.dtype)
+    if not r.hot
+    else spec_of(x, tier.host.memory_kind if tier.host.offloads(x) else None)
+    for r, x in zip(recorded, shapes, strict=True)
+  ]
+  return layout.merge(items), spec_of(jax.ShapeDtypeStruct((), jnp.int32))
 
 
 def hot_items(shapes, layout, cache_bytes: int) -> set[int]:
