@@ -122,6 +122,24 @@ def committed(params):
   return jax.tree.map(lambda x: put(x) if isinstance(x, jax.Array) else x, params)
 
 
+def committed_state(state):
+  """`state` with each uncommitted array committed as a jitted step returns it.
+
+  `tx.init`'s scalars (the step count) and a plain optimizer's whole state come out
+  uncommitted; a jitted step returns them committed, and its second call would
+  compile the whole step again. Committed leaves (an offloaded state's) are kept.
+  """
+  from offlax._src.sharding import one_device_mesh
+
+  arrays = [x for x in jax.tree.leaves(state) if isinstance(x, jax.Array)]
+  if not arrays:
+    return state
+  mesh = one_device_mesh(next(iter(arrays[0].devices())))
+  where = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  put = lambda x: x if not isinstance(x, jax.Array) or x.committed else jax.device_put(x, where)
+  return jax.tree.map(put, state)
+
+
 def interrupted(fn, after=0.05):
   """Calls `fn()` with Ctrl-C (a `KeyboardInterrupt` from a SIGALRM handler) `after` seconds in,
   in this (the main) thread, as a user's; asserts it raised."""
@@ -143,7 +161,7 @@ def interrupted(fn, after=0.05):
 def run_steps(tx, params, steps=3):
   """Runs `steps` jitted steps (compiled once); returns params, state and the last updates."""
   params = committed(params)
-  state = tx.init(params)
+  state = committed_state(tx.init(params))
 
   @jax.jit
   def step(params, state, grads):

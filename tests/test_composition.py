@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from conftest import assert_trees_equal, grads_like
+from conftest import assert_trees_equal, committed, committed_state, grads_like
 
 import offlax
 
@@ -18,17 +18,20 @@ def opts(request):
 
 
 def _params():
+  """Committed as an offloaded step returns them: a jitted step compiles once, not twice."""
   k = jax.random.split(jax.random.key(1), 2)
-  return {
-    "w": jax.random.normal(k[0], (32, 16)),
-    "b": jnp.zeros(16),
-    "v": jax.random.normal(k[1], (40,)),
-  }
+  return committed(
+    {
+      "w": jax.random.normal(k[0], (32, 16)),
+      "b": jnp.zeros(16),
+      "v": jax.random.normal(k[1], (40,)),
+    }
+  )
 
 
 def _train(tx, steps=3, **extra):
   params = _params()
-  state = tx.init(params)
+  state = committed_state(tx.init(params))
 
   @jax.jit
   def step(params, state, grads):
@@ -47,6 +50,9 @@ def _same_training(plain, wrapped, steps=3):
   return want_state, got_state
 
 
+# Device mode: test_offload_chain's clip-then-adamw and test_multi_transform_and_masked's
+# offloads inside optax's wrappers run it against optax by default.
+@pytest.mark.slow_except("host")
 def test_chain_clip_then_offload(opts):
   _same_training(
     optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)),
@@ -92,6 +98,8 @@ def test_multi_steps_outside_offload(opts):
   )
 
 
+# Device mode: test_multi_steps_outside_offload[device] streams MultiSteps' steps by default.
+@pytest.mark.slow_except("host")
 def test_multi_steps_inside_offload(opts):
   inner = optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2).gradient_transformation()
   want_state, got_state = _same_training(inner, offlax.offload(inner, **opts), steps=4)
@@ -182,8 +190,8 @@ def test_donating_params_and_state(opts, dtype):
     return optax.apply_updates(params, updates), state
 
   donated = jax.jit(step, donate_argnums=(0, 1))
-  p, s = jax.tree.map(jnp.copy, params), tx.init(params)
-  want = params, tx.init(params)
+  p, s = jax.tree.map(jnp.copy, params), committed_state(tx.init(params))
+  want = params, committed_state(tx.init(params))
   for i in range(3):
     old = jax.tree.leaves(s)
     p, s = donated(p, s, grads_like(params, i))
@@ -233,10 +241,9 @@ _WRAPPED = {
 }  # fmt: skip
 
 
-@pytest.mark.slow_except(
+@pytest.mark.slow_except(  # masked(offload): chain(offload) asks a wrapped offload to fuse
   "offload(chain)",
   "chain(offload)",
-  "masked(offload)",
   "MultiSteps(offload)",
   "chain(offload, scale)",
   "GradientTransformation(offload)",
@@ -256,7 +263,7 @@ def test_wrappers_keep_the_fused_step_and_abstract_state(name, monkeypatch):
     wrapped_apply.Request, "serve", lambda r, *a, **k: asked.append(r.fuse) or serve(r, *a, **k)
   )
   params = _params()
-  state = tx.init(params)
+  state = committed_state(tx.init(params))
 
   # The tier of every offload is in the state's structure: abstract_state finds it.
   target = offlax.abstract_state(tx, params)
@@ -295,15 +302,19 @@ def _keeping(inner, combine):
 
 
 @pytest.mark.parametrize(
-  "combine", [lambda s, u: u, jnp.add], ids=["keeps-the-updates", "sums-the-updates"]
+  "combine",
+  [  # a wrapper that keeps them reads them as one that sums them does (by default)
+    pytest.param(lambda s, u: u, marks=pytest.mark.slow, id="keeps-the-updates"),
+    pytest.param(jnp.add, id="sums-the-updates"),
+  ],
 )
 def test_a_wrapper_that_reads_the_updates_gets_them(combine):
   """An offload whose updates a wrapper keeps or sums is not fused: the state stays exact."""
   params = _params()
   tx = _keeping(offlax.offload(optax.adam(1e-2), offlax.HostTier(chunk_bytes=STREAM)), combine)
   want_tx = _keeping(optax.adam(1e-2), combine)
-  got, state = params, tx.init(params)
-  want, want_state = params, want_tx.init(params)
+  got, state = params, committed_state(tx.init(params))
+  want, want_state = params, committed_state(want_tx.init(params))
   step = jax.jit(offlax.update_and_apply, static_argnums=0)
   for i in range(3):
     got, state = step(tx, grads_like(params, i), state, got)

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import assert_trees_equal, grads_like, model_params
+from conftest import assert_trees_equal, committed, committed_state, grads_like, model_params
 
 import offlax
 from offlax._src import coupling, ffi, host_adam
@@ -30,7 +30,8 @@ def _f32_params():
 
 
 def _train(tx, params, steps=4):
-  state = tx.init(params)
+  params = committed(params)  # the step compiles once
+  state = committed_state(tx.init(params))
   step = jax.jit(lambda p, s, g: tx.update(g, s, p))
   for i in range(steps):
     updates, state = step(params, state, grads_like(params, i))
@@ -189,27 +190,28 @@ def test_native_update_matches_optax_to_rounding(case, mode, native):
   params agree to 1e-6 relative, 1e-7 absolute (an ulp or two: steps of up to
   1e-2, each within 2e-6 relative).
   """
-  params = _f32_params()
+  params = committed(_f32_params())  # each step compiles once
 
   def train(tx):
-    state, p = tx.init(params), params
+    state, p = committed_state(tx.init(params)), params
     step = jax.jit(lambda p, s, g: tx.update(g, s, p))
     for i in range(4):
       updates, state = step(p, state, grads_like(params, i))
       p = optax.apply_updates(p, updates)
-    return p, state
+    return p, state, step
 
   tx = offlax.offload(NATIVE_UPDATE[case](), offlax.HostTier(compute=mode, chunk_bytes=1024))
-  got_params, got_state = train(tx)
-  want_params, want_state = train(REFERENCE[case]())
+  got_params, got_state, step = train(tx)
+  want_params, want_state, _ = train(REFERENCE[case]())
   assert_trees_equal(got_state.inner_state, want_state)
   if not native:
     assert_trees_equal(got_params, want_params)
     return
   close = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
   jax.tree.map(close, got_params, want_params)
-  step = jax.jit(lambda p, s, g: tx.update(g, s, p))
-  assert "offlax_adam_f32" in step.lower(params, tx.init(params), params).compile().as_text()
+  # The program the steps ran (jit's cache: no second compile).
+  state = committed_state(tx.init(params))
+  assert "offlax_adam_f32" in step.lower(params, state, params).compile().as_text()
 
 
 @pytest.mark.parametrize("native_update", [False, True])
@@ -385,7 +387,8 @@ def _mixed_params():
 
 def _steps(tx, params, fused, steps=4):
   """`steps` jitted steps: `offlax.update_and_apply`, or `tx.update` then optax's apply."""
-  state = tx.init(params)
+  params = committed(params)  # the step compiles once
+  state = committed_state(tx.init(params))
 
   def step(p, s, g):
     if fused:

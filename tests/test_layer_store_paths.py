@@ -8,6 +8,7 @@ reference trains the same model with its params in host memory, as
 `tests/test_layer_store_nnx.py` does (each layer rematerialised alike).
 """
 
+import functools
 import json
 import os
 import warnings
@@ -70,6 +71,12 @@ grad = nnx.jit(nnx.value_and_grad(lambda model, x: model(x)))
 
 def reference(steps, name):
   """Losses and the stacked layers of `name` after `steps` steps, the params in host memory."""
+  losses, model = _reference_run(steps)
+  return losses, offlax.stack_layers(model, name)
+
+
+@functools.cache  # the same training for either list: run (and compiled) once per process
+def _reference_run(steps):
   model = offlax.offload_params(EncoderDecoder(nnx.Rngs(0)))
   params = jax.device_get(nnx.state(model, nnx.Param))
   opt, state = tx(), tx().init(params)
@@ -83,7 +90,7 @@ def reference(steps, name):
     params, state = update(jax.device_get(grads), state, params)
     nnx.update(model, jax.tree.map(lambda x: jax.device_put(x, host), params))
     losses.append(float(loss))
-  return losses, offlax.stack_layers(offlax.onload_params(model), name)
+  return losses, offlax.onload_params(model)
 
 
 def is_stored(layers):

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import assert_trees_equal, grads_like
+from conftest import assert_trees_equal, committed, committed_state, grads_like
 
 import offlax
 
@@ -23,8 +23,8 @@ def _regression(steps, params_dtype, tx):
   kx, kw = jax.random.split(jax.random.key(0))
   x = jax.random.normal(kx, (256, 32))
   y = x @ jax.random.normal(kw, (32, 8))
-  params = {"w": jnp.zeros((32, 8), params_dtype), "b": jnp.zeros(8, params_dtype)}
-  state = tx.init(params)
+  params = committed({"w": jnp.zeros((32, 8), params_dtype), "b": jnp.zeros(8, params_dtype)})
+  state = committed_state(tx.init(params))  # the step compiles once
 
   def loss(p):
     p = jax.tree.map(lambda a: a.astype(jnp.float32), p)
@@ -128,8 +128,10 @@ def test_partial_offload_bad_options(bad):
 
 
 def _same_as_plain(tx, plain, params, steps=3, grads=None):
+  params = committed(params)  # the steps compile once
+
   def train(t):
-    p, s = params, t.init(params)
+    p, s = params, committed_state(t.init(params))
     step = jax.jit(lambda p, s, g: t.update(g, s, p))
     for i in range(steps):
       g = grads(i) if grads else grads_like(params, i)

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import assert_trees_equal
+from conftest import assert_trees_equal, committed, committed_state
 from test_nvme import _stored_state
 
 import offlax
@@ -63,7 +63,8 @@ TOKENS = jnp.array([[1, 5, 7, 2], [3, 3, 0, 15]])
 
 
 def train(tx, params, loss, steps, fused):
-  state = tx.init(params)
+  params = committed(params)  # the step compiles once
+  state = committed_state(tx.init(params))
 
   @jax.jit
   def step(params, state):

@@ -12,7 +12,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
-from conftest import assert_trees_equal, committed
+from conftest import assert_trees_equal, committed, committed_state
 
 import offlax
 from offlax._src import adam8, quantized
@@ -155,7 +155,7 @@ def _grads(params, step):
 
 def _train(tx, params, steps, state=None):
   params = committed(params)  # the step compiles once
-  state = tx.init(params) if state is None else state
+  state = committed_state(tx.init(params)) if state is None else state
   step = jax.jit(lambda p, s, g: tx.update(g, s, p))
   updates = None
   for i in range(steps):
