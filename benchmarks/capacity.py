@@ -103,8 +103,11 @@ def measure(
     print(f"{name}, {layers} layers ({n / 1e9:.2f}B params): {wall:.0f} s\n{c.table()}", flush=True)
     runs.append({"layers": layers, "n_params": n, "device_peak": c.device_peak,
                  "host_bytes": c.host_peak, "compile_s": wall,
-                 "target_memory": c.target.device_memory_size})  # fmt: skip
+                 "target_memory": c.target.device_memory_size,
+                 "host_compute": list(c.host_compute)})  # fmt: skip
   out: dict[str, Any] = {"runs": runs, "layers": full, **setup}
+  # XLA's own host compute (an op on host memory it moved to the CPU): none is the goal.
+  out["host_compute"] = sorted({op for r in runs for op in r["host_compute"]})
   for key in ("device_peak", "host_bytes"):
     intercept, slope = tunix_offload.fit_line([(r["layers"], r[key]) for r in runs])
     out[key] = intercept + slope * full
