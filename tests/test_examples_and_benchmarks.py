@@ -5,6 +5,7 @@ Timings are not asserted: speed goals live in benchmarks/, measured side by side
 
 import importlib.util
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -131,6 +132,32 @@ def test_nvme_params_nnx_benchmark_runs(tmp_path):
   assert runs["host", 4]["host_bytes"] > runs["host", 2]["host_bytes"]
   assert [runs["store", n]["callbacks"] for n in (2, 4)] == [6, 12]
   assert all(not r["host_compute"] for r in result["runs"])
+
+
+@pytest.mark.slow  # a benchmark's smoke run: two GPU compiles of each model (about 30 s)
+@pytest.mark.skipif(not offlax.extend.gpu_compile_available(), reason="needs offlax[gpu-compile]")
+def test_capacity_benchmark_runs(tmp_path):
+  """Issue 44.5's figures: 405B on an H200 and 70B on 80 GB fit their RAM goals, with no
+  host compute, and the planner agrees with the compile within 10%."""
+  pytest.importorskip("tunix")
+  # In its own process, without the tests' XLA_FLAGS (conftest.py disables algsimp, which
+  # changes the GPU compiler's buffers too): the figures a user's run gives.
+  env = {**os.environ, "XLA_FLAGS": ""}
+  run = subprocess.run(  # 2 and 4 layers, the script's default
+    [sys.executable, str(ROOT / "benchmarks" / "capacity.py"), "--out", str(tmp_path)],
+    capture_output=True,
+    text=True,
+    timeout=900,
+    env=env,
+  )
+  assert run.returncode == 0, run.stderr[-3000:]
+  result = json.loads((tmp_path / "capacity.json").read_text())
+  assert (tmp_path / "capacity.png").stat().st_size > 10_000
+  for name, m in result["models"].items():
+    assert m["host_compute"] == [], (name, m["host_compute"])
+    assert m["ram"] <= m["host_goal"] and m["device_peak"] < m["runs"][0]["target_memory"], name
+    assert m["plan"]["fits"] and m["plan"]["mode"] == "params_nvme", (name, m["plan"])
+    assert all(0.9 <= r <= 1.1 for r in m["plan_vs_compile"].values()), (name, m)
 
 
 @pytest.mark.slow
