@@ -679,3 +679,19 @@ def test_a_tunix_model_counts_its_unrolled_working_set(tmp_path):
   shapes.write_text(json.dumps(dataclasses.asdict(shape.model)))
   json_shape = plan_models.load(str(shapes), 2048)
   assert not json_shape.unrolled and json_shape.device_bytes() == shape.model.device_bytes()
+
+
+def test_the_cli_plans_without_starting_a_gpu_backend():
+  """With the gpu-compile extra on a machine without a GPU and JAX_PLATFORMS unset, a plan
+  that builds an optimizer (`--state-bits 8`) printed the CUDA plugin's failed start, a
+  traceback; the planner needs shapes only."""
+  import os
+  import subprocess
+  import sys
+
+  env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+  args = [sys.executable, "-m", "offlax", "plan", "--params", "1e9", "--device-mem", "80GB",
+          "--host-mem", "48GB", "--master", "--state-bits", "8"]  # fmt: skip
+  out = subprocess.run(args, capture_output=True, text=True, timeout=120, env=env)
+  assert out.returncode == 0 and "fits" in out.stdout, out
+  assert "Traceback" not in out.stderr and "ERROR" not in out.stderr, out.stderr[-2000:]

@@ -16,8 +16,12 @@ from offlax._src.cli_parsers import Parsers
 
 def plan(args: argparse.Namespace, parsers: Parsers) -> int:
   """`plan`: 0 fits, 1 does not fit, 2 a bad option (one line) or a failed `--compile`."""
+  # Shapes only, never a device: on a machine without a GPU, the CUDA plugin of the
+  # gpu-compile extra would print its failed start (a traceback) for nothing. (Set before
+  # JAX's import, read there; not importing JAX here: a bad option stays a one-line error.)
   if args.compile:
     _compile_only()
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
   from offlax._src import errors, plan_cli
 
   try:
