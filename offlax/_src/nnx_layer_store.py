@@ -23,11 +23,12 @@ from flax import nnx
 from offlax._src import errors, memory
 from offlax._src import nnx_paths as paths
 from offlax._src.layer_store import guards as layer_guards
+from offlax._src.layer_store import whole_norm
 from offlax._src.layer_store.source import LayerSource
 
 # The attributes a stored layer gains: its index in the store and its token.
 INDEX = "_offlax_layer"
-TOKEN = "_offlax_token"
+TOKEN = whole_norm.TOKEN  # (defined where flax is not imported: the clip finds tokens by it)
 SOURCE = "_offlax_source"  # of a stored layer's class: the `LayerSource` its layers read
 
 

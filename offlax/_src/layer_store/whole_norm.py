@@ -37,7 +37,7 @@ import optax
 from offlax._src import errors, host_callbacks
 from offlax._src.layer_store import clip as clip_lib
 
-TOKEN = "_offlax_token"  # a stored NNX layer's token (`nnx_layer_store.TOKEN`)
+TOKEN = "_offlax_token"  # a stored NNX layer's token attribute (`nnx_layer_store` uses it)
 
 
 class WholeNormState(NamedTuple):
