@@ -681,17 +681,20 @@ def test_a_tunix_model_counts_its_unrolled_working_set(tmp_path):
   assert not json_shape.unrolled and json_shape.device_bytes() == shape.model.device_bytes()
 
 
-def test_the_cli_plans_without_starting_a_gpu_backend():
+def test_the_cli_plans_without_starting_a_gpu_backend(tmp_path):
   """With the gpu-compile extra on a machine without a GPU and JAX_PLATFORMS unset, a plan
   that builds an optimizer (`--state-bits 8`) printed the CUDA plugin's failed start, a
-  traceback; the planner needs shapes only."""
+  traceback; and it built offlax's native library (seconds on a fresh machine). The planner
+  needs shapes only: neither happens."""
   import os
   import subprocess
   import sys
 
   env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+  env["OFFLAX_CACHE_DIR"] = str(tmp_path)  # where a build would put the library
   args = [sys.executable, "-m", "offlax", "plan", "--params", "1e9", "--device-mem", "80GB",
           "--host-mem", "48GB", "--master", "--state-bits", "8"]  # fmt: skip
   out = subprocess.run(args, capture_output=True, text=True, timeout=120, env=env)
   assert out.returncode == 0 and "fits" in out.stdout, out
   assert "Traceback" not in out.stderr and "ERROR" not in out.stderr, out.stderr[-2000:]
+  assert not list(tmp_path.iterdir()), "the plan built the native library"

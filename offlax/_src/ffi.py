@@ -15,6 +15,8 @@ results.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import ctypes
 import fcntl
 import hashlib
@@ -56,12 +58,33 @@ _lock = threading.Lock()
 _registered: bool | None = None
 _library: ctypes.CDLL | None = None
 _library_tried = False  # a failed build (or OFFLAX_NATIVE=0) is not tried again
+_shapes_only = contextvars.ContextVar("offlax_ffi_shapes_only", default=False)
+
+
+@contextlib.contextmanager
+def shapes_only():
+  """Within it, `available` builds nothing: for tracing that only wants shapes.
+
+  The native and plain-JAX paths give the same shapes and dtypes, so the planner's
+  `jax.eval_shape` of an update need not compile the library (seconds, on a fresh
+  machine) to learn them.
+  """
+  token = _shapes_only.set(True)
+  try:
+    yield
+  finally:
+    _shapes_only.reset(token)
 
 
 def available() -> bool:
-  """Builds (once per machine) and registers the library; False if it cannot."""
+  """Builds (once per machine) and registers the library; False if it cannot.
+
+  False without building under `shapes_only` while nothing is registered yet.
+  """
   global _registered
   with _lock:
+    if _registered is None and _shapes_only.get():
+      return False
     if _registered is None:
       _registered = _register()
     return _registered

@@ -125,7 +125,7 @@ def run(args: Any, opts: Options) -> int:
   # --tokens checked before planning: its working set grows as its square.
   planned = shape if shape is not None else guess
   assert planned is not None  # options() asks for --params or --model
-  working_set(planned)
+  need = working_set(planned)
   if shape is not None:
     print(f"shape: {shape.source}: {plan_models.describe(shape.model)}")
   rates.update(_measured(args))
@@ -144,7 +144,7 @@ def run(args: Any, opts: Options) -> int:
     model, n, layers = shape.model, shape.model.n_params, shape.model.layers
     tree = plan_models.params(model, dtype)
     if args.activations is None:
-      sizes["activation_bytes"] = working_set(shape)
+      sizes["activation_bytes"] = need  # `planned` is `shape`
       how = "unrolled layers, each one's input saved" if shape.unrolled else "remat"
       print(
         f"working set on the device: {planner.format_bytes(sizes['activation_bytes'])} "

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import optax
 
-from offlax._src import errors, flax_glue, plan_advice, plan_options
+from offlax._src import errors, ffi, flax_glue, plan_advice, plan_options
 from offlax._src.nvme.format import DEFAULT_KEEP
 from offlax._src.plan_disk import layer_leaves, params_on_disk_bytes
 from offlax._src.plan_options import parse_bytes as parse_bytes  # the CLI's, and tests'
@@ -546,8 +546,9 @@ def _update_leaves(tx: Any, params: Any) -> list[tuple[int, Any, int, Any]]:
   """
   flat = jax.tree.leaves(params)
   try:
-    state = jax.eval_shape(tx.init, params)
-    updates = jax.eval_shape(lambda g, s, p: tx.update(g, s, p)[0], params, state, params)
+    with ffi.shapes_only():
+      state = jax.eval_shape(tx.init, params)
+      updates = jax.eval_shape(lambda g, s, p: tx.update(g, s, p)[0], params, state, params)
   except Exception:  # an update that needs extra arguments
     return []
   return [
