@@ -24,9 +24,6 @@ pytestmark = pytest.mark.skipif(
 
 CHUNK = 2**20  # 1 MiB slices: the leaves below are cut into several pieces
 SLICES = 4
-# The tests' XLA_FLAGS disable the algebraic simplifier (`conftest.py`, for the CPU's
-# bit-exactness); a program whose figures depend on its rewrites compiles with it.
-ALL_PASSES = {"xla_disable_hlo_passes": ""}
 
 
 def compiled(tx, params, dtype="float32", fused=False, **options):
@@ -132,7 +129,7 @@ def test_split_leaves_are_applied_in_place_by_optax(layers):
     for i in range(layers)
   }
   tx = offlax.offload(optax.adamw(1e-3), chunk_bytes=CHUNK)
-  m = compiled(tx, params, device_memory_size=int(bound(params) / 0.8), compiler_options=ALL_PASSES)
+  m = compiled(tx, params, device_memory_size=int(bound(params) / 0.8))
   assert m.device_peak <= bound(params) and m.host_compute == (), m.table()
 
 
@@ -148,7 +145,7 @@ def test_equal_pieces_run_in_one_loop():
   tx = offlax.offload(optax.adamw(1e-3), chunk_bytes=chunk)
   grads = sum(x.size * 4 for x in jax.tree.leaves(params))
   limit = 2 * grads + SLICES * chunk
-  m = compiled(tx, params, device_memory_size=int(limit / 0.8), compiler_options=ALL_PASSES)
+  m = compiled(tx, params, device_memory_size=int(limit / 0.8))
   assert m.device_peak <= limit and m.host_compute == (), m.table()
   assert schedule._even_step(3224, 645) == 403  # 8 pieces, none shorter
   assert schedule._even_step(1009, 100) == 92  # a prime: 10 pieces and a shorter one
@@ -248,7 +245,7 @@ def test_plan_params_host_device_agrees_with_the_compiled_step(capsys, n, layers
   out = capsys.readouterr().out
   assert "mode: params_host (fits)" in out, out
   m = llama.shaped(n, layers, tokens=tokens)
-  compiled = llama.compile_step(m, "h200", compiler_options=ALL_PASSES)
+  compiled = llama.compile_step(m, "h200")
   planned = m.device_bytes()
   assert abs(planned / compiled.device_peak - 1) <= 0.10, (planned, compiled.device_peak)
   device = next(line for line in out.splitlines() if line.startswith("device"))

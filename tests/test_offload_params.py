@@ -348,9 +348,8 @@ def test_compiled_step_keeps_device_memory_flat_in_depth():
 
     n = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     # With the algebraic simplifier (the suite's XLA_FLAGS disable it; XLA:GPU needs it).
-    options = {"xla_disable_hlo_passes": ""}
     step = jax.jit(step, donate_argnums=0)
-    c = offlax.compile_for_gpu(step, state, tokens, mask, target="l4", compiler_options=options)
+    c = offlax.compile_for_gpu(step, state, tokens, mask, target="l4")
     return c, 2 * n
 
   (two, _), (four, param_bytes) = compiled(2), compiled(4)
@@ -435,7 +434,6 @@ def test_a_tied_embedding_compiles_to_no_host_compute():
 
   from offlax._src import gpu_compile
 
-  options = {"xla_disable_hlo_passes": ""}  # the simplifier XLA:GPU needs (the suite's flags)
-  step = jax.jit(step, donate_argnums=0)
-  c = offlax.compile_for_gpu(step, gpu_compile.state_specs(state), compiler_options=options)
+  step = jax.jit(step, donate_argnums=0)  # XLA:GPU needs its simplifier: conftest.py gives it
+  c = offlax.compile_for_gpu(step, gpu_compile.state_specs(state))
   assert c.host_compute == (), c.table()
