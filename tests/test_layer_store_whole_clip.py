@@ -7,12 +7,13 @@ jitted function, the chain's update from another. Given the store's norm in plac
 optax's, the params of layers and rest are the reference's to the bit, with SGD and with
 Adam, in both update modes, with gradient accumulation and with leaves updated in row ranges
 (`update_bytes`). The norm itself is not XLA's to the bit, and cannot be: XLA:CPU sums a
-stacked leaf's squares in one loop over all its layers, the running total carried from layer
-to layer into its vector lanes (LLVM reassociates the `reduce`), where the store sums each
-layer's gradient as it reaches the host, in the backward pass's order (L-1 down to 0), and adds
-the layers' sums; float32 addition does not associate, so the two sums may differ in their
-last bits. The norm is checked to float32's rounding (relative 1e-6), and the params against
-optax's own chain to the ulps such a norm moves them (`test_adam_clipped_by_the_whole_norm`).
+stacked leaf's squares in one reduction over all its layers in an order of its own (here a
+loop LLVM vectorises, the running total carried from layer to layer; YNNPACK's kernel for
+larger leaves), where the store sums each layer's gradient as it reaches the host, in the
+backward pass's order (L-1 down to 0), and adds the layers' sums; float32 addition does not
+associate, so the two sums may differ in their last bits (docs/nvme_tier.md). The norm is
+checked to float32's rounding (relative 1e-6), and the params against optax's own chain to
+the ulps such a norm moves them (`test_adam_clipped_by_the_whole_norm`).
 Default cases: Adam clipped in the backward mode, accumulating within a byte budget, and the
 errors; the rest are slow.
 """
