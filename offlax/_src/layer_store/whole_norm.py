@@ -19,8 +19,12 @@ model in memory does:
    explicit mode, the speculation's validation in the backward mode (`speculate`).
    A step whose rest's part never came is refused (`IncompleteStepError`).
 
-The norm is a few float32 roundings from XLA's (another order of the sums);
-given it, layers and rest are optax's to the bit.
+The norm is a few float32 roundings from XLA's, another order of the sums that no
+store can follow: XLA sums a stacked leaf in one reduction over its layers, in an
+order of its own, where the layers' gradients reach the host one by one, last
+first. Given the norm, layers and rest are optax's to the bit, Adam's too (the
+clip's expression and the tail's update round alike in the store's program of a
+leaf and in one program of the whole tree).
 """
 
 from __future__ import annotations
