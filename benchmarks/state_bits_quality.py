@@ -17,7 +17,10 @@ the last `--tail` of the steps) within 1% of each other, and both curves on one 
   (the floor), both measured on the held-out batches.
 - The two runs step in turn (one step of each, then the next), so a slowdown of the shared machine
   falls on both; every `--eval-every` steps each is scored on the same held-out batches and the
-  JSON is rewritten (a run cut short keeps its curves so far).
+  JSON is rewritten (a run cut short keeps its curves so far), and both runs' params, state and
+  the data's generator are saved beside it: `--resume` goes on from there, with the batches
+  and arrays an unbroken run would have had (the losses of a run killed and resumed equal an
+  unbroken run's, to the bit).
 - The step is the device path (`tx` used directly, no tier). Every tier gives the same 8-bit state
   bit for bit (tests/test_state_bits.py: streamed and host-compute `HostTier`, `NVMeTier`,
   `master_weights`), so the device path's curve is every tier's. On this CPU backend the jitted
@@ -37,7 +40,9 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import math
+import os
 import pathlib
 import sys
 import time
@@ -167,6 +172,10 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument("--eval-batches", type=int, default=4, help="held-out batches (4)")
   parser.add_argument("--tail", type=float, default=0.05, help="final loss: mean of this share")
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument(
+    "--resume", action="store_true",
+    help="go on from <out>/state_bits_quality.resume.npz, saved at each evaluation",
+  )  # fmt: skip
   _common.add_out_argument(parser, NAME)
   args = parser.parse_args(argv)
   if args.quick:  # the quick sizes, then anything given explicitly after them
@@ -191,7 +200,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     "benchmark": NAME,
     **_common.environment(),
     "command": " ".join(["python benchmarks/state_bits_quality.py", *(argv or sys.argv[1:])]),
-    "config": {k: v for k, v in vars(args).items() if k not in ("out", "quick")},
+    "config": {k: v for k, v in vars(args).items() if k not in ("out", "quick", "resume")},
     "model": "examples/lm_nnx.py LM (pre-norm attention + GELU MLP, scan_layers)",
     "n_params": runs[32]["n_params"],
     "tokens_per_step": args.batch * args.seq,
@@ -206,10 +215,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     "train_s": {"32": 0.0, "8": 0.0},  # each run's train steps, compiles included
   }
   args.out.mkdir(parents=True, exist_ok=True)
+  first = 1
+  if args.resume and _resume_path(args).exists():
+    first = resume(args, runs, result, data_rng) + 1
+    result.setdefault("resumed_after", []).append(first - 1)
+    print(f"resumed after step {first - 1} from {_resume_path(args)}", flush=True)
   print(f"{result['n_params']:,} params, {args.steps} steps of {result['tokens_per_step']} "
         f"tokens; held-out unigram entropy {result['data']['unigram_entropy']:.3f}, chain "
         f"{result['data']['chain_entropy']:.3f} nats", flush=True)  # fmt: skip
-  for step in range(1, args.steps + 1):
+  for step in range(first, args.steps + 1):
     tokens = chain.sample(data_rng, args.batch, args.seq + 1)  # the same batch for both
     for bits, run in runs.items():
       t0 = time.perf_counter()
@@ -230,12 +244,64 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             flush=True)  # fmt: skip
       summarize(result, args, step, time.perf_counter() - start)
       _common.write_json(result, args.out / f"{NAME}.json")
+      save_resume(args, runs, result, data_rng, step)
+  if "final_loss" not in result:  # resumed from the last step: nothing ran
+    summarize(result, args, args.steps, time.perf_counter() - start)
   plot(result, args.out / f"{NAME}.png")
   print(f"final loss (mean of the last {result['tail_steps']} steps): fp32 "
         f"{result['final_loss']['32']:.4f}, 8-bit {result['final_loss']['8']:.4f}, "
         f"8-bit / fp32 - 1 = {result['rel_diff']:+.2%} (goal within {GOAL_REL_DIFF:.0%}); "
         f"wrote {args.out / NAME}.json/.png", flush=True)  # fmt: skip
   return result
+
+
+def _resume_path(args: argparse.Namespace) -> pathlib.Path:
+  return args.out / f"{NAME}.resume.npz"
+
+
+def save_resume(args: argparse.Namespace, runs: dict, result: dict, rng: Any, step: int) -> None:
+  """Both runs' params and state, the data's generator and `result` after `step`, atomically.
+
+  A run of a few thousand steps on a shared machine may be stopped: `--resume` goes on
+  from here with the very batches and arrays an unbroken run would have (the file is
+  renamed into place, so a kill while it is written leaves the previous one).
+  """
+  import jax
+
+  arrays = {
+    f"{bits}/{part}/{i}": np.asarray(x)
+    for bits, run in runs.items()
+    for part in ("params", "opt_state")
+    for i, x in enumerate(jax.tree.leaves(run[part]))
+  }
+  meta = {"step": step, "config": result["config"], "rng": rng.bit_generator.state,
+          "result": {k: result[k] for k in ("train_loss", "eval", "train_s", "resumed_after")
+                     if k in result}}  # fmt: skip
+  tmp = args.out / f"{NAME}.resume.tmp.npz"
+  np.savez(tmp, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8), **arrays)
+  os.replace(tmp, _resume_path(args))
+
+
+def resume(args: argparse.Namespace, runs: dict, result: dict, rng: Any) -> int:
+  """Loads `save_resume`'s file into `runs`, `result` and `rng`; the step it was saved after."""
+  import jax
+  import jax.numpy as jnp
+
+  with np.load(_resume_path(args)) as f:
+    meta = json.loads(f["meta"].tobytes())
+    if meta["config"] != result["config"]:
+      changed = sorted(k for k in result["config"] if meta["config"].get(k) != result["config"][k])
+      raise SystemExit(f"--resume: {_resume_path(args)} is of another run (differs in "
+                       f"{', '.join(changed)}): give its options, or another --out")  # fmt: skip
+    for bits, run in runs.items():
+      for part in ("params", "opt_state"):
+        leaves, tree = jax.tree.flatten(run[part])
+        run[part] = jax.tree.unflatten(
+          tree, [jnp.asarray(f[f"{bits}/{part}/{i}"]) for i in range(len(leaves))]
+        )
+  rng.bit_generator.state = meta["rng"]
+  result.update(meta["result"])
+  return int(meta["step"])
 
 
 def summarize(result: dict[str, Any], args: argparse.Namespace, step: int, wall: float) -> None:
