@@ -18,10 +18,18 @@
 // (BytePlanes, with VBMI) or float permutes (RegTable); no gathers (a 16-lane
 // gather costs about what 16 loads do).
 //
-// Divisions: the update's two divisions by the bias corrections are exact
-// emulations by FMA (DivideBy: Markstein's correction of a multiply by the
-// reciprocal), where the divider took ten cycles a vector each; the division
-// by the denominator and the square root stay.
+// Divisions: m / bc1 is an exact emulation by FMA (DivideBy: Markstein's
+// correction of a multiply by the reciprocal); v / bc2, the division by the
+// denominator and the square root take the divider (v / bc2 by DivideBy as
+// well was slower: the divider has room, the two vector ports have not).
+//
+// Full blocks take a fast path (with AVX-512 VBMI; FastBlock): two passes over
+// the block in registers and 2 KiB of L1, no call or scalar loop per 64
+// elements, codes packed 64 at a time; a block it cannot take exactly (a
+// subnormal or non-finite scale, an |m| DivideBy cannot divide, a negative v)
+// goes to the general path (Step8), which gives the same bits. One thread,
+// 16M params in place (tests' data), CPU time: 1.80 -> 1.20 ns a param; the
+// fp32 kernel (adam.cc) 1.07.
 //
 // Every table comes from Python (`quantized.py`), so the codes are the JAX
 // path's; every float operation is the JAX path's in its order (or rounds as
