@@ -264,6 +264,44 @@ def host_step_threads(scale: float) -> dict:
   }
 
 
+def state_bits_host(scale: float, budget_s: float = 120.0) -> dict:
+  """fp32 vs 8-bit Adam state, the native host step on this machine's CPU, all cores (issue 45).
+
+  `benchmarks/state_bits.py` on the CPU backend at 64M and 256M params, one round of the
+  native variants (not plain JAX), each size skipped once `budget_s` is spent: on a host
+  with more cores per memory channel than the CI machine's two, the fp32 kernel (28 bytes
+  a param) may be bound by memory where the 8-bit one (16 bytes) is not.
+  """
+  script = pathlib.Path(__file__).with_name("state_bits.py")
+  variants = ["fp32 full step", "8-bit full step", "fp32 mixed", "8-bit mixed"]
+  out: dict = {"cpu_count": os.cpu_count(), "budget_s": budget_s}
+  deadline = time.monotonic() + budget_s
+  for size in sorted({max(1, round(s * scale)) for s in (64, 256)}):
+    left = deadline - time.monotonic()
+    if left < 10:
+      out[f"{size}M"] = {"error": f"skipped: the {budget_s:g} s budget spent"}
+      continue
+    with tempfile.TemporaryDirectory() as tmp:
+      cmd = [sys.executable, str(script), "--sizes-m", str(size), "--steps", "3", "--warmup", "1",
+             "--repeats", "1", "--out", tmp, "--variants", *variants]  # fmt: skip
+      env = dict(os.environ, JAX_PLATFORMS="cpu")  # the host kernels, not the GPU
+      try:
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=left, env=env)
+      except subprocess.TimeoutExpired:
+        out[f"{size}M"] = {"error": f"timed out after {left:.0f} s"}
+        continue
+      if run.returncode != 0:
+        out[f"{size}M"] = {"error": run.stderr.strip()[-500:]}
+        continue
+      row = json.loads(pathlib.Path(tmp, "state_bits.json").read_text())["sizes"][f"{size}M"]
+    out[f"{size}M"] = {
+      name: x if not isinstance(x, dict) else
+      {k: x[k] for k in ("median_params_per_s", "median_params_per_cpu_s", "error") if k in x}
+      for name, x in row.items()
+    }  # fmt: skip
+  return out
+
+
 def layer_store_speed(scale: float, steps: int = 3) -> dict:
   """`nvme_params.py` with its passes on this GPU: a ~1B stack of Llama-like layers in a
   `LayerStore` in both update modes, beside the same pass with the layers in host memory

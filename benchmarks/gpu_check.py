@@ -41,11 +41,14 @@ What the CPU cannot show, checked in one run of a few minutes on a GPU machine:
    `offlax.save_safetensors` gives every tensor back byte for byte;
 15. `offlax.LayerStore` at speed: `nvme_params.py` with its passes on the GPU (a ~1B stack of
    Llama-like layers, both update modes): the backward mode's step against the explicit one's,
-   the same pass with the layers in host memory, and the step's bytes at raw disk speed.
+   the same pass with the layers in host memory, and the step's bytes at raw disk speed;
+16. the host step with fp32 against 8-bit Adam state (`state_bits.py` on the CPU backend, 64M
+   and 256M params, all cores, about 2 minutes): where a host has more cores per memory
+   channel than the CI machine, the fp32 kernel may be bound by memory first.
 
 The sections are in _gpu_correctness.py (1, 7, 12, 13, 14), _gpu_peaks.py (2, 8, 9) and
-_gpu_speed.py (3, 4, 6, 10, 11, 15), what they share in _gpu.py; this script runs them, works out 5
-from 3 and 4, and draws the plot and the table.
+_gpu_speed.py (3, 4, 6, 10, 11, 15, 16), what they share in _gpu.py; this script runs them,
+works out 5 from 3 and 4, and draws the plot and the table.
 Each section's result (or error) is written to `<out>/gpu_check.json` as it ends, with a plot
 (`gpu_check.png`) and a short table last. `--only` picks sections, `--budget-s` skips those
 not started in time (a lent GPU's minutes). On a CPU it runs too (at `--size-scale 0.001` in
@@ -53,6 +56,7 @@ the test suite) but its figures mean nothing there.
 
     python benchmarks/gpu_check.py                   # on the GPU machine, about 8 minutes
     python benchmarks/gpu_check.py --only time train_step_overlap --budget-s 300
+    python benchmarks/gpu_check.py --only state_bits_host    # the host kernels alone, ~2 min
 """
 
 from __future__ import annotations
@@ -87,6 +91,7 @@ SECTIONS = (
   "layer_store_nnx",
   "pretrained_checkpoint",
   "layer_store_speed",
+  "state_bits_host",
 )
 
 
@@ -149,6 +154,7 @@ def main(argv=None) -> dict:
       offlax, optax, jax, scale
     ),
     "layer_store_speed": lambda: _gpu_speed.layer_store_speed(scale),
+    "state_bits_host": lambda: _gpu_speed.state_bits_host(scale),
   }
   args.out.mkdir(parents=True, exist_ok=True)
   # One section at a time, the JSON rewritten after each: a run stopped at a time limit (a lent
@@ -287,6 +293,15 @@ def table(r: dict) -> str:
       f"{t['host_compute_native']['median_s'] * 1e3:.1f} ms)"
     )
 
+  def state_bits(x):
+    ratios = {
+      size: {k: round(v, 3) for k, v in row.items() if k.startswith("8-bit / fp32")}
+      or row.get("error", "?")
+      for size, row in x.items()
+      if size.endswith("M")
+    }  # fmt: skip
+    return f"host step, 8-bit / fp32 Adam state ({x['cpu_count']} CPUs): {ratios}"
+
   lines = [
     f"gpu_check on {r['devices']} (jax {r['jax_version']}), memories {r['memories']}, "
     f"{r.get('wall_s', 0):.0f} s",
@@ -307,6 +322,7 @@ def table(r: dict) -> str:
     line("params_on_host", lambda x: f"params, gradients and state on the host: {x}"),
     line("examples", lambda x: f"examples: {x}"),
     line("host_step_params_per_s", lambda x: f"native host step (params/s, all cores, one): {x}"),
+    line("state_bits_host", state_bits),
     line(
       "host_state_checkpoint",
       lambda x: (

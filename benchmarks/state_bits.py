@@ -21,6 +21,7 @@ chart `<out>/state_bits.png`.
 
   python benchmarks/state_bits.py
   python benchmarks/state_bits.py --sizes-m 1 --steps 2 --repeats 1 --out /tmp/bench   # quick
+  python benchmarks/state_bits.py --variants "fp32 full step" "8-bit full step"   # a subset
 """
 
 from __future__ import annotations
@@ -97,6 +98,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   parser.add_argument("--sizes-m", type=float, nargs="+", default=[64, 256])
   _common.add_steps_arguments(parser, 5, "untimed steps first (2)")
   parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds (3)")
+  parser.add_argument(
+    "--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS), help="what to time (all)"
+  )
   _common.add_out_argument(parser, "state_bits")
   args = parser.parse_args(argv)
   _common.check_steps_arguments(parser, args)
@@ -111,9 +115,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   }
   for size in args.sizes_m:
     n = int(size * 2**20) // LEAVES * LEAVES
-    runs: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
+    variants = [v for v in VARIANTS if v in args.variants]
+    runs: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
     for r in range(args.repeats):
-      for name in VARIANTS if r % 2 == 0 else VARIANTS[::-1]:
+      for name in variants if r % 2 == 0 else variants[::-1]:
         runs[name].append(run(name, n, args))
     row: dict[str, Any] = {}
     for name, got in runs.items():

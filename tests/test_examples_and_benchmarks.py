@@ -232,6 +232,8 @@ def test_gpu_check_code_path_runs_on_cpu(tmp_path):
   assert hf["param_kinds"] == ["pinned_host"] and hf["save_identical"], hf
   speed = result["layer_store_speed"]
   assert speed["speed"]["vs_bound"] > 0 and set(speed["modes"]) == {"explicit", "backward"}, speed
+  state_bits = result["state_bits_host"]["1M"]  # 64M and 256M scaled down to one size
+  assert state_bits["8-bit / fp32, full step"] > 0 and state_bits["8-bit / fp32, mixed"] > 0
   _summary_rows("gpu_check", result)
 
 
