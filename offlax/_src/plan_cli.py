@@ -137,7 +137,7 @@ def run(args: Any, opts: Options) -> int:
     "adafactor": lambda: optax.adafactor(1e-3),
   }[args.optimizer]()
   if bits == 8 and "host_adam_params_per_s" not in rates:
-    # The 8-bit host step is compute-bound where the fp32 one is memory-bound.
+    # The 8-bit host step does more arithmetic a param: slower where both are compute-bound.
     rates["host_adam_params_per_s"] = planner.HOST_ADAM8_PARAMS_PER_S
   tx = offlax.master_weights(inner) if args.master else inner
   if shape is not None:
