@@ -21,7 +21,7 @@ from flax import nnx
 from test_layer_store_nnx import Model, batch, train_step
 
 import offlax
-from offlax._src import errors
+from offlax._src import errors, nnx_store_commit
 
 VOCAB = 64
 
@@ -69,17 +69,48 @@ def test_commit_in_update_needs_a_backward_store(tmp_path):
     offlax.offload_params(Model(nnx.Rngs(0)), commit_in_update=True)
 
 
-@pytest.mark.slow  # 9 s on the shared machine (traces the update)
-def test_commit_in_update_refuses_gradient_accumulation(tmp_path):
-  """`optax.MultiSteps` (Tunix's gradient_accumulation_steps) would update the layers at every
-  micro-step: refused when the step is traced, before anything runs."""
+ACCUMULATING = {
+  "MultiSteps(offload)": lambda: optax.MultiSteps(offlax.offload(tx(), compute="host"), 2),
+  "offload(MultiSteps)": lambda: offlax.offload(
+    optax.MultiSteps(tx(), 2).gradient_transformation(), compute="host"
+  ),
+  "offload(apply_every)": lambda: offlax.offload(
+    optax.chain(tx(), optax.apply_every(2)), compute="host"
+  ),
+}
+
+
+# By default (about 0.6 s a case; Tunix's trainer, slow, below).
+@pytest.mark.parametrize(
+  "name, update", list(zip(ACCUMULATING, ["backward", "explicit", "backward"], strict=True))
+)
+def test_optimizers_that_accumulate_are_refused_for_stored_layers(tmp_path, name, update):
+  """A store updates its layers at every step: an optimizer that holds the rest's update to
+  the k-th micro-step is refused when it is made, however wrapped (before: offload(MultiSteps)
+  committed the store at each micro-step while the rest accumulated, with no warning)."""
+  layers = offlax.stack_layers(Model(nnx.Rngs(0)), "layers")
+  path, commit = str(tmp_path / "s"), update == "backward"
+  with offlax.LayerStore.create(path, layers, optimizer=tx(), progress=False, update=update) as s:
+    model = offlax.offload_params(Model(nnx.Rngs(0)), store=s, commit_in_update=commit)
+    nnx.Optimizer(model, offlax.offload(tx(), compute="host"), wrt=nnx.Param)  # no accumulation
+    with pytest.raises(errors.InvalidOptionError, match=r"LayerStore at .*/s.*micro-steps.*"
+                       r"gradient_accumulation_steps=None.*accumulate=True"):  # fmt: skip
+      nnx.Optimizer(model, ACCUMULATING[name](), wrt=nnx.Param)
+  nnx.Optimizer(offlax.offload_params(Model(nnx.Rngs(0))), ACCUMULATING[name](), wrt=nnx.Param)
+
+
+def test_the_update_refuses_gradient_accumulation(tmp_path, monkeypatch):
+  """An optimizer that escaped the constructor's check: refused when the step is traced, before
+  anything runs."""
   with make_store(tmp_path / "s", Model(nnx.Rngs(0))) as store:
     model = offlax.offload_params(Model(nnx.Rngs(0)), store=store, commit_in_update=True)
     tx_k = optax.MultiSteps(offlax.offload(tx(), compute="host"), 2)
-    optimizer = nnx.Optimizer(model, tx_k, wrt=nnx.Param)
+    with monkeypatch.context() as m:  # the constructor's check off
+      m.setattr(nnx_store_commit, "refuse_accumulation", lambda *_: None)
+      optimizer = nnx.Optimizer(model, tx_k, wrt=nnx.Param)
     zeros = lambda model: jax.tree.map(jnp.zeros_like, nnx.state(model, nnx.Param))
     update = nnx.jit(lambda model, optimizer: optimizer.update(model, zeros(model)))
-    with pytest.raises(errors.InvalidOptionError, match="MultiSteps.*accumulate=True"):
+    with pytest.raises(errors.InvalidOptionError, match="update: .*micro-steps"):
       update(model, optimizer)
     assert store.step == 0
 
@@ -153,6 +184,29 @@ def test_peft_trainer_trains_layers_in_a_store_as_in_host_memory(tmp_path, famil
     if "layers" not in jax.tree_util.keystr(p)
   ]  # fmt: skip
   assert_bits(rest(model), want_rest)
+
+
+# Slow for Tunix's first trainer (8 s; the next 0.5 s): by default, the small model's
+# `test_optimizers_that_accumulate_are_refused_for_stored_layers[MultiSteps(offload)-backward]`
+# makes the optimizer the trainer's constructor makes.
+@pytest.mark.slow
+@pytest.mark.parametrize("update", ["backward", "explicit"])
+def test_peft_trainer_refuses_gradient_accumulation_with_a_store(tmp_path, update):
+  """`gradient_accumulation_steps` wraps the optimizer in `optax.MultiSteps`, which would
+  accumulate the rest while the store updates the layers at each micro-step: refused when the
+  trainer is made, nothing trained."""
+  _, models, _, peft_trainer = _tunix()
+  layers = offlax.stack_layers(models.make_model("qwen3"), "layers")
+  path = str(tmp_path / "s")
+  with offlax.LayerStore.create(path, layers, optimizer=tx(), progress=False, update=update) as s:
+    commit = update == "backward"
+    model = offlax.offload_params(models.make_model("qwen3"), store=s, commit_in_update=commit)
+    config = peft_trainer.TrainingConfig(
+      eval_every_n_steps=1000, max_steps=2, gradient_accumulation_steps=2
+    )
+    with pytest.raises(errors.InvalidOptionError, match="gradient_accumulation_steps=None"):
+      peft_trainer.PeftTrainer(model, offlax.offload(tx(), compute="host"), config)
+    assert s.step == 0
 
 
 @pytest.mark.slow  # Tunix's trainer: about a minute

@@ -52,19 +52,12 @@ def commit(optimizer: Any, model: Any, grads: Any) -> None:
   """Commits, after `optimizer`'s update of `model`, each store of it that asked so (above)."""
   from flax import nnx
 
+  refuse_accumulation(optimizer, model, "nnx.Optimizer.update")
   flat = None
   for path, node in nnx.graph.iter_graph(model):
     source = stored_lib.layers_source(node)
     if source is None or not getattr(type(node[0]), COMMIT, False):
       continue
-    if isinstance(optimizer.tx, optax.MultiSteps):
-      raise errors.InvalidOptionError(
-        f"nnx.Optimizer.update: the store at {source.store.path} commits in the update "
-        "(commit_in_update=True), and the optimizer is an optax.MultiSteps (e.g. Tunix's "
-        "gradient_accumulation_steps): the store's layers would be updated at every "
-        "micro-step. Train without gradient accumulation, or accumulate into the store in "
-        "your own loop: store.source(accumulate=True), then (accumulate=True, last=True)."
-      )
     if flat is None:
       flat = list(nnx.to_flat_state(grads))
     tokens = [
@@ -89,6 +82,46 @@ def commit(optimizer: Any, model: Any, grads: Any) -> None:
       *_whole_norms(optimizer.opt_state),
       side_effect=True,
     )
+
+
+def refuse_accumulation(optimizer: Any, model: Any, where: str) -> None:
+  """Refuses an optimizer that accumulates gradients over micro-steps, for a stored model.
+
+  `optax.MultiSteps` (Tunix's ``gradient_accumulation_steps``) and `optax.apply_every`
+  hold the rest of the model's update until the k-th micro-step; a store knows nothing
+  of them and updates its layers at each step (in the backward pass, or at
+  ``store.update()``), and its own accumulation sums where `optax.MultiSteps` takes the
+  mean. The optimizer is found by its state, so a wrapped one is too (``offlax.offload(
+  optax.MultiSteps(tx, k).gradient_transformation())``).
+
+  Args:
+    optimizer: an `nnx.Optimizer`.
+    model: its model.
+    where: what is refused, for the message.
+
+  Raises:
+    InvalidOptionError: `model` has layers in a `LayerStore` and `optimizer` accumulates.
+  """
+  accumulates = isinstance(optimizer.tx, optax.MultiSteps) or any(
+    _is_accumulation(x) for x in jax.tree.leaves(optimizer.opt_state, is_leaf=_is_accumulation)
+  )
+  stores = stored_lib.stores_of(model) if accumulates else []
+  if stores:
+    raise errors.InvalidOptionError(
+      f"{where}: the model's layers are in the LayerStore at {stores[0].path}, and the "
+      "optimizer accumulates gradients over micro-steps (optax.MultiSteps, e.g. Tunix's "
+      "TrainingConfig(gradient_accumulation_steps=k), or optax.apply_every): the store "
+      "would update its layers at every micro-step while the rest of the model waits for "
+      "the k-th. Train without it (gradient_accumulation_steps=None), or accumulate in a "
+      "loop of your own: offload_params(model, store=store.source(accumulate=True)) with a "
+      "store of update='explicit', store.zero_grads() before the first micro-step and "
+      "store.update() after the last (it sums the layers' gradients: sum the rest's alike; "
+      "docs/nvme_tier.md, 'Gradient accumulation')."
+    )
+
+
+def _is_accumulation(x: Any) -> bool:
+  return isinstance(x, (optax.MultiStepsState, optax.ApplyEvery))
 
 
 def _whole_norms(opt_state: Any) -> list[Any]:
