@@ -14,6 +14,11 @@ the layers are then of one step. A rest restored from a checkpoint of another
 step than the store's is refused (`StoreMismatchError`) before anything is
 committed (the store is closed, its updated layers dropped), naming
 ``LayerStore.open(..., step=)``.
+
+An optimizer that accumulates gradients over micro-steps (`optax.MultiSteps`,
+Tunix's ``gradient_accumulation_steps``) is refused for a model with stored
+layers, with or without ``commit_in_update`` (`refuse_accumulation`): the store
+would update the layers at every micro-step while the rest waits for the k-th.
 """
 
 from __future__ import annotations
