@@ -120,10 +120,14 @@ def test_the_store_accumulates_as_optax_multi_steps():
     want = jax.jit(functools.partial(tx_k._acc_update, n_acc=2))(grads[2], state.acc_grads)
     np.testing.assert_array_equal(acc, np.asarray(want))
   plan = micro.Plan("s", 2, 0, True)
-  assert plan.mode() == micro.Micro(0, False, True) and not plan.advance(1, 2)
-  assert plan.mode() == micro.Micro(1, True, True) and plan.advance(0, 2)
+  assert plan.mode(True) == micro.Micro(0, False, True) and not plan.advance(1, 2)
+  assert plan.mode(True) == plan.mode(False) == micro.Micro(1, True, True)
+  assert plan.advance(0, 2)
   with pytest.raises(errors.StoreMismatchError, match="micro-step 0 of 2.*accumulated 1"):
     plan.advance(0, 2)
+  plan.mode(True)  # a pass whose step failed after it: the next is refused
+  with pytest.raises(errors.IncompleteStepError, match="micro-step 0 of 2 .*count twice"):
+    plan.mode(True)
 
 
 @pytest.mark.slow  # 12 s a case on the shared machine (two models' steps compiled)
@@ -273,7 +277,18 @@ def test_peft_trainer_refuses_gradient_accumulation_with_an_explicit_store(tmp_p
 
 
 @pytest.mark.slow  # Tunix's trainer: about a minute
-@pytest.mark.parametrize("k", [None, 2])  # gradient_accumulation_steps
+@pytest.mark.parametrize(
+  "k",  # gradient_accumulation_steps
+  [
+    None,
+    pytest.param(2, marks=pytest.mark.xfail(
+      strict=True, raises=ValueError,
+      reason="Tunix's restore of a MultiSteps state fails with params in host memory, store or "
+      "not: its accumulator keeps the params' ('tp', 'fsdp') annotations, and Flax's "
+      "get_named_sharding looks for them in offlax's one-device mesh",
+    )),
+  ],
+)  # fmt: skip
 def test_peft_trainer_checkpoints_resume_with_the_store_bit_for_bit(tmp_path, k):
   """Tunix's checkpoints hold the rest; the store, opened at their step, the layers."""
   ocp, models, _, _ = _tunix()

@@ -74,9 +74,24 @@ class Plan:
 
   def __init__(self, path: str, k: int, n: int, mean: bool):
     self.path, self.k, self.n, self.mean = path, k, n, mean
+    self.started = False  # a pass of micro-step `n` handed off a layer
 
-  def mode(self) -> Micro:
-    """The hand-off of the pass in flight."""
+  def mode(self, first: bool) -> Micro:
+    """The hand-off of the pass in flight (`first`: its first layer, L-1).
+
+    Raises:
+      IncompleteStepError: a pass of this micro-step came before and its update did not end
+        (an error in the step): its gradients are in the accumulator already.
+    """
+    if first and self.started:
+      raise errors.IncompleteStepError(
+        f"LayerStore {self.path}: micro-step {self.n} of {self.k} of the optimizer's gradient "
+        "accumulation (optax.MultiSteps) is run again, and an earlier run of it stopped after "
+        "its backward pass had put gradients into the accumulator on disk: they would count "
+        "twice. Make the trainer (its nnx.Optimizer) again, or restore a checkpoint: its "
+        "accumulation starts afresh at micro-step 0."
+      )
+    self.started = self.started or first
     return Micro(self.n, self.n == self.k - 1, self.mean)
 
   def advance(self, mini_step: int, k: int) -> bool:
@@ -97,7 +112,7 @@ class Plan:
         "restored in the middle of an accumulation?). Restore a state saved at the end of an "
         "update (Tunix saves there), or make the optimizer again."
       )
-    self.n, self.k = mini_step, k
+    self.n, self.k, self.started = mini_step, k, False
     return mini_step == 0
 
 

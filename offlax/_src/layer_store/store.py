@@ -322,7 +322,7 @@ class LayerStore(_Reads):
     mode: bool | str | micro.Micro = accumulate
     plan = micro.plan_of(self) if accumulate is False else None
     if plan is not None:
-      mode = plan.mode()
+      mode = plan.mode(int(i) == self.n_layers - 1)
     return self._grads.put(mode, i, *grads)
 
   def flush_grads(self) -> None:
