@@ -630,7 +630,13 @@ PROTOCOL_NAMES = {"_replace", "_asdict", "_fields", "_make", "_field_defaults", 
 # purpose; the test fails when one goes away (drop it) or another comes.
 FOREIGN_PRIVATE = {
   ("offlax._src.multi_steps", f"_{name}"): "optax.MultiSteps' fields (docs/patches.md)"
-  for name in ("accumulator_dtype", "acc_update", "every_k_schedule", "should_skip_update_fn")
+  for name in (
+    "accumulator_dtype",
+    "acc_update",
+    "every_k_schedule",
+    "should_skip_update_fn",
+    "use_grad_mean",
+  )
 } | {
   ("offlax._src.hf.mapping", "_get_key_and_transform_mapping"): "Tunix's table, as its loader",
   ("offlax._src.nvme.interrupts", "_current_frames"): "sys._current_frames: the main thread's",

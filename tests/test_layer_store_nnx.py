@@ -270,3 +270,42 @@ def test_compiles_for_gpu_with_flat_device_and_host_memory(tmp_path):
   assert 0 <= peaks[1] - peaks[0] < layer_bytes / 10, peaks
   assert hosts[0] == hosts[1] == 4 * d * 2 + d * 2  # the embedding
   assert host_mode[1] - host_mode[0] == 2 * layer_bytes
+
+
+def _accumulating_loop(model, make_tx, k, store=None):
+  """Two steps of `k` micro-steps: the gradients summed, one update a step; the losses."""
+  optimizer = nnx.Optimizer(model, offlax.offload(make_tx(), compute="host"), wrt=nnx.Param)
+  update = nnx.jit(lambda model, optimizer, grads: optimizer.update(model, grads))
+  add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b))
+  losses = []
+  for step in range(2):
+    if store is not None:
+      store.zero_grads()
+    total = None
+    for m in range(k):
+      loss, grads = grad(model, batch(k * step + m))
+      losses.append(float(loss))
+      total = grads if total is None else add(total, grads)
+    update(model, optimizer, total)
+    if store is not None:
+      assert store.update() == step + 1
+  return losses
+
+
+@pytest.mark.slow  # 8 to 15 s on the shared machine (two models compiled)
+def test_accumulation_in_a_loop_of_your_own_trains_on_the_sum(tmp_path):
+  """The way out that the refusal of `optax.MultiSteps` with a store names (`nnx_store_commit`):
+  ``store=store.source(accumulate=True)``, `zero_grads` and `update` around the micro-steps, the
+  rest's gradients summed alike: the params of the same loop with them in host memory, bit for
+  bit (the store sums as ``jnp.add`` does)."""
+  make_tx, k = lambda: optax.adamw(1e-2, weight_decay=0.1), 2
+  reference = offlax.offload_params(Model(nnx.Rngs(0)))
+  want_losses = _accumulating_loop(reference, make_tx, k)
+  like = stacked(Model(nnx.Rngs(0)).layers)
+  with offlax.LayerStore.create(
+    str(tmp_path / "s"), like, optimizer=make_tx(), progress=False
+  ) as s:
+    model = offlax.offload_params(Model(nnx.Rngs(0)), store=s.source(accumulate=True))
+    assert _accumulating_loop(model, make_tx, k, s) == want_losses
+    assert_bits(s.read_params(), stacked(offlax.onload_params(reference).layers))
+  assert_bits(nnx.state(model.embed), nnx.state(reference.embed))

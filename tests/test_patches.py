@@ -187,15 +187,17 @@ def test_the_constraint_patch_hands_calls_inside_jit_to_jax():
 
 
 def test_optax_multisteps_still_has_the_fields_offlax_reads():
-  """Canary: `multi_steps.py` reads four private fields of `optax.MultiSteps`."""
+  """Canary: `multi_steps.py` reads five private fields of `optax.MultiSteps`."""
   import optax
 
   tx = optax.MultiSteps(optax.sgd(0.1), every_k_schedule=2)
-  for field in ("_accumulator_dtype", "_acc_update", "_every_k_schedule", "_should_skip_update_fn"):
+  fields = ("_accumulator_dtype", "_acc_update", "_every_k_schedule", "_should_skip_update_fn")
+  for field in (*fields, "_use_grad_mean"):
     assert hasattr(tx, field), (
       f"optax.MultiSteps has no {field} now: see offlax/_src/multi_steps.py"
     )
   assert tx._every_k_schedule(0) == 2
+  assert tx._use_grad_mean is True  # (a store's accumulation takes the mean alike)
 
 
 def test_optax_numerics_still_has_safe_increment():

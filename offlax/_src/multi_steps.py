@@ -154,3 +154,18 @@ def _check_default_skip(tx: optax.MultiSteps) -> None:
       "optax.MultiSteps with params in host memory: should_skip_update_fn "
       f"({skip.__qualname__}) is not supported; drop it, or keep the params on the device."
     )
+
+
+def layers_accumulation(tx: optax.MultiSteps, gradient_step: Any) -> tuple[Any, bool, Any]:
+  """What a `LayerStore` needs to accumulate its layers as `tx` does (`layer_store.micro`).
+
+  Args:
+    tx: the `optax.MultiSteps`.
+    gradient_step: its state's ``gradient_step`` (traced or not).
+
+  Returns:
+    (its k at `gradient_step`, whether it takes the mean, its accumulator's dtype: None where
+    it skips updates, which a store cannot do).
+  """
+  k = tx._every_k_schedule(gradient_step)
+  return k, bool(tx._use_grad_mean), tx._accumulator_dtype if default_skip(tx) else None

@@ -153,6 +153,10 @@ def _explained_init(original: Any) -> Any:
       if error is None:
         raise
       raise error from e
+    from offlax._src import nnx_store_commit
+
+    # At setup (Tunix's trainer builds it in its constructor), not at the first step's trace.
+    nnx_store_commit.accumulation(self, model, "nnx.Optimizer")
     if fuses(self, model):
       _commit_step_counter(self, model)
 

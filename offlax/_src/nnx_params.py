@@ -92,7 +92,8 @@ def offload_params(
       `nnx.Optimizer.update` of the model commits the store's step, checked
       against the optimizer's count (`nnx_store_commit`): a trainer that calls
       only ``optimizer.update(model, grads)`` (Tunix's `PeftTrainer`) drives the
-      store, no ``store.update()`` to call.
+      store, no ``store.update()`` to call; with ``optax.MultiSteps`` around the
+      optimizer (``gradient_accumulation_steps``) the store accumulates alike.
 
   Returns:
     `model` itself.

@@ -14,6 +14,14 @@ the layers are then of one step. A rest restored from a checkpoint of another
 step than the store's is refused (`StoreMismatchError`) before anything is
 committed (the store is closed, its updated layers dropped), naming
 ``LayerStore.open(..., step=)``.
+
+Gradient accumulation (`accumulation`): an `optax.MultiSteps` around the
+optimizer (Tunix's ``gradient_accumulation_steps``) is carried out by the store
+(`layer_store.micro`): the callback then gets the optimizer's micro-step too,
+and commits after the k-th, its count the optimizer's ``gradient_step``. Any
+other accumulation (a store that does not commit in the update, `optax.MultiSteps`
+inside `offlax.offload`, `optax.apply_every`) is refused when the `nnx.Optimizer`
+is made: the store would update its layers at every micro-step.
 """
 
 from __future__ import annotations
@@ -26,8 +34,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from offlax._src import errors, host_callbacks
+from offlax._src import errors, host_callbacks, multi_steps
 from offlax._src import nnx_layer_store as stored_lib
+from offlax._src.layer_store import micro
 
 # Of a stored layer's class (with `nnx_layer_store.SOURCE`): its store commits in the update.
 COMMIT = "_offlax_commit_in_update"
@@ -52,19 +61,12 @@ def commit(optimizer: Any, model: Any, grads: Any) -> None:
   """Commits, after `optimizer`'s update of `model`, each store of it that asked so (above)."""
   from flax import nnx
 
+  accumulation(optimizer, model, "nnx.Optimizer.update")
   flat = None
   for path, node in nnx.graph.iter_graph(model):
     source = stored_lib.layers_source(node)
     if source is None or not getattr(type(node[0]), COMMIT, False):
       continue
-    if isinstance(optimizer.tx, optax.MultiSteps):
-      raise errors.InvalidOptionError(
-        f"nnx.Optimizer.update: the store at {source.store.path} commits in the update "
-        "(commit_in_update=True), and the optimizer is an optax.MultiSteps (e.g. Tunix's "
-        "gradient_accumulation_steps): the store's layers would be updated at every "
-        "micro-step. Train without gradient accumulation, or accumulate into the store in "
-        "your own loop: store.source(accumulate=True), then (accumulate=True, last=True)."
-      )
     if flat is None:
       flat = list(nnx.to_flat_state(grads))
     tokens = [
@@ -80,15 +82,118 @@ def commit(optimizer: Any, model: Any, grads: Any) -> None:
         f"{source.n_layers} layers' tokens: differentiate with respect to every nnx.Param "
         "of the model (the layers' LayerTokens are nnx.Params), e.g. nnx.grad(loss)(model)."
       )
-    step = optimizer.step[...]  # after this update's increment
+    step, callback = optimizer.step[...], functools.partial(_commit, source.store)  # (after)
+    if isinstance(optimizer.tx, optax.MultiSteps):  # its micro-step, and k after it
+      state = optimizer.opt_state
+      k = multi_steps.layers_accumulation(optimizer.tx, state.gradient_step[...])[0]
+      step, callback = state.gradient_step[...], functools.partial(_micro_step, source.store)
+      tokens = [state.mini_step[...], jnp.asarray(k, jnp.int32), *tokens]
     host_callbacks.call(
-      functools.partial(_commit, source.store),
+      callback,
       [jax.ShapeDtypeStruct((), jnp.int32)],
       step,
       *tokens,
       *_whole_norms(optimizer.opt_state),
       side_effect=True,
     )
+
+
+def accumulation(optimizer: Any, model: Any, where: str) -> None:
+  """An optimizer that accumulates gradients over micro-steps, for a model with stored layers.
+
+  `optax.MultiSteps` (Tunix's ``gradient_accumulation_steps``) and `optax.apply_every`
+  hold the rest of the model's update until the k-th micro-step. An `optax.MultiSteps`
+  around the optimizer, for stores that commit in the update (``commit_in_update=True``,
+  ``update="backward"``), is carried out by the stores (`layer_store.micro`): made at
+  setup (`where` ``"nnx.Optimizer"``), each store's `micro.Plan` starts at the optimizer's
+  micro-step. Any other is refused: the store would update its layers at each step. The
+  optimizer is found by its state, so a wrapped one is too (``offlax.offload(
+  optax.MultiSteps(tx, k).gradient_transformation())``).
+
+  Args:
+    optimizer: an `nnx.Optimizer`.
+    model: its model.
+    where: ``"nnx.Optimizer"`` (setup) or ``"nnx.Optimizer.update"`` (its trace).
+
+  Raises:
+    InvalidOptionError: the accumulation cannot be carried out (the message says why).
+  """
+  accumulates = isinstance(optimizer.tx, optax.MultiSteps) or any(
+    _is_accumulation(x) for x in jax.tree.leaves(optimizer.opt_state, is_leaf=_is_accumulation)
+  )
+  sources = _sources(model) if accumulates or where == "nnx.Optimizer" else []
+  if not accumulates:
+    for source, _ in sources:  # the optimizer made last drives the store
+      micro.set_plan(source.store, None)
+    return
+  if not sources:
+    return
+  why = _cannot_accumulate(optimizer, sources)
+  if why is None and where == "nnx.Optimizer":
+    state = optimizer.opt_state
+    k, mean, _ = multi_steps.layers_accumulation(optimizer.tx, state.gradient_step[...])
+    for source, _ in sources:
+      plan = micro.Plan(source.store.path, int(k), int(state.mini_step[...]), mean)
+      micro.set_plan(source.store, plan)
+  elif why is None and any(micro.plan_of(s.store) is None for s, _ in sources):
+    why = "the optimizer was made without offlax's setup (nnx.Optimizer, as patched)"
+  if why is not None:
+    raise errors.InvalidOptionError(
+      f"{where}: the model's layers are in the LayerStore at {sources[0][0].store.path}, and "
+      "the optimizer accumulates gradients over micro-steps (optax.MultiSteps, e.g. Tunix's "
+      "TrainingConfig(gradient_accumulation_steps=k), or optax.apply_every), which the store "
+      f"cannot carry out here: {why}. Otherwise the store would update its layers at every "
+      "micro-step while the rest of the model waits for the k-th. Accumulate with "
+      "optax.MultiSteps(tx, k) around the optimizer (as Tunix does) and a store that commits "
+      "in the update (LayerStore.create(..., update='backward'), offload_params(model, "
+      "store=store, commit_in_update=True)); train without it "
+      "(gradient_accumulation_steps=None); or accumulate in a loop of your own: "
+      "offload_params(model, store=store.source(accumulate=True)) with a store of "
+      "update='explicit', store.zero_grads() before the first micro-step and store.update() "
+      "after the last (it sums: sum the rest's gradients alike; docs/nvme_tier.md)."
+    )
+
+
+def _sources(model: Any) -> list[tuple[Any, bool]]:
+  """Each stored list of `model`'s source, and whether it commits in the update."""
+  from flax import nnx
+
+  found = []
+  for _, node in nnx.graph.iter_graph(model):
+    source = stored_lib.layers_source(node)
+    if source is not None:
+      found.append((source, bool(getattr(type(node[0]), COMMIT, False))))
+  return found
+
+
+def _cannot_accumulate(optimizer: Any, sources: list[tuple[Any, bool]]) -> str | None:
+  """Why the stores cannot carry out `optimizer`'s accumulation, or None."""
+  from offlax._src.layer_store import clip
+
+  tx = optimizer.tx
+  if not isinstance(tx, optax.MultiSteps):
+    return "the accumulation is not an optax.MultiSteps around the optimizer"
+  if not all(commit for _, commit in sources):
+    return "the store does not commit in the update (offload_params(commit_in_update=True))"
+  dtype = multi_steps.layers_accumulation(tx, 0)[2]
+  if dtype is None:
+    return "the optax.MultiSteps has a should_skip_update_fn"
+  other = {str(a.dtype) for s, _ in sources for a in s.store.avals() if a.dtype != dtype}
+  if other:  # (the accumulator on disk is in the layers' dtype)
+    return (
+      f"the optax.MultiSteps accumulates in {dtype} and the layers are {sorted(other)}: "
+      "pass accumulator_dtype= the layers' dtype (the store accumulates in theirs)"
+    )
+  clipped = _whole_norms(optimizer.opt_state) or any(
+    clip.split(s.store.optimizer).max_norm is not None for s, _ in sources
+  )
+  if clipped:
+    return "the optimizer has a global-norm clip"
+  return None
+
+
+def _is_accumulation(x: Any) -> bool:
+  return isinstance(x, (optax.MultiStepsState, optax.ApplyEvery))
 
 
 def _whole_norms(opt_state: Any) -> list[Any]:
@@ -101,8 +206,39 @@ def _whole_norms(opt_state: Any) -> list[Any]:
   return jax.tree.leaves(found)
 
 
+def _micro_step(store: Any, step: Any, mini_step: Any, k: Any, *tokens: Any) -> np.ndarray:
+  """The callback of a micro-step (`optax.MultiSteps`' `step`, its ``gradient_step``, and
+  ``mini_step`` and k after it): commits the store's step after the k-th."""
+  try:
+    plan = micro.plan_of(store)
+    if plan is None:
+      raise _made_since(store, "without")
+    done = plan.advance(int(mini_step), int(k))
+  except errors.OffloadError:
+    store.close()  # drops a step updated in the backward pass: no later read commits it
+    raise
+  return _commit_step(store, step) if done else np.zeros((), np.int32)
+
+
+def _made_since(store: Any, accumulation: str) -> Exception:
+  return errors.InvalidOptionError(
+    f"nnx.Optimizer.update: an nnx.Optimizer {accumulation} gradient accumulation "
+    f"(optax.MultiSteps) was made for the model since this one, and the LayerStore at "
+    f"{store.path} follows the optimizer made last. Nothing was committed, and the store was "
+    "closed: open it again, and train with the optimizer made last (or make this one again)."
+  )
+
+
 def _commit(store: Any, step: Any, *tokens: Any) -> np.ndarray:  # (tokens: and the norms)
   """The callback: commits the store's step, the optimizer's `step` (checked)."""
+  if micro.plan_of(store) is not None:  # the passes handed off as micro-steps: no step
+    store.close()
+    raise _made_since(store, "with")
+  return _commit_step(store, step)
+
+
+def _commit_step(store: Any, step: Any) -> np.ndarray:
+  """Commits the store's step, the optimizer's `step` (checked)."""
   step, held = int(step), store.step
   if step != held + 1:
     store.close()  # drops the step updated in the backward pass: no later read commits it

@@ -36,7 +36,7 @@ Gradient accumulation: the micro-steps before the last
 the ``"explicit"`` mode (`grads.GradientWriter`, RAM bounded alike); the
 last (``source(accumulate=True, last=True)``) hands each layer's gradient to
 the worker, which adds the sum on disk to it (the same expression,
-`grads.add`) and updates the layer at once: the sum is never written.
+`micro.combine`) and updates the layer at once: the sum is never written.
 
 A leading `optax.clip_by_global_norm` (`clip`): the worker updates with scale 1
 and keeps the gradients on disk; after the last layer it redoes the step from
@@ -57,7 +57,7 @@ import numpy as np
 
 from offlax._src import errors
 from offlax._src.layer_store import clip as clip_lib
-from offlax._src.layer_store import grads as grads_lib
+from offlax._src.layer_store import micro
 from offlax._src.layer_store import ranges as ranges_lib
 from offlax._src.layer_store import rest as layer_rest
 from offlax._src.layer_store import step as layer_step
@@ -202,7 +202,7 @@ class BackwardStep:
     accumulation) and its params of generation `gen`, as the model read them (else read now)."""
     grad = handoff.take(i, k)
     if handoff.last:
-      grad, read = _plus_sum_on_disk(self._slots, k, i, grad, rows[k], flight)
+      grad, read = _plus_sum_on_disk(self._slots, k, i, grad, rows[k], flight, handoff.last)
       handoff.read_bytes += read
     param = self._kept.take(i, k)
     if param is None:  # not kept (another reader's order): read now
@@ -210,22 +210,23 @@ class BackwardStep:
       handoff.read_bytes += param.nbytes
     return self.spec.keep(i, k, grad), param  # (kept for a clip's redo)
 
-  def put(self, accumulate: bool, i: Any, *grads: np.ndarray) -> np.ndarray:
+  def put(self, accumulate: bool | str | micro.Micro, i: Any, *grads: np.ndarray) -> np.ndarray:
     """Layer `i`'s gradients (a callback): copied out, the layer updated by the worker. A
     micro-step before the last (``accumulate`` True) adds them into those on disk instead; the
     last (``"last"``) adds those on disk to them (refused where spent: `check_sum`)."""
-    if accumulate is True:
-      return self._writer.put(True, i, *grads)
+    if accumulate is True or isinstance(accumulate, micro.Micro) and not accumulate.last:
+      return self._writer.put(accumulate, i, *grads)
     i = int(i)
     leaves = [np.array(g) for g in grads]  # a copy: the callback's buffers are XLA's
     with self._lock:
       if i == self._slots.n_layers - 1:  # a new step's first layer
         self._refuse_second_pass()
         self._drop(_CUT)  # one cut short (its backward pass failed)
-        if accumulate == "last":
+        last = accumulate if isinstance(accumulate, micro.Micro) else accumulate == "last"
+        if last:
           self._writer.check_sum(self._commits.path)  # a step dropped wrote over the sum
           self._writer.wait_writes()  # the micro-steps' sums on disk before the worker reads
-        self._start(accumulate == "last")
+        self._start(last)
       elif self._run is None:
         raise _outside(i, self._slots.n_layers)
       handoff = self._handoff  # this step's, taken under the lock
@@ -243,7 +244,7 @@ class BackwardStep:
       raise self._failed("LayerStore (the next backward pass)")
     raise _second_pass(self._commits.path, self._commits.step + 1)
 
-  def _start(self, last: bool) -> None:
+  def _start(self, last: bool | micro.Micro) -> None:
     commits = self._commits
     self._writer.settle_kept()  # (none: a step dropped settles its own, `_settle`)
     self._target, self._late = commits.free_generation(), None
@@ -398,10 +399,13 @@ _CUT = "its backward pass stopped before handing off every layer"
 
 
 def _plus_sum_on_disk(slots: Slots, k: int, i: int, grad: np.ndarray, rows: int | None,
-                      flight: ranges_lib.Flight) -> tuple[np.ndarray, int]:  # fmt: skip
+                      flight: ranges_lib.Flight, mode: Any) -> tuple[np.ndarray, int]:  # fmt: skip
   """`grad`, the worker's own copy of the last micro-step's gradient, plus the accumulated sum
   on disk (leaf `k`, layer `i`), and the bytes read: whole, or with a budget a range of `rows`
-  rows at a time added into `grad` (`ranges.plan`), each read counted in `flight` while held."""
+  rows at a time added into `grad` (`ranges.plan`), each read counted in `flight` while held.
+  A trainer's micro-step (`mode`, a `micro.Micro`) combines them as its optimizer does."""
+  if isinstance(mode, micro.Micro) and mode.n == 0:  # (k = 1: no accumulator on disk)
+    return micro.combine(mode, lambda: grad, grad), 0
   if rows is None:
     parts: Iterable[tuple[Any, np.ndarray]] = [(None, slots.read_slot("grads", 0, k, i))]
   else:
@@ -411,9 +415,9 @@ def _plus_sum_on_disk(slots: Slots, k: int, i: int, grad: np.ndarray, rows: int 
   for where, on_disk in parts:
     flight.add(on_disk.nbytes)
     if where is None:  # whole (a 0-d leaf too)
-      grad = grads_lib.add(on_disk, grad)
+      grad = micro.combine(mode, lambda: on_disk, grad)  # noqa: B023
     else:
-      grad[where] = grads_lib.add(on_disk, grad[where])
+      grad[where] = micro.combine(mode, lambda: on_disk, grad[where])  # noqa: B023
     read += on_disk.nbytes
     flight.sub(on_disk.nbytes)
   return grad, read

@@ -27,17 +27,11 @@ import numpy as np
 
 from offlax._src import errors
 from offlax._src.layer_store import clip as clip_lib
-from offlax._src.layer_store import files, guards
+from offlax._src.layer_store import files, guards, micro
 from offlax._src.layer_store.slots import Slots
 from offlax._src.nvme.pipeline import wait_for_dispatched_steps
 
 SPENT = "spent"  # grads/spent: the accumulated sum was written over (`GradientWriter.spend`)
-
-
-def add(old: np.ndarray, new: np.ndarray) -> np.ndarray:
-  """A micro-step's gradient `new` added into the sum so far, `old` (the one expression: the
-  update in the backward pass adds the last micro-step's alike)."""
-  return old + new
 
 
 class GradientWriter:
@@ -72,7 +66,7 @@ class GradientWriter:
     self._spent_mark = os.path.join(slots.path, "grads", SPENT)
     self._spent = os.path.exists(self._spent_mark)
 
-  def put(self, accumulate: bool | str, i: Any, *grads: np.ndarray) -> np.ndarray:
+  def put(self, accumulate: bool | str | micro.Micro, i: Any, *grads: np.ndarray) -> np.ndarray:
     """Layer `i`'s gradients (a callback): copied out, written behind compute."""
     i = int(i)
     # warns where unused ones are overwritten
@@ -181,13 +175,14 @@ class GradientWriter:
         done = queue.popleft()
       done.result()
 
-  def _store(self, accumulate: bool | str, i: int, slots: list[np.ndarray]) -> None:
+  def _store(self, accumulate: Any, i: int, slots: list[np.ndarray]) -> None:
     for k, slot in enumerate(slots):
       r = self._slots.records[k]
       count = int(np.prod(r["shape"], dtype=np.int64)) * np.dtype(r["dtype"]).itemsize
       new = slot[:count].view(np.dtype(r["dtype"]))
-      if accumulate:
-        new[...] = add(self._slots.read_slot("grads", 0, k, i).reshape(-1), new)
+      if accumulate:  # (a trainer's micro-step, `micro.Micro`: its mean, or sum)
+        old = lambda: self._slots.read_slot("grads", 0, k, i).reshape(-1)  # noqa: B023
+        new[...] = micro.combine(accumulate, old, new)
       self._write(k, i, slot, new)
 
   def _write(self, k: int, i: int, slot: np.ndarray, values: np.ndarray) -> None:

@@ -54,7 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from offlax._src import errors
-from offlax._src.layer_store import backward, opening, whole_norm
+from offlax._src.layer_store import backward, micro, opening, whole_norm
 from offlax._src.layer_store import rest as layer_rest
 from offlax._src.layer_store import step as layer_step
 from offlax._src.layer_store.commits import Commits
@@ -317,8 +317,13 @@ class LayerStore(_Reads):
     return self._reads.fetch(i)
 
   def put_grads(self, accumulate: bool | str, i: Any, *grads: np.ndarray) -> np.ndarray:
-    """Layer `i`'s gradients (a callback): copied out, written behind compute."""
-    return self._grads.put(accumulate, i, *grads)
+    """Layer `i`'s gradients (a callback): copied out, written behind compute. A model's
+    source of a trainer that accumulates (`micro.plan_of`) hands off as its micro-step asks."""
+    mode: bool | str | micro.Micro = accumulate
+    plan = micro.plan_of(self) if accumulate is False else None
+    if plan is not None:
+      mode = plan.mode(int(i) == self.n_layers - 1)
+    return self._grads.put(mode, i, *grads)
 
   def flush_grads(self) -> None:
     """Waits for the steps dispatched so far and their gradient writes; raises a failed write."""
