@@ -216,8 +216,13 @@ def assert_bits(a, b):
 
 def rest(model):
   """The params outside the store (the tokens, zeros, left out)."""
+  return rest_of(nnx.state(model, nnx.Param))
+
+
+def rest_of(params):
+  """The leaves of `params` outside the layers."""
   return [
-    x for p, x in jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))[0]
+    x for p, x in jax.tree_util.tree_flatten_with_path(params)[0]
     if "layers" not in jax.tree_util.keystr(p)
   ]  # fmt: skip
 
@@ -233,11 +238,7 @@ def test_peft_trainer_trains_layers_in_a_store_as_in_host_memory(tmp_path, famil
     assert store.step == 3
     assert losses == want_losses
     assert_bits(store.read_params(), want_layers)
-  want_rest = [
-    x for p, x in jax.tree_util.tree_flatten_with_path(want_all)[0]
-    if "layers" not in jax.tree_util.keystr(p)
-  ]  # fmt: skip
-  assert_bits(rest(model), want_rest)
+  assert_bits(rest(model), rest_of(want_all))
 
 
 @pytest.mark.slow  # Tunix's trainer: about a minute (by default: the small model's, above)
@@ -253,11 +254,7 @@ def test_peft_trainer_accumulates_layers_in_a_store_as_in_host_memory(tmp_path):
     assert store.step == 2
     assert losses == want_losses
     assert_bits(store.read_params(), want_layers)
-  want_rest = [
-    x for p, x in jax.tree_util.tree_flatten_with_path(want_all)[0]
-    if "layers" not in jax.tree_util.keystr(p)
-  ]  # fmt: skip
-  assert_bits(rest(model), want_rest)
+  assert_bits(rest(model), rest_of(want_all))
 
 
 @pytest.mark.slow  # Tunix's first trainer: 8 s (by default: the small model's refusals, above)
