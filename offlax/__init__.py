@@ -31,7 +31,7 @@ _NAMES: dict[str, str | tuple[str, str]] = {
   "fetch": "offlax._src.host_params",
   "load_safetensors": "offlax._src.hf.load",
   "master_weights": "offlax._src.master",
-  "nnx_update": "offlax._src.flax_glue",
+  "nnx_update": "offlax._src.nnx_hooks",
   "offload": "offlax._src.transform",
   "offload_params": "offlax._src.nnx_params",
   "onload_params": "offlax._src.nnx_params",
@@ -76,7 +76,6 @@ if _typing.TYPE_CHECKING:  # what the lazy names are, for type checkers and the 
   from offlax import checkpoint, errors, extend
   from offlax._src.apply import update_and_apply
   from offlax._src.checkpoint import abstract_state, placed
-  from offlax._src.flax_glue import nnx_update
   from offlax._src.gpu_compile import compile_for_gpu
   from offlax._src.hf.load import load_safetensors
   from offlax._src.hf.save import save_safetensors
@@ -87,6 +86,7 @@ if _typing.TYPE_CHECKING:  # what the lazy names are, for type checkers and the 
   from offlax._src.layer_store.whole_norm import clip_by_global_norm
   from offlax._src.layers import scan_layers
   from offlax._src.master import master_weights
+  from offlax._src.nnx_hooks import nnx_update
   from offlax._src.nnx_layer_store import LayerToken, stack_layers
   from offlax._src.nnx_params import offload_params, onload_params
   from offlax._src.nvme.tier import NVMeTier

@@ -301,6 +301,31 @@ def test_multi_steps_accumulates_in_host_memory(grads_in):
   assert kinds(got) == kinds(state.acc_grads) == {"pinned_host"}
 
 
+def test_a_multi_steps_accumulator_places_as_tunix_restores_it():
+  """Tunix restores the optimizer state at `nnx.get_named_sharding(state, mesh)`, the mesh of
+  its first array (offlax's one-device mesh for host params). The accumulator of
+  `optax.MultiSteps` kept the params' sharding names (here ('tp', None)) and the restore raised
+  "Resource axis: tp ... is not found in mesh"; it says where it lives, as `offload`'s state
+  does (tests/test_tunix_peft_store.py resumes Tunix's trainer so, slow)."""
+
+  class Sharded(nnx.Module):
+    def __init__(self, rngs):
+      # As Tunix makes its params (it turns flax_always_shard_variable off at import).
+      self.w = nnx.Param(rngs.params.normal((16, 8)), sharding=("tp", None), eager_sharding=False)
+
+  model = offlax.offload_params(Sharded(nnx.Rngs(0)))
+  tx = optax.MultiSteps(offlax.offload(optax.adamw(1e-2), compute="host"), 2)
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  state = nnx.state(optimizer, nnx.optimizer.OptState)
+  mesh = next(
+    x.sharding.mesh for x in jax.tree.leaves(state)
+    if isinstance(x.sharding, jax.sharding.NamedSharding)
+  )  # fmt: skip
+  shardings = nnx.get_named_sharding(state, mesh)
+  acc = jax.tree.leaves(shardings["opt_state"]["acc_grads"])
+  assert acc and all(s.memory_kind == "pinned_host" for s in acc), acc
+
+
 @pytest.mark.slow  # two unrolled compiles: 40 s on an idle 2-core machine
 @pytest.mark.skipif(
   not offlax.extend.gpu_compile_available(), reason="needs offlax[gpu-compile] (jax-cuda12-plugin)"

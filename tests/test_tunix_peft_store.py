@@ -274,18 +274,7 @@ def test_peft_trainer_refuses_gradient_accumulation_with_an_explicit_store(tmp_p
 
 
 @pytest.mark.slow  # Tunix's trainer: about a minute
-@pytest.mark.parametrize(
-  "k",  # gradient_accumulation_steps
-  [
-    None,
-    pytest.param(2, marks=pytest.mark.xfail(
-      strict=True, raises=ValueError,
-      reason="Tunix's restore of a MultiSteps state fails with params in host memory, store or "
-      "not: its accumulator keeps the params' ('tp', 'fsdp') annotations, and Flax's "
-      "get_named_sharding looks for them in offlax's one-device mesh",
-    )),
-  ],
-)  # fmt: skip
+@pytest.mark.parametrize("k", [None, 2])  # gradient_accumulation_steps
 def test_peft_trainer_checkpoints_resume_with_the_store_bit_for_bit(tmp_path, k):
   """Tunix's checkpoints hold the rest; the store, opened at their step, the layers."""
   ocp, models, _, _ = _tunix()

@@ -84,50 +84,6 @@ def unbox_state(state: Any) -> Any:
   return state._replace(inner_state=unbox(state.inner_state))
 
 
-def nnx_update(optimizer: Any, model: Any, grads: Any, /, **kwargs: Any) -> None:
-  """`optimizer.update(model, grads)` with the update fused with its apply (`update_and_apply`).
-
-  `nnx.Optimizer.update` runs ``tx.update`` and then `optax.apply_updates`,
-  which for params in host memory is compute on host memory (XLA's GPU
-  compiler converts it into slow host compute of its own) after a model-sized
-  updates buffer. With `offlax.offload` as the optimizer's transformation this
-  writes the new params slice by slice instead; the result is the same.
-
-  Args:
-    optimizer: an `nnx.Optimizer` built on `model`.
-    model: the model whose params `optimizer` updates (its ``wrt`` filter).
-    grads: the gradients, from `nnx.grad` of `model`.
-    **kwargs: extra arguments of ``tx.update``.
-
-  Example:
-    >>> import jax, jax.numpy as jnp, optax, offlax
-    >>> from flax import nnx
-    >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
-    >>> optimizer = nnx.Optimizer(model, offlax.offload(optax.sgd(0.1)), wrt=nnx.Param)
-    >>> @nnx.jit
-    ... def step(model, optimizer, x):
-    ...   grads = nnx.grad(lambda m: m(x).sum())(model)
-    ...   offlax.nnx_update(optimizer, model, grads)
-    >>> step(model, optimizer, jnp.ones((1, 2)))
-    >>> int(optimizer.step[...])
-    1
-  """
-  from flax import nnx
-
-  from offlax._src.apply import update_and_apply
-
-  graph = getattr(optimizer, "graph", None)
-  state = lambda tree, *filters: nnx.state(tree, *filters, graph=graph)
-  params = nnx.as_pure(state(model, optimizer.wrt))
-  grads = nnx.as_pure(state(grads, optimizer.wrt))
-  new_params, new_state = update_and_apply(
-    optimizer.tx, grads, nnx.as_pure(optimizer.opt_state), params, **nnx.as_pure(kwargs)
-  )
-  nnx.update(model, new_params)
-  nnx.update(optimizer.opt_state, state(new_state))
-  optimizer.step[...] += 1
-
-
 def rebox(state: Any) -> Any:
   """`state` with its arrays that live off the device or sharded in NNX `Variable`s.
 

@@ -77,11 +77,22 @@ def init(tx: optax.MultiSteps, params: Any) -> optax.MultiStepsState:
       return jax.ShapeDtypeStruct(p.shape, dtype, sharding=p.sharding)
     return jax.device_put(np.zeros(p.shape, dtype), p.sharding)
 
+  from offlax._src import flax_glue  # it imports `apply`, which imports this module
+
+  values = flax_glue.unbox(params)
+  acc_grads = jax.tree.map(zeros, values)
+  concrete = not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(values))
+  if concrete and flax_glue.has_variables(params):
+    # `nnx.Optimizer`'s params: mapped over their Variables, the accumulator would carry
+    # the params' sharding names (Tunix's ('tp', 'fsdp')), which name no axis of the
+    # host arrays' one-device mesh, and Tunix's restore (`nnx.get_named_sharding` on
+    # that mesh) fails; boxed as `offload` boxes its state, each says where it lives.
+    acc_grads = flax_glue.rebox(acc_grads)
   return optax.MultiStepsState(
     mini_step=jnp.zeros([], dtype=jnp.int32),
     gradient_step=jnp.zeros([], dtype=jnp.int32),  # its own buffer: a trainer donates both
     inner_opt_state=tx.inner_opt.init(params),
-    acc_grads=jax.tree.map(zeros, params),
+    acc_grads=acc_grads,
     skip_state=(),
   )
 
