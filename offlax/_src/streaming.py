@@ -129,6 +129,8 @@ class Buffers:
     parts: pieces to join by `concatenate` at the end: ``("u", leaf)`` or
       ``("item", j)`` keys (a dtype that changes, or a tier without in-place writes).
     taken: items the tier has taken (`TierIO.store` returned None).
+    looped: leaves with a run of pieces in a loop: their other pieces' updates
+      are written in place too, as the loop writes them.
   """
 
   grads: list[Any]
@@ -139,6 +141,7 @@ class Buffers:
   new_globals: list[Any] | None = None
   parts: dict[Any, list[Any]] = dataclasses.field(default_factory=dict)
   taken: set[int] = dataclasses.field(default_factory=set)
+  looped: set[int] = dataclasses.field(default_factory=set)
 
   def grads_of(self, leaf: int) -> Any:
     """The buffer holding `leaf`'s gradients (pieces not yet updated where overwritten)."""
@@ -172,9 +175,13 @@ def run(
   io.plan(keys)
   b.globals_in = [io.to_device(j, b.items[j]) for j in plan.globals]
   done: list[Any] = []  # per slice, what a later slice's read waits for
-  for part in runs(slices):
+  parts = runs(slices)
+  # Decided before any slice, which may write a looped leaf's updates in place (`_slice`).
+  u_dtypes = {part.k: _loopable(plan, b, part) for part in parts if isinstance(part, _Run)}
+  b.looped = {p.piece.leaf for p in parts if isinstance(p, _Run) and u_dtypes[p.k] is not None}
+  for part in parts:
     if isinstance(part, _Run):
-      u_dtype = _loopable(plan, b, part)
+      u_dtype = u_dtypes[part.k]
       if u_dtype is not None:
         done += [_loop(plan, b, part, done[-1] if done else None, u_dtype)] * part.count
         continue
@@ -272,16 +279,17 @@ def _slice(plan: StreamSpec, b: Buffers, k: int, pieces, keys, after) -> Any:
   else:
     new_u, new_state, new_g, stored = _slice_streamed(plan, b, k, pieces, keys, u_in, p_in, after)
   for p, x in zip(pieces, new_u, strict=True):
-    if plan.io.writes_in_place or plan.apply or plan.out_host[p.leaf]:
+    if plan.io.writes_in_place or plan.apply or plan.out_host[p.leaf] or p.leaf in b.looped:
       _put(plan, b, b.out, ("u", p.leaf), p.leaf, x, p, p.start)
     elif p.start is None:
       b.out[p.leaf] = x
     else:
-      # A tier that writes its own state (the NVMe tier) has no loops: the
-      # pieces are joined by a `concatenate` that XLA fuses into
-      # `apply_updates` (written into the gradients' buffer, the updates would
-      # be a second copy of them in RAM). Into params, or into gradients in
-      # host memory (no concatenate on host), it is in place.
+      # Unrolled pieces of a tier that writes its own state (the NVMe tier):
+      # joined by a `concatenate` that XLA fuses into `apply_updates` (written
+      # into the gradients' buffer, the updates would be a second copy of them
+      # in RAM unless the gradients are the step's own). Into params, into
+      # gradients in host memory (no concatenate on host), or beside a loop
+      # (which writes them so), it is in place.
       b.parts.setdefault(("u", p.leaf), []).append(x)
   if b.new_globals is None:
     b.new_globals = new_g
@@ -403,7 +411,8 @@ def _loop(plan: StreamSpec, b: Buffers, run: _Run, after, u_dtype) -> Any:
 
   The updates are written over the gradients where they have their dtype;
   otherwise (`master_weights`: fp32 updates of bf16 params) into a new array.
-  With `apply` the new params are written over the params.
+  With `apply` the new params are written over the params. A tier that writes
+  its own state runs the loop (`TierIO.loop`): the state is not a carry.
   """
   p0, size, leaf = run.piece, run.piece.rows, run.piece.leaf
   js = plan.by_leaf.get(leaf, [])
@@ -415,28 +424,47 @@ def _loop(plan: StreamSpec, b: Buffers, run: _Run, after, u_dtype) -> Any:
   else:
     out = host_params.zeros_like(grads, u_dtype, host=plan.out_host[leaf])
     b.over_grads[leaf] = False
-  bufs = [_view(b.items[j], p0) for j in js]
-  if after is not None:  # the state's fetch is what needs ordering
-    _, bufs = jax.lax.optimization_barrier((after, bufs))
-  piece = _piece_on_host if plan.on_host else _piece_streamed
 
-  def body(i, carry):
-    (u_buf, bufs), _ = carry
+  def inputs(u_buf, i):
     start = p0.start + i * size
     u_in = [jax.lax.dynamic_slice_in_dim(u_buf if in_place else grads, start, size, p0.axis)]
     if plan.apply:
-      p_in = [jax.lax.dynamic_slice_in_dim(u_buf, start, size, p0.axis)]
-    else:
-      p_in = [_p_piece(plan, b, p0, start)]
-    new_u, bufs, new_g = piece(plan, b, p0, keys, u_in, p_in, start, bufs)
-    u_buf = jax.lax.dynamic_update_slice_in_dim(u_buf, new_u[0], start, p0.axis)
-    return (u_buf, bufs), new_g
+      return start, u_in, [jax.lax.dynamic_slice_in_dim(u_buf, start, size, p0.axis)]
+    return start, u_in, [_p_piece(plan, b, p0, start)]
 
-  # Every piece computes the same new globals (a step count): the carry keeps one.
-  (u_buf, bufs), new_g = jax.lax.fori_loop(0, run.count, body, ((out, bufs), list(b.globals_in)))
+  if not plan.io.writes_in_place:
+
+    def update(i, state_in, carry):
+      u_buf, _ = carry
+      start, u_in, p_in = inputs(u_buf, i)
+      new_u, new_state, new_g = _compute(
+        plan, (p0,), keys, host_params.fetch(u_in), host_params.fetch(p_in), state_in, b.globals_in
+      )
+      new_u = _where(plan, leaf, new_u[0])
+      return new_state, (jax.lax.dynamic_update_slice_in_dim(u_buf, new_u, start, p0.axis), new_g)
+
+    u_buf, new_g = plan.io.loop(run.k, run.count, update, (out, list(b.globals_in)))
+    b.taken.update(js)
+    bufs = [u_buf]  # what a later slice waits for
+  else:
+    bufs = [_view(b.items[j], p0) for j in js]
+    if after is not None:  # the state's fetch is what needs ordering
+      _, bufs = jax.lax.optimization_barrier((after, bufs))
+    piece = _piece_on_host if plan.on_host else _piece_streamed
+
+    def body(i, carry):
+      (u_buf, bufs), _ = carry
+      start, u_in, p_in = inputs(u_buf, i)
+      new_u, bufs, new_g = piece(plan, b, p0, keys, u_in, p_in, start, bufs)
+      u_buf = jax.lax.dynamic_update_slice_in_dim(u_buf, new_u[0], start, p0.axis)
+      return (u_buf, bufs), new_g
+
+    # Every piece computes the same new globals (a step count): the carry keeps one.
+    init = ((out, bufs), list(b.globals_in))
+    (u_buf, bufs), new_g = jax.lax.fori_loop(0, run.count, body, init)
+    for j, x in zip(js, bufs, strict=True):
+      b.items[j] = x
   b.out[leaf] = u_buf
-  for j, x in zip(js, bufs, strict=True):
-    b.items[j] = x
   if b.new_globals is None:
     b.new_globals = new_g
   return bufs
@@ -471,11 +499,14 @@ def _piece_streamed(plan: StreamSpec, b: Buffers, p0: Piece, keys, u_in, p_in, s
 def _loopable(plan: StreamSpec, b: Buffers, run: _Run) -> Any:
   """The dtype of the run's update pieces if its state pieces keep their dtypes, else None.
 
-  A loop carries the state buffers, so their dtypes must not change; a tier
-  that does not write in place has no loops.
+  A loop carries the state buffers, so their dtypes must not change. A tier
+  that does not write in place loops where it has a `loop` that takes the run
+  (`can_loop`; the NVMe tier's items on disk); else its slices unroll.
   """
   if not plan.io.writes_in_place:
-    return None
+    can_loop = getattr(plan.io, "can_loop", None)
+    if plan.on_host or can_loop is None or not can_loop(run.k, run.count):
+      return None
   p0 = run.piece
   js = plan.by_leaf.get(p0.leaf, [])
   keys = [(j, p0) for j in js]
@@ -484,7 +515,7 @@ def _loopable(plan: StreamSpec, b: Buffers, run: _Run) -> Any:
   chunk = lambda x: _plain(jax.eval_shape(lambda y: _take(y, p0, p0.start), x))
   u_in = [chunk(b.grads_of(p0.leaf))]
   p_in = [None if plan.p_slots is None else chunk(plan.p_slots[p0.leaf])]
-  state_in = [chunk(b.items[j]) for j in js]
+  state_in = [chunk(_abstract(b.items[j])) for j in js]
   g_in = [jax.ShapeDtypeStruct(jnp.shape(x), layout_lib.dtype_of(x)) for x in b.globals_in]
   out = jax.eval_shape(lambda *a: _compute(plan, (p0,), keys, *a), u_in, p_in, state_in, g_in)
   same = lambda a, b: [(x.shape, x.dtype) for x in a] == [(x.shape, x.dtype) for x in b]
@@ -536,6 +567,13 @@ def _joined(plan: StreamSpec, b: Buffers, slices, shapes_u, shapes_items):
 
 def _shape(x: Any) -> Any:
   return None if layout_lib.is_masked(x) else layout_lib.shape_of(x)
+
+
+def _abstract(x: Any) -> Any:
+  """`x`, or for an item only its tier can read (`OnDisk`), its shape and dtype."""
+  if isinstance(x, layout_lib.OnDisk):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype)
+  return x
 
 
 def _plain(x: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
