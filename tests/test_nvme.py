@@ -96,7 +96,8 @@ def test_a_leafs_slices_loop_whatever_their_count(tmp_path):
     tier = _tier(tmp_path / str(rows), chunk_bytes=64 * rows + 24, cache_bytes=0)
     tx = offlax.offload(inner, tier)
     state = tx.init(params)
-    text = jax.jit(lambda p, s, g: tx.update(g, s, p)).lower(params, state, params).as_text()
+    step = jax.jit(lambda p, s, g, tx=tx: tx.update(g, s, p))
+    text = step.lower(params, state, params).as_text()
     calls[rows] = (text.count("custom_call"), "stablehlo.while" in text)
     if rows == 2:
       got_params, got_state = _train(tx, params, 2, state)

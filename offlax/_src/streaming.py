@@ -9,7 +9,9 @@ converts into slow host compute, and on the device it is a second copy of the
 leaf. Runs of equal pieces of one leaf become one `fori_loop` whose carries are
 those buffers: XLA's GPU compiler updates them in place and keeps about four
 pieces on the device, where unrolled slices of one leaf were all fetched at
-the start of the program whatever their dependencies said.
+the start of the program whatever their dependencies said. A tier that writes
+its own state runs such a loop itself where it can (`TierIO.loop`: the NVMe
+tier's reads and writes, one callback each in the program however many slices).
 
 With ``on_host`` (``HostTier(compute="host")``) each slice's update runs on the
 host CPU instead (``compute_on("device_host")``): the gradient piece goes to

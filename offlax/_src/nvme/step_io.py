@@ -8,7 +8,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import io_callback
 
 from offlax._src import errors, ffi, host_callbacks
 from offlax._src import layout as layout_lib
@@ -138,8 +137,10 @@ class DiskIO:
     i's read waits for the write ticket of slice i-2 (the loop carries the
     last two), and the commit for the last two, which wait for all before.
     """
-    avals = [jax.ShapeDtypeStruct(shape, self.items[j].dtype)
-             for (j, _), (*_, shape) in zip(self.keys[k], self.reader.reads[k], strict=True)]
+    avals = [
+      jax.ShapeDtypeStruct(shape, self.items[j].dtype)
+      for (j, _), (*_, shape) in zip(self.keys[k], self.reader.reads[k], strict=True)
+    ]
     ticket = lambda i: jnp.asarray(self._ticket_before(i), jnp.int32)
 
     def body(i, c):
