@@ -131,8 +131,6 @@ class Buffers:
     parts: pieces to join by `concatenate` at the end: ``("u", leaf)`` or
       ``("item", j)`` keys (a dtype that changes, or a tier without in-place writes).
     taken: items the tier has taken (`TierIO.store` returned None).
-    looped: leaves with a run of pieces in a loop: their other pieces' updates
-      are written in place too, as the loop writes them.
   """
 
   grads: list[Any]
@@ -143,7 +141,6 @@ class Buffers:
   new_globals: list[Any] | None = None
   parts: dict[Any, list[Any]] = dataclasses.field(default_factory=dict)
   taken: set[int] = dataclasses.field(default_factory=set)
-  looped: set[int] = dataclasses.field(default_factory=set)
 
   def grads_of(self, leaf: int) -> Any:
     """The buffer holding `leaf`'s gradients (pieces not yet updated where overwritten)."""
@@ -177,13 +174,9 @@ def run(
   io.plan(keys)
   b.globals_in = [io.to_device(j, b.items[j]) for j in plan.globals]
   done: list[Any] = []  # per slice, what a later slice's read waits for
-  parts = runs(slices)
-  # Decided before any slice, which may write a looped leaf's updates in place (`_slice`).
-  u_dtypes = {part.k: _loopable(plan, b, part) for part in parts if isinstance(part, _Run)}
-  b.looped = {p.piece.leaf for p in parts if isinstance(p, _Run) and u_dtypes[p.k] is not None}
-  for part in parts:
+  for part in runs(slices):
     if isinstance(part, _Run):
-      u_dtype = u_dtypes[part.k]
+      u_dtype = _loopable(plan, b, part)
       if u_dtype is not None:
         done += [_loop(plan, b, part, done[-1] if done else None, u_dtype)] * part.count
         continue
@@ -281,17 +274,16 @@ def _slice(plan: StreamSpec, b: Buffers, k: int, pieces, keys, after) -> Any:
   else:
     new_u, new_state, new_g, stored = _slice_streamed(plan, b, k, pieces, keys, u_in, p_in, after)
   for p, x in zip(pieces, new_u, strict=True):
-    if plan.io.writes_in_place or plan.apply or plan.out_host[p.leaf] or p.leaf in b.looped:
+    if plan.io.writes_in_place or plan.apply or plan.out_host[p.leaf]:
       _put(plan, b, b.out, ("u", p.leaf), p.leaf, x, p, p.start)
     elif p.start is None:
       b.out[p.leaf] = x
     else:
-      # Unrolled pieces of a tier that writes its own state (the NVMe tier):
-      # joined by a `concatenate` that XLA fuses into `apply_updates` (written
-      # into the gradients' buffer, the updates would be a second copy of them
-      # in RAM unless the gradients are the step's own). Into params, into
-      # gradients in host memory (no concatenate on host), or beside a loop
-      # (which writes them so), it is in place.
+      # A tier that writes its own state (the NVMe tier): the pieces (a loop's
+      # stacked, `_stacked_loop`) are joined by a `concatenate` that XLA fuses
+      # into `apply_updates` (written into the gradients' buffer, the updates
+      # would be a second copy of them in RAM). Into params, or into gradients
+      # in host memory (no concatenate on host), it is in place.
       b.parts.setdefault(("u", p.leaf), []).append(x)
   if b.new_globals is None:
     b.new_globals = new_g
@@ -417,6 +409,8 @@ def _loop(plan: StreamSpec, b: Buffers, run: _Run, after, u_dtype) -> Any:
   its own state runs the loop (`TierIO.loop`): the state is not a carry.
   """
   p0, size, leaf = run.piece, run.piece.rows, run.piece.leaf
+  if not (plan.io.writes_in_place or plan.apply or plan.out_host[leaf]):
+    return _stacked_loop(plan, b, run, u_dtype)
   js = plan.by_leaf.get(leaf, [])
   keys = [(j, p0) for j in js]
   grads = _view(b.grads_of(leaf), p0)
@@ -470,6 +464,39 @@ def _loop(plan: StreamSpec, b: Buffers, run: _Run, after, u_dtype) -> Any:
   if b.new_globals is None:
     b.new_globals = new_g
   return bufs
+
+
+def _stacked_loop(plan: StreamSpec, b: Buffers, run: _Run, u_dtype) -> Any:
+  """The pieces of `run` in the tier's loop (`TierIO.loop`), their updates stacked.
+
+  The stack joins the leaf's other pieces, by `concatenate`, as unrolled
+  slices' do (`_slice`): the loop's only use of it is its own update, so XLA
+  drops it where the updates are unused, and the gradients are not copied into
+  a carry where they are the step's arguments.
+  """
+  p0, size, leaf = run.piece, run.piece.rows, run.piece.leaf
+  keys = [(j, p0) for j in plan.by_leaf.get(leaf, [])]
+  grads = _view(b.grads_of(leaf), p0)
+
+  def update(i, state_in, carry):
+    stack, _ = carry
+    start = p0.start + i * size
+    u_in = [jax.lax.dynamic_slice_in_dim(grads, start, size, p0.axis)]
+    p_in = [_p_piece(plan, b, p0, start)]
+    new_u, new_state, new_g = _compute(
+      plan, (p0,), keys, host_params.fetch(u_in), host_params.fetch(p_in), state_in, b.globals_in
+    )
+    return new_state, (jax.lax.dynamic_update_index_in_dim(stack, new_u[0], i, 0), new_g)
+
+  shape = list(jax.eval_shape(lambda x: _take(x, p0, p0.start), grads).shape)
+  stack = jnp.zeros((run.count, *shape), u_dtype)
+  stack, new_g = plan.io.loop(run.k, run.count, update, (stack, list(b.globals_in)))
+  b.taken.update(j for j, _ in keys)
+  shape[p0.axis] *= run.count  # the pieces one after another along the cut axis
+  b.parts.setdefault(("u", leaf), []).append(jnp.moveaxis(stack, 0, p0.axis).reshape(shape))
+  if b.new_globals is None:
+    b.new_globals = new_g
+  return stack
 
 
 def _piece_on_host(plan: StreamSpec, b: Buffers, p0: Piece, keys, u_in, p_in, start, bufs):

@@ -22,11 +22,9 @@ class DiskIO:
   Cached items move like the host tier's. Items on disk are read by one
   `io_callback` per slice, which returns slice k (prefetched by the previous
   call) and starts reading the next ones; new values go back by a callback that
-  writes them and returns a ticket. A run of equal pieces of one leaf on disk is
-  one `fori_loop` (`loop`) whose body holds one read and one write, the slice a
-  traced operand: XLA's compile time grew with the callbacks of unrolled slices
-  (a 405B model's embedding, 128 slices a leaf at 64 MiB, did not compile in
-  15 minutes for a GPU). The callbacks are unordered
+  writes them and returns a ticket; a run of equal pieces of one leaf on disk is one
+  `fori_loop` (`loop`) holding one of each, the slice a traced operand (unrolled, XLA's
+  compile time grew with the slices: docs/nvme_tier.md). The callbacks are unordered
   (JAX 0.10 cannot lower ordered callbacks beside host-memory outputs), so
   data dependencies order them: the read of slice k takes the ticket of slice
   k-2, and the last callback, which writes the cached items and commits, takes
@@ -98,7 +96,7 @@ class DiskIO:
       ]
       # Reading slice k waits for slice k-2's write callback: XLA would otherwise
       # be free to run every read first and hold the whole state in memory.
-      values, self.copied[k] = _read_slice(self, k, avals, self._ticket_before(k))
+      values, self.copied[k] = _read_slice(self, k, avals, self.ticket_before(k))
       for n, x in zip(self.cold[k], values, strict=True):
         out[n] = x
     return out
@@ -113,48 +111,13 @@ class DiskIO:
       self.tickets.append((k, _write_slice(self, k, cold, self.copied[k])))
     return out
 
-  def can_loop(self, k: int, count: int) -> bool:
-    """Whether slices k .. k+count-1 (equal pieces of one leaf) can run in one `loop`.
+  def can_loop(self, k: int, count: int) -> bool:  # (`_can_loop`)
+    return _can_loop(self, k, count)
 
-    Every item of theirs is on disk and laid out alike in its slice's buffer;
-    a cached item's pieces are the host tier's moves, which the slices unroll.
-    """
-    ks = range(k, k + count)
-    same = lambda x: all(np.array_equal(x[k], x[i]) for i in ks)
-    return (
-      all(len(self.cold[i]) == len(self.keys[i]) > 0 for i in ks)
-      and all(self.tier.store.records[j].key is None for j, _ in self.keys[k])
-      and same(self.reader.offsets)
-      and same([[shape for *_, shape in r] for r in self.reader.reads])
-    )
+  def loop(self, k: int, count: int, update, carry):  # (`_loop`)
+    return _loop(self, k, count, update, carry)
 
-  def loop(self, k: int, count: int, update, carry):
-    """Slices k .. k+count-1 (`can_loop`) in one `fori_loop`; returns the final `carry`.
-
-    `update(i, values, carry) -> (new values, carry)` is slice k+i's update of
-    its values (read from disk); the new ones are written back. The program
-    holds one read and one write callback whatever `count`. As unrolled, slice
-    i's read waits for the write ticket of slice i-2 (the loop carries the
-    last two), and the commit for the last two, which wait for all before.
-    """
-    avals = [
-      jax.ShapeDtypeStruct(shape, self.items[j].dtype)
-      for (j, _), (*_, shape) in zip(self.keys[k], self.reader.reads[k], strict=True)
-    ]
-    ticket = lambda i: jnp.asarray(self._ticket_before(i), jnp.int32)
-
-    def body(i, c):
-      carry, (before, last) = c
-      values, copied = _read_slice(self, k + i, avals, before, like=k)
-      values, carry = update(i, values, carry)
-      cold = [_same_dtype(self.tier, j, x) for (j, _), x in zip(self.keys[k], values, strict=True)]
-      return carry, (last, _write_slice(self, k + i, cold, copied, like=k))
-
-    carry, last = jax.lax.fori_loop(0, count, body, (carry, (ticket(k), ticket(k + 1))))
-    self.tickets += [(k + count - 2, last[0]), (k + count - 1, last[1])]
-    return carry
-
-  def _ticket_before(self, k: int):
+  def ticket_before(self, k: int):
     """What slice k's read waits for: the ticket of slice k-2's write, or the step."""
     earlier = [t for i, t in self.tickets if i <= k - 2]
     return earlier[-1] if earlier else self.step
@@ -173,6 +136,49 @@ class DiskIO:
 
   def next_step(self):
     return self.step + 1
+
+
+def _can_loop(io: DiskIO, k: int, count: int) -> bool:
+  """Whether slices k .. k+count-1 (equal pieces of one leaf) can run in one `DiskIO.loop`.
+
+  Every item of theirs is on disk and laid out alike in its slice's buffer;
+  a cached item's pieces are the host tier's moves, which the slices unroll.
+  """
+  ks = range(k, k + count)
+  same = lambda x: all(np.array_equal(x[k], x[i]) for i in ks)
+  return (
+    all(len(io.cold[i]) == len(io.keys[i]) > 0 for i in ks)
+    and all(io.tier.store.records[j].key is None for j, _ in io.keys[k])
+    and same(io.reader.offsets)
+    and same([[shape for *_, shape in r] for r in io.reader.reads])
+  )
+
+
+def _loop(io: DiskIO, k: int, count: int, update, carry):
+  """Slices k .. k+count-1 (`_can_loop`) in one `fori_loop`; returns the final `carry`.
+
+  `update(i, values, carry) -> (new values, carry)` is slice k+i's update of
+  its values (read from disk); the new ones are written back. The program
+  holds one read and one write callback whatever `count`. As unrolled, slice
+  i's read waits for the write ticket of slice i-2 (the loop carries the last
+  two), and the commit for the last two, which wait for all before.
+  """
+  avals = [
+    jax.ShapeDtypeStruct(shape, io.items[j].dtype)
+    for (j, _), (*_, shape) in zip(io.keys[k], io.reader.reads[k], strict=True)
+  ]
+  ticket = lambda i: jnp.asarray(io.ticket_before(i), jnp.int32)
+
+  def body(i, c):
+    carry, (before, last) = c
+    values, copied = _read_slice(io, k + i, avals, before, like=k)
+    values, carry = update(i, values, carry)
+    cold = [_same_dtype(io.tier, j, x) for (j, _), x in zip(io.keys[k], values, strict=True)]
+    return carry, (last, _write_slice(io, k + i, cold, copied, like=k))
+
+  carry, last = jax.lax.fori_loop(0, count, body, (carry, (ticket(k), ticket(k + 1))))
+  io.tickets += [(k + count - 2, last[0]), (k + count - 1, last[1])]
+  return carry
 
 
 def _io_callback(fn, result, *args):
