@@ -9,9 +9,8 @@ converts into slow host compute, and on the device it is a second copy of the
 leaf. Runs of equal pieces of one leaf become one `fori_loop` whose carries are
 those buffers: XLA's GPU compiler updates them in place and keeps about four
 pieces on the device, where unrolled slices of one leaf were all fetched at
-the start of the program whatever their dependencies said. A tier that writes
-its own state runs such a loop itself where it can (`TierIO.loop`: the NVMe
-tier's reads and writes, one callback each in the program however many slices).
+the start of the program whatever their dependencies said. A tier that writes its own
+state runs such a loop itself where it can (`TierIO.loop`: the NVMe tier's callbacks).
 
 With ``on_host`` (``HostTier(compute="host")``) each slice's update runs on the
 host CPU instead (``compute_on("device_host")``): the gradient piece goes to
@@ -279,11 +278,10 @@ def _slice(plan: StreamSpec, b: Buffers, k: int, pieces, keys, after) -> Any:
     elif p.start is None:
       b.out[p.leaf] = x
     else:
-      # A tier that writes its own state (the NVMe tier): the pieces (a loop's
-      # stacked, `_stacked_loop`) are joined by a `concatenate` that XLA fuses
-      # into `apply_updates` (written into the gradients' buffer, the updates
-      # would be a second copy of them in RAM). Into params, or into gradients
-      # in host memory (no concatenate on host), it is in place.
+      # A tier that writes its own state (the NVMe tier): pieces (and loops'
+      # stacks) joined by a `concatenate` XLA fuses into `apply_updates` (in the
+      # gradients' buffer they would be a second copy in RAM). Into params, or
+      # gradients in host memory (no concatenate on host), it is in place.
       b.parts.setdefault(("u", p.leaf), []).append(x)
   if b.new_globals is None:
     b.new_globals = new_g
@@ -469,23 +467,19 @@ def _loop(plan: StreamSpec, b: Buffers, run: _Run, after, u_dtype) -> Any:
 def _stacked_loop(plan: StreamSpec, b: Buffers, run: _Run, u_dtype) -> Any:
   """The pieces of `run` in the tier's loop (`TierIO.loop`), their updates stacked.
 
-  The stack joins the leaf's other pieces, by `concatenate`, as unrolled
-  slices' do (`_slice`): the loop's only use of it is its own update, so XLA
-  drops it where the updates are unused, and the gradients are not copied into
-  a carry where they are the step's arguments.
+  The stack joins the leaf's other pieces by `concatenate`, as unrolled slices'
+  do (`_slice`): unlike the gradients as a carry, it is dropped where unused,
+  and never a copy of the step's arguments.
   """
   p0, size, leaf = run.piece, run.piece.rows, run.piece.leaf
   keys = [(j, p0) for j in plan.by_leaf.get(leaf, [])]
   grads = _view(b.grads_of(leaf), p0)
 
   def update(i, state_in, carry):
-    stack, _ = carry
-    start = p0.start + i * size
-    u_in = [jax.lax.dynamic_slice_in_dim(grads, start, size, p0.axis)]
-    p_in = [_p_piece(plan, b, p0, start)]
-    new_u, new_state, new_g = _compute(
-      plan, (p0,), keys, host_params.fetch(u_in), host_params.fetch(p_in), state_in, b.globals_in
-    )
+    stack, start = carry[0], p0.start + i * size
+    u_in = host_params.fetch([jax.lax.dynamic_slice_in_dim(grads, start, size, p0.axis)])
+    p_in = host_params.fetch([_p_piece(plan, b, p0, start)])
+    new_u, new_state, new_g = _compute(plan, (p0,), keys, u_in, p_in, state_in, b.globals_in)
     return new_state, (jax.lax.dynamic_update_index_in_dim(stack, new_u[0], i, 0), new_g)
 
   shape = list(jax.eval_shape(lambda x: _take(x, p0, p0.start), grads).shape)
@@ -544,7 +538,9 @@ def _loopable(plan: StreamSpec, b: Buffers, run: _Run) -> Any:
   chunk = lambda x: _plain(jax.eval_shape(lambda y: _take(y, p0, p0.start), x))
   u_in = [chunk(b.grads_of(p0.leaf))]
   p_in = [None if plan.p_slots is None else chunk(plan.p_slots[p0.leaf])]
-  state_in = [chunk(_abstract(b.items[j])) for j in js]
+  # (an item only its tier can read, `OnDisk`: its shape and dtype)
+  item = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if isinstance(x, layout_lib.OnDisk) else x
+  state_in = [chunk(item(b.items[j])) for j in js]
   g_in = [jax.ShapeDtypeStruct(jnp.shape(x), layout_lib.dtype_of(x)) for x in b.globals_in]
   out = jax.eval_shape(lambda *a: _compute(plan, (p0,), keys, *a), u_in, p_in, state_in, g_in)
   same = lambda a, b: [(x.shape, x.dtype) for x in a] == [(x.shape, x.dtype) for x in b]
@@ -596,13 +592,6 @@ def _joined(plan: StreamSpec, b: Buffers, slices, shapes_u, shapes_items):
 
 def _shape(x: Any) -> Any:
   return None if layout_lib.is_masked(x) else layout_lib.shape_of(x)
-
-
-def _abstract(x: Any) -> Any:
-  """`x`, or for an item only its tier can read (`OnDisk`), its shape and dtype."""
-  if isinstance(x, layout_lib.OnDisk):
-    return jax.ShapeDtypeStruct(x.shape, x.dtype)
-  return x
 
 
 def _plain(x: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
