@@ -666,15 +666,16 @@ def test_update_bytes_counts_the_store_budget_and_the_rest_state_on_nvme(capsys,
 
 def test_a_tunix_model_counts_its_unrolled_working_set(tmp_path):
   """``--model NAME`` of a Tunix config counts its step as Tunix runs it: layers unrolled,
-  each one's input saved (`Llama.unrolled_device_bytes`, 21.9 GB for 405B: the compiled step's
-  21.9 GB, benchmarks/capacity.py); the same shapes from a JSON file, offlax's scanned step.
+  each one's input saved (`Llama.unrolled_device_bytes`, 21.3 GB for 405B: the compiled step's
+  21.9 GB with the rest's state in host memory, 19.7 GB with it on the NVMe tier,
+  benchmarks/capacity.py); the same shapes from a JSON file, offlax's scanned step.
   tests/test_gpu_compile.py checks the figure against a compiled Tunix step (slow)."""
   pytest.importorskip("tunix")  # (the run has imported it: test_safetensors.py does)
   from offlax._src import plan_models
 
   shape = plan_models.load("llama3p1_405b", 2048)
   assert shape.unrolled and shape.device_bytes() == shape.model.unrolled_device_bytes()
-  assert shape.device_bytes() == pytest.approx(21.9e9, rel=0.01)
+  assert shape.device_bytes() == pytest.approx(21.3e9, rel=0.01)
   # (The CLI's output for it: docs/planner.md, run by tests/test_docs.py.)
   shapes = tmp_path / "405b.json"
   shapes.write_text(json.dumps(dataclasses.asdict(shape.model)))
