@@ -11,8 +11,9 @@ buffers are extrapolated linearly to the full depth (126 and 80 layers).
 RAM is the program's host buffers plus the store's: the update's budget
 (``LayerStore(update_bytes=)``, `--update-bytes`) or, when larger, the model's reads (2 layers).
 With ``--rest-state nvme`` (405B's default) the rest's optimizer state lives on the NVMe tier
-(``offlax.offload(tx, offlax.NVMeTier(...))``, slices of `--nvme-chunk`, 1 GiB: with 64 MiB, 16
-times as many, the compile had not finished in 15 minutes) rather than in host memory, and
+(``offlax.offload(tx, offlax.NVMeTier(...))``, slices of `--nvme-chunk`, 1 GiB as the results
+were made; 64 MiB compile as fast, the tier's slices of a leaf being one loop) rather than in
+host memory, and
 the compile has it so: the tier's init of the abstract params writes nothing and gives the
 state a new store would give (its items on disk, `OnDisk`). The program's host buffers are then
 the rest's params and gradients (and the tier's small items cached in RAM), measured; the tier's
@@ -172,7 +173,7 @@ def main(argv=None) -> dict[str, Any]:
   ap.add_argument("--rest-state", choices=["nvme", "host"], default=None,
                   help="where the rest's optimizer state lives (default: the model's)")  # fmt: skip
   ap.add_argument("--nvme-chunk", type=int, default=1 << 30,
-                  help="the NVMe tier's slices, bytes (1 GiB; smaller: slow)")  # fmt: skip
+                  help="the NVMe tier's slices, bytes (1 GiB, the results')")  # fmt: skip
   _common.add_out_argument(ap, "capacity")
   args = ap.parse_args(argv)
   import offlax

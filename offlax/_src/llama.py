@@ -80,21 +80,25 @@ class Llama:
     of XLA:GPU's program (read off its buffer assignment at 2 layers):
     - a layer's backward pass: the attention's scores, f32, and probabilities,
       bf16 (6 B per head and token pair); the layer's bf16 weights read for it
-      and the gradients of some (1.3 layers: how many are live at once is the
-      scheduler's choice); the MLP's activations (4 x tokens x ffn, bf16); the
-      logits' gradient (tokens x vocab, bf16) or the embedding's, bf16;
+      and the gradients of some (1.2 layers: how many are live at once is the
+      scheduler's choice; 405B's compiles hold 1.0 with the rest's state on the
+      NVMe tier, and with it in host memory also the embedding's gradient, made
+      before the layers' backward); the MLP's activations (4 x tokens x ffn,
+      bf16); the logits' gradient (tokens x vocab, bf16) or the embedding's, bf16;
     - the head's backward pass: its gradient (vocab x d) and the logits'.
     Both hold the saved hidden states: one per layer and about 8 more.
     Against the compiled step (tests/test_gpu_compile.py, benchmarks/capacity.py):
-    Llama 3.1 405B +0.2% at 2 layers and +0.1% at 126 (+5.6% with the rest's state on
-    the NVMe tier), Llama3-70B -5% at 2 and -4% at 80, a 0.2B Llama at 1024 tokens +8%;
+    Llama 3.1 405B -2.8% at 126 layers (+7.8% with the rest's state on the NVMe tier,
+    from 2 and 4 layers), Llama3-70B -5.8% at 80. With 1.3 layers, as before the NVMe
+    tier's slices of a leaf ran in one loop: 405B +0.1% at 126 (+5.6% with the NVMe tier;
+    +11.0% with its loop), 70B -5% at 2 and -4% at 80, a 0.2B Llama at 1024 tokens +8%,
     Llama 3.1 8B at 2 layers +39% (its schedule holds less at once: over, not under)
     (2026-12-07).
     """
     hidden = 2 * self.tokens * self.d  # bf16
     logits = 2 * self.tokens * self.vocab  # the logits' gradient, bf16
     saved = (8 + self.layers) * hidden
-    backward = 6 * self.heads * self.tokens**2 + 1.3 * 2 * self.layer_params
+    backward = 6 * self.heads * self.tokens**2 + 1.2 * 2 * self.layer_params
     backward += 4 * 2 * self.tokens * self.ffn + logits
     head = 2 * self.vocab * self.d + logits
     return int(max(backward, head) + saved)

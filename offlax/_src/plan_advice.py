@@ -224,7 +224,8 @@ def layer_store_ram(b: dict) -> str:
     inflight = f"2 layers read and written ({format_bytes(b['reads'])})"
   if b.get("rest_state") == "nvme":
     rest = (
-      " and the params outside the layers with their gradients, their state on the NVMe tier "
+      " and the params outside the layers with the largest one's gradient (one at a time), "
+      "their state on the NVMe tier "
       f"(offlax.offload(tx, offlax.NVMeTier(...)): {format_bytes(b['rest'])} with its buffers)"
     )
   elif b["rest"]:

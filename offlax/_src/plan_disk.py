@@ -40,6 +40,25 @@ def layer_leaves(params: Any, layers: int) -> tuple[int, int]:
   return (max(stacked), rest) if stacked else (0, 0)
 
 
+def largest_rest_leaf(params: Any, layers: int) -> int:
+  """The largest leaf outside the stacked layers (`layer_leaves`), in params; 0 if none.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from offlax._src import plan_disk
+    >>> s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+    >>> params = {"layers": {"w": s(4, 64, 64)}, "embed": s(1000, 64), "norm": s(64)}
+    >>> plan_disk.largest_rest_leaf(params, 4)  # the embedding
+    64000
+  """
+  sizes = [
+    int(np.prod(np.shape(x)))
+    for x in jax.tree.leaves(params)
+    if not (len(np.shape(x)) >= 2 and np.shape(x)[0] == layers)
+  ]
+  return max(sizes, default=0)
+
+
 def params_on_disk_bytes(
   param_bytes: int,
   state: int,
@@ -51,6 +70,7 @@ def params_on_disk_bytes(
   update_bytes: int | None = None,
   host_bytes: int | None = None,
   nvme_ram: int = 0,
+  rest_leaf_params: int = 0,
 ) -> dict:
   """RAM, disk and bytes per step of an `offlax.LayerStore` (mode ``params_nvme``).
 
@@ -76,8 +96,15 @@ def params_on_disk_bytes(
   `layer_store/ranges.py`) the update holds at most that: ``update = min(update_bytes,
   4 x leaf x (3p + 2s))``. Then, where ``host_bytes`` is given and the rest's params,
   gradients and state do not fit in it beside the store's, the rest's state is counted on
-  the NVMe tier (``rest_state="nvme"``: ``rest = rest_params x 2p + nvme_ram``, its
-  buffers; its store, 3 copies, on the disk).
+  the NVMe tier (``rest_state="nvme"``: ``rest = (rest_params + rest_leaf) x p + nvme_ram``,
+  the params, one gradient and the tier's buffers; its store, 3 copies, on the disk). One
+  gradient: the tier runs each leaf's slices as one loop (`DiskIO.loop`) and the leaves one
+  after another, and XLA moves a leaf's gradient (computed on the device) to host memory just
+  before its loop, so the gradients there share one buffer, the largest's
+  (``rest_leaf_params``; 0: all of them). Compiled (`benchmarks/capacity.py`, Llama 3.1 405B):
+  the embedding's and the head's, 4.2 GB each, at one offset of the host's temporaries; where
+  the leaf's slices were unrolled, XLA interleaved the embedding's last ones with the head's
+  gradient's copy, and both were held.
 
   Disk: 2 generations (``keep=1``) of params and state, and the gradients.
   Per step: the params read twice (forward, and the rematerialised backward),
@@ -94,6 +121,8 @@ def params_on_disk_bytes(
     update_bytes: the store's ``update_bytes``, or None (whole leaves in flight).
     host_bytes: host RAM: with ``update_bytes``, where the rest's state goes (above).
     nvme_ram: the NVMe tier's buffers in RAM, for the rest's state there.
+    rest_leaf_params: the largest param outside the layers (`largest_rest_leaf`), whose
+      gradient is the one in RAM with the rest's state on the NVMe tier; 0: all of theirs.
 
   Returns:
     ``ram`` (with its parts ``reads``, ``update``, ``rest``, and ``leaf``,
@@ -117,7 +146,9 @@ def params_on_disk_bytes(
     update = min(update, update_bytes)
   rest, rest_state, rest_disk = rest_params * (2 * p + s), "ram", 0.0
   if update_bytes is not None and host_bytes is not None and max(reads, update) + rest > host_bytes:
-    rest, rest_state, rest_disk = rest_params * 2 * p + nvme_ram, "nvme", 3 * rest_params * s
+    grads = rest_leaf_params or rest_params  # one at a time (above)
+    rest = (rest_params + grads) * p + nvme_ram
+    rest_state, rest_disk = "nvme", 3 * rest_params * s
   return {
     "reads": int(reads),
     "update": int(update),

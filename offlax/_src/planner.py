@@ -13,7 +13,7 @@ import optax
 
 from offlax._src import errors, ffi, flax_glue, plan_advice, plan_options
 from offlax._src.nvme.format import DEFAULT_KEEP
-from offlax._src.plan_disk import layer_leaves, params_on_disk_bytes
+from offlax._src.plan_disk import largest_rest_leaf, layer_leaves, params_on_disk_bytes
 from offlax._src.plan_options import parse_bytes as parse_bytes  # the CLI's, and tests'
 from offlax._src.plan_options import parse_count as parse_count
 from offlax._src.units import format_bytes
@@ -336,6 +336,7 @@ def plan(
     figures_at = lambda budget: params_on_disk_bytes(
       param_bytes, state, n_params, layers, leaf_params=leaf_params, rest_params=rest_params,
       update_bytes=budget, host_bytes=host_bytes, nvme_ram=_NVME_BUFFERS * chunk_bytes,
+      rest_leaf_params=largest_rest_leaf(params, layers),
     )  # fmt: skip
     store_figures = figures_at(update_bytes)
     if update_bytes is None and store_figures["ram"] > host_bytes:

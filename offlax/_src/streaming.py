@@ -9,7 +9,8 @@ converts into slow host compute, and on the device it is a second copy of the
 leaf. Runs of equal pieces of one leaf become one `fori_loop` whose carries are
 those buffers: XLA's GPU compiler updates them in place and keeps about four
 pieces on the device, where unrolled slices of one leaf were all fetched at
-the start of the program whatever their dependencies said.
+the start of the program whatever their dependencies said. A tier that writes its own
+state runs such a loop itself where it can (`TierIO.loop`: the NVMe tier's callbacks).
 
 With ``on_host`` (``HostTier(compute="host")``) each slice's update runs on the
 host CPU instead (``compute_on("device_host")``): the gradient piece goes to
@@ -277,11 +278,10 @@ def _slice(plan: StreamSpec, b: Buffers, k: int, pieces, keys, after) -> Any:
     elif p.start is None:
       b.out[p.leaf] = x
     else:
-      # A tier that writes its own state (the NVMe tier) has no loops: the
-      # pieces are joined by a `concatenate` that XLA fuses into
-      # `apply_updates` (written into the gradients' buffer, the updates would
-      # be a second copy of them in RAM). Into params, or into gradients in
-      # host memory (no concatenate on host), it is in place.
+      # A tier that writes its own state (the NVMe tier): pieces (and loops'
+      # stacks) joined by a `concatenate` XLA fuses into `apply_updates` (in the
+      # gradients' buffer they would be a second copy in RAM). Into params, or
+      # gradients in host memory (no concatenate on host), it is in place.
       b.parts.setdefault(("u", p.leaf), []).append(x)
   if b.new_globals is None:
     b.new_globals = new_g
@@ -403,9 +403,12 @@ def _loop(plan: StreamSpec, b: Buffers, run: _Run, after, u_dtype) -> Any:
 
   The updates are written over the gradients where they have their dtype;
   otherwise (`master_weights`: fp32 updates of bf16 params) into a new array.
-  With `apply` the new params are written over the params.
+  With `apply` the new params are written over the params. A tier that writes
+  its own state runs the loop (`TierIO.loop`): the state is not a carry.
   """
   p0, size, leaf = run.piece, run.piece.rows, run.piece.leaf
+  if not (plan.io.writes_in_place or plan.apply or plan.out_host[leaf]):
+    return _stacked_loop(plan, b, run, u_dtype)
   js = plan.by_leaf.get(leaf, [])
   keys = [(j, p0) for j in js]
   grads = _view(b.grads_of(leaf), p0)
@@ -415,31 +418,79 @@ def _loop(plan: StreamSpec, b: Buffers, run: _Run, after, u_dtype) -> Any:
   else:
     out = host_params.zeros_like(grads, u_dtype, host=plan.out_host[leaf])
     b.over_grads[leaf] = False
-  bufs = [_view(b.items[j], p0) for j in js]
-  if after is not None:  # the state's fetch is what needs ordering
-    _, bufs = jax.lax.optimization_barrier((after, bufs))
-  piece = _piece_on_host if plan.on_host else _piece_streamed
 
-  def body(i, carry):
-    (u_buf, bufs), _ = carry
+  def inputs(u_buf, i):
     start = p0.start + i * size
     u_in = [jax.lax.dynamic_slice_in_dim(u_buf if in_place else grads, start, size, p0.axis)]
     if plan.apply:
-      p_in = [jax.lax.dynamic_slice_in_dim(u_buf, start, size, p0.axis)]
-    else:
-      p_in = [_p_piece(plan, b, p0, start)]
-    new_u, bufs, new_g = piece(plan, b, p0, keys, u_in, p_in, start, bufs)
-    u_buf = jax.lax.dynamic_update_slice_in_dim(u_buf, new_u[0], start, p0.axis)
-    return (u_buf, bufs), new_g
+      return start, u_in, [jax.lax.dynamic_slice_in_dim(u_buf, start, size, p0.axis)]
+    return start, u_in, [_p_piece(plan, b, p0, start)]
 
-  # Every piece computes the same new globals (a step count): the carry keeps one.
-  (u_buf, bufs), new_g = jax.lax.fori_loop(0, run.count, body, ((out, bufs), list(b.globals_in)))
+  if not plan.io.writes_in_place:
+
+    def update(i, state_in, carry):
+      u_buf, _ = carry
+      start, u_in, p_in = inputs(u_buf, i)
+      new_u, new_state, new_g = _compute(
+        plan, (p0,), keys, host_params.fetch(u_in), host_params.fetch(p_in), state_in, b.globals_in
+      )
+      new_u = _where(plan, leaf, new_u[0])
+      return new_state, (jax.lax.dynamic_update_slice_in_dim(u_buf, new_u, start, p0.axis), new_g)
+
+    u_buf, new_g = plan.io.loop(run.k, run.count, update, (out, list(b.globals_in)))
+    b.taken.update(js)
+    bufs = [u_buf]  # what a later slice waits for
+  else:
+    bufs = [_view(b.items[j], p0) for j in js]
+    if after is not None:  # the state's fetch is what needs ordering
+      _, bufs = jax.lax.optimization_barrier((after, bufs))
+    piece = _piece_on_host if plan.on_host else _piece_streamed
+
+    def body(i, carry):
+      (u_buf, bufs), _ = carry
+      start, u_in, p_in = inputs(u_buf, i)
+      new_u, bufs, new_g = piece(plan, b, p0, keys, u_in, p_in, start, bufs)
+      u_buf = jax.lax.dynamic_update_slice_in_dim(u_buf, new_u[0], start, p0.axis)
+      return (u_buf, bufs), new_g
+
+    # Every piece computes the same new globals (a step count): the carry keeps one.
+    init = ((out, bufs), list(b.globals_in))
+    (u_buf, bufs), new_g = jax.lax.fori_loop(0, run.count, body, init)
+    for j, x in zip(js, bufs, strict=True):
+      b.items[j] = x
   b.out[leaf] = u_buf
-  for j, x in zip(js, bufs, strict=True):
-    b.items[j] = x
   if b.new_globals is None:
     b.new_globals = new_g
   return bufs
+
+
+def _stacked_loop(plan: StreamSpec, b: Buffers, run: _Run, u_dtype) -> Any:
+  """The pieces of `run` in the tier's loop (`TierIO.loop`), their updates stacked.
+
+  The stack joins the leaf's other pieces by `concatenate`, as unrolled slices'
+  do (`_slice`): unlike the gradients as a carry, it is dropped where unused,
+  and never a copy of the step's arguments.
+  """
+  p0, size, leaf = run.piece, run.piece.rows, run.piece.leaf
+  keys = [(j, p0) for j in plan.by_leaf.get(leaf, [])]
+  grads = _view(b.grads_of(leaf), p0)
+
+  def update(i, state_in, carry):
+    stack, start = carry[0], p0.start + i * size
+    u_in = host_params.fetch([jax.lax.dynamic_slice_in_dim(grads, start, size, p0.axis)])
+    p_in = host_params.fetch([_p_piece(plan, b, p0, start)])
+    new_u, new_state, new_g = _compute(plan, (p0,), keys, u_in, p_in, state_in, b.globals_in)
+    return new_state, (jax.lax.dynamic_update_index_in_dim(stack, new_u[0], i, 0), new_g)
+
+  shape = list(jax.eval_shape(lambda x: _take(x, p0, p0.start), grads).shape)
+  stack = jnp.zeros((run.count, *shape), u_dtype)
+  stack, new_g = plan.io.loop(run.k, run.count, update, (stack, list(b.globals_in)))
+  b.taken.update(j for j, _ in keys)
+  shape[p0.axis] *= run.count  # the pieces one after another along the cut axis
+  b.parts.setdefault(("u", leaf), []).append(jnp.moveaxis(stack, 0, p0.axis).reshape(shape))
+  if b.new_globals is None:
+    b.new_globals = new_g
+  return stack
 
 
 def _piece_on_host(plan: StreamSpec, b: Buffers, p0: Piece, keys, u_in, p_in, start, bufs):
@@ -471,11 +522,14 @@ def _piece_streamed(plan: StreamSpec, b: Buffers, p0: Piece, keys, u_in, p_in, s
 def _loopable(plan: StreamSpec, b: Buffers, run: _Run) -> Any:
   """The dtype of the run's update pieces if its state pieces keep their dtypes, else None.
 
-  A loop carries the state buffers, so their dtypes must not change; a tier
-  that does not write in place has no loops.
+  A loop carries the state buffers, so their dtypes must not change. A tier
+  that does not write in place loops where it has a `loop` that takes the run
+  (`can_loop`; the NVMe tier's items on disk); else its slices unroll.
   """
   if not plan.io.writes_in_place:
-    return None
+    can_loop = getattr(plan.io, "can_loop", None)
+    if plan.on_host or can_loop is None or not can_loop(run.k, run.count):
+      return None
   p0 = run.piece
   js = plan.by_leaf.get(p0.leaf, [])
   keys = [(j, p0) for j in js]
@@ -484,7 +538,9 @@ def _loopable(plan: StreamSpec, b: Buffers, run: _Run) -> Any:
   chunk = lambda x: _plain(jax.eval_shape(lambda y: _take(y, p0, p0.start), x))
   u_in = [chunk(b.grads_of(p0.leaf))]
   p_in = [None if plan.p_slots is None else chunk(plan.p_slots[p0.leaf])]
-  state_in = [chunk(b.items[j]) for j in js]
+  # (an item only its tier can read, `OnDisk`: its shape and dtype)
+  item = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if isinstance(x, layout_lib.OnDisk) else x
+  state_in = [chunk(item(b.items[j])) for j in js]
   g_in = [jax.ShapeDtypeStruct(jnp.shape(x), layout_lib.dtype_of(x)) for x in b.globals_in]
   out = jax.eval_shape(lambda *a: _compute(plan, (p0,), keys, *a), u_in, p_in, state_in, g_in)
   same = lambda a, b: [(x.shape, x.dtype) for x in a] == [(x.shape, x.dtype) for x in b]

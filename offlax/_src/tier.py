@@ -137,6 +137,12 @@ class TierIO(Protocol):
   - ``writes_in_place = False``: only the tier can read and write its items:
     the stream asks `load` for slice k's pieces and hands the new ones to
     `store`. The NVMe tier's I/O, and a tier keeping state outside JAX.
+    Optionally such a tier runs a run of equal pieces in one loop itself:
+    where ``can_loop(k, count)`` says so, the stream calls
+    ``loop(k, count, update, carry)`` for slices k .. k+count-1 instead, which
+    returns the final carry of ``update(i, pieces, carry) -> (new pieces,
+    carry)`` applied to slice k+i's pieces, and takes their new pieces (the NVMe
+    tier: one read and one write callback in the program, whatever `count`).
 
   With the tier's ``compute="host"`` the update runs on the host CPU where the
   state lies: the stream moves gradient pieces in with `to_host` and needs

@@ -171,16 +171,19 @@ class Reader:
       self.behind.fail()
       raise
 
-  def read(self, k: int, step, after) -> list[np.ndarray]:
-    with self._failing_bumps_epoch():
-      return self._read(k, step)
+  # `k`, the slice, is a callback operand (traced inside a `DiskIO.loop`): an array here.
 
-  def locate(self, k: int, step, after) -> np.ndarray:
+  def read(self, k, step, after) -> list[np.ndarray]:
+    with self._failing_bumps_epoch():
+      return self._read(int(k), step)
+
+  def locate(self, k, step, after) -> np.ndarray:
     """Reads slice k like `read`, but returns where it lies: its buffer's address and size.
 
     The native copy (`step_io._read_slice`) takes the values from there. The
     buffer stays in use until `submit(k)` has written the slice back.
     """
+    k = int(k)
     with self._failing_bumps_epoch():
       self._read(k, step)
       buffer = self.buffers.held(k)
@@ -207,17 +210,17 @@ class Reader:
     finally:
       self.store.telemetry.waited(time.perf_counter() - start)
 
-  def write(self, k: int, *values) -> np.ndarray:
+  def write(self, k, *values) -> np.ndarray:
     with self._failing_bumps_epoch():
-      return self._write_slice(k, values)
+      return self._write_slice(int(k), values)
 
-  def submit(self, k: int, copied) -> np.ndarray:
+  def submit(self, k, copied) -> np.ndarray:
     """Writes slice k back from its buffer, where the native copy put the new values.
 
     `copied` is that copy's ticket: XLA runs this only after it.
     """
     with self._failing_bumps_epoch():
-      return self._write_slice(k, None)
+      return self._write_slice(int(k), None)
 
   def _write_slice(self, k: int, values) -> np.ndarray:
     self.behind.settle()
@@ -324,16 +327,16 @@ class ByShard:
       )
     return reader
 
-  def read(self, k: int, shard, step, after) -> list[np.ndarray]:
+  def read(self, k, shard, step, after) -> list[np.ndarray]:
     return self._of(shard).read(k, step, after)
 
-  def write(self, k: int, shard, *values) -> np.ndarray:
+  def write(self, k, shard, *values) -> np.ndarray:
     return self._of(shard).write(k, *values)
 
-  def locate(self, k: int, shard, step, after) -> np.ndarray:
+  def locate(self, k, shard, step, after) -> np.ndarray:
     return self._of(shard).locate(k, step, after)
 
-  def submit(self, k: int, shard, copied) -> np.ndarray:
+  def submit(self, k, shard, copied) -> np.ndarray:
     return self._of(shard).submit(k, copied)
 
   def commit(self, hot: list[int], n_tickets: int, shard, step, *args) -> None:

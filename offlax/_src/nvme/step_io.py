@@ -8,7 +8,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import io_callback
 
 from offlax._src import errors, ffi, host_callbacks
 from offlax._src import layout as layout_lib
@@ -23,7 +22,9 @@ class DiskIO:
   Cached items move like the host tier's. Items on disk are read by one
   `io_callback` per slice, which returns slice k (prefetched by the previous
   call) and starts reading the next ones; new values go back by a callback that
-  writes them and returns a ticket. The callbacks are unordered
+  writes them and returns a ticket; a run of equal pieces of one leaf on disk is one
+  `fori_loop` (`loop`) holding one of each, the slice a traced operand (unrolled, XLA's
+  compile time grew with the slices: docs/nvme_tier.md). The callbacks are unordered
   (JAX 0.10 cannot lower ordered callbacks beside host-memory outputs), so
   data dependencies order them: the read of slice k takes the ticket of slice
   k-2, and the last callback, which writes the cached items and commits, takes
@@ -95,9 +96,7 @@ class DiskIO:
       ]
       # Reading slice k waits for slice k-2's write callback: XLA would otherwise
       # be free to run every read first and hold the whole state in memory.
-      earlier = [t for i, t in self.tickets if i <= k - 2]
-      dep = earlier[-1] if earlier else self.step
-      values, self.copied[k] = _read_slice(self, k, avals, dep)
+      values, self.copied[k] = _read_slice(self, k, avals, self.ticket_before(k))
       for n, x in zip(self.cold[k], values, strict=True):
         out[n] = x
     return out
@@ -109,8 +108,19 @@ class DiskIO:
     ]
     if self.cold[k]:
       cold = [_same_dtype(self.tier, self.keys[k][n][0], values[n]) for n in self.cold[k]]
-      self.tickets.append((k, _write_slice(self, k, cold)))
+      self.tickets.append((k, _write_slice(self, k, cold, self.copied[k])))
     return out
+
+  def can_loop(self, k: int, count: int) -> bool:  # (`_can_loop`)
+    return _can_loop(self, k, count)
+
+  def loop(self, k: int, count: int, update, carry):  # (`_loop`)
+    return _loop(self, k, count, update, carry)
+
+  def ticket_before(self, k: int):
+    """What slice k's read waits for: the ticket of slice k-2's write, or the step."""
+    earlier = [t for i, t in self.tickets if i <= k - 2]
+    return earlier[-1] if earlier else self.step
 
   def finish(self, items):
     items = [self.items[j] if x is None else x for j, x in enumerate(items)]
@@ -128,49 +138,102 @@ class DiskIO:
     return self.step + 1
 
 
+def _can_loop(io: DiskIO, k: int, count: int) -> bool:
+  """Whether slices k .. k+count-1 (equal pieces of one leaf) can run in one `DiskIO.loop`.
+
+  Every item of theirs is on disk and laid out alike in its slice's buffer;
+  a cached item's pieces are the host tier's moves, which the slices unroll.
+  """
+  ks = range(k, k + count)
+  same = lambda x: all(np.array_equal(x[k], x[i]) for i in ks)
+  return (
+    all(len(io.cold[i]) == len(io.keys[i]) > 0 for i in ks)
+    and all(io.tier.store.records[j].key is None for j, _ in io.keys[k])
+    and same(io.reader.offsets)
+    and same([[shape for *_, shape in r] for r in io.reader.reads])
+  )
+
+
+def _loop(io: DiskIO, k: int, count: int, update, carry):
+  """Slices k .. k+count-1 (`_can_loop`) in one `fori_loop`; returns the final `carry`.
+
+  `update(i, values, carry) -> (new values, carry)` is slice k+i's update of
+  its values (read from disk); the new ones are written back. The program
+  holds one read and one write callback whatever `count`. As unrolled, slice
+  i's read waits for the write ticket of slice i-2 (the loop carries the last
+  two), and the commit for the last two, which wait for all before.
+  """
+  avals = [
+    jax.ShapeDtypeStruct(shape, io.items[j].dtype)
+    for (j, _), (*_, shape) in zip(io.keys[k], io.reader.reads[k], strict=True)
+  ]
+  ticket = lambda i: jnp.asarray(io.ticket_before(i), jnp.int32)
+
+  def body(i, c):
+    carry, (before, last) = c
+    values, copied = _read_slice(io, k + i, avals, before, like=k)
+    values, carry = update(i, values, carry)
+    cold = [_same_dtype(io.tier, j, x) for (j, _), x in zip(io.keys[k], values, strict=True)]
+    return carry, (last, _write_slice(io, k + i, cold, copied, like=k))
+
+  carry, last = jax.lax.fori_loop(0, count, body, (carry, (ticket(k), ticket(k + 1))))
+  io.tickets += [(k + count - 2, last[0]), (k + count - 1, last[1])]
+  return carry
+
+
 def _io_callback(fn, result, *args):
-  """`io_callback(fn, result, *args)`, or while `compile_for_gpu` lowers, the custom call a
-  GPU lowers it to (`host_callbacks`: JAX cannot lower a callback for CUDA on CPU devices)."""
-  if not host_callbacks.for_gpu():
-    return io_callback(fn, result, *args)
+  """`io_callback(fn, result, *args)`, unordered, by `host_callbacks.call` (which, while
+  `compile_for_gpu` lowers, emits the custom call a GPU lowers it to)."""
   many = isinstance(result, (list, tuple))
   avals = [] if result is None else list(result) if many else [result]
-  out = host_callbacks.call(fn, avals, *args, side_effect=True)
+
+  def listed(*a):
+    out = fn(*a)
+    return [] if result is None else list(out) if many else [out]
+
+  out = host_callbacks.call(listed, avals, *args, side_effect=True)
   return None if result is None else out if many else out[0]
 
 
-def _read_slice(io: DiskIO, k: int, avals, dep):
-  """Slice k's values, and (where, ticket) for `_write_slice` on XLA:CPU with the native library."""
-  read = functools.partial(io.reader.read, k)
+def _read_slice(io: DiskIO, k, avals, dep, like: int | None = None):
+  """Slice k's values, and (where, ticket) for `_write_slice` on XLA:CPU with the native library.
+
+  `k` is traced inside a `DiskIO.loop`, whose slices are laid out as slice `like`'s.
+  """
+  offsets = io.reader.offsets[k if like is None else like]
+  k = jnp.asarray(k, jnp.int32)  # an operand of the callback: traced in a loop
   via_callback = lambda shard, step, dep: (
-    _io_callback(read, avals, *shard, step, dep),
+    _io_callback(io.reader.read, avals, k, *shard, step, dep),
     (jnp.zeros(4, jnp.uint32), jnp.int32(0)),
   )
 
   def native(shard, step, dep):
-    locate = functools.partial(io.reader.locate, k)
-    where = _io_callback(locate, jax.ShapeDtypeStruct((4,), jnp.uint32), *shard, step, dep)
+    where = _io_callback(
+      io.reader.locate, jax.ShapeDtypeStruct((4,), jnp.uint32), k, *shard, step, dep
+    )
     out = (*avals, jax.ShapeDtypeStruct((), jnp.int32))
     copy = jax.ffi.ffi_call("offlax_from_slice", out, has_side_effect=True)
-    *values, ticket = copy(where, offsets=io.reader.offsets[k])
+    *values, ticket = copy(where, offsets=offsets)
     return values, (where, ticket)
 
   return ffi.on_cpu(native, via_callback, io.shard, io.step, dep)
 
 
-def _write_slice(io: DiskIO, k: int, cold):
-  """Writes slice k's new values (the other end of `_read_slice`); a ticket."""
+def _write_slice(io: DiskIO, k, cold, copied, like: int | None = None):
+  """Writes slice k's new values (the other end of `_read_slice`, `copied` its result); a
+  ticket."""
+  offsets = io.reader.offsets[k if like is None else like]
+  k = jnp.asarray(k, jnp.int32)
   ticket = jax.ShapeDtypeStruct((), jnp.int32)
-  write = functools.partial(io.reader.write, k)
-  via_callback = lambda shard, copied, cold: _io_callback(write, ticket, *shard, *cold)
+  via_callback = lambda shard, copied, cold: _io_callback(io.reader.write, ticket, k, *shard, *cold)
 
   def native(shard, copied, cold):
     where, after = copied
     copy = jax.ffi.ffi_call("offlax_to_slice", ticket, has_side_effect=True)
-    copied = copy(where, after, *cold, offsets=io.reader.offsets[k])
-    return _io_callback(functools.partial(io.reader.submit, k), ticket, *shard, copied)
+    copied = copy(where, after, *cold, offsets=offsets)
+    return _io_callback(io.reader.submit, ticket, k, *shard, copied)
 
-  return ffi.on_cpu(native, via_callback, io.shard, io.copied[k], cold)
+  return ffi.on_cpu(native, via_callback, io.shard, copied, cold)
 
 
 def _same_dtype(tier: Any, j: int, x: Any) -> Any:
