@@ -29,9 +29,10 @@ the last `--tail` of the steps) within 1% of each other, and both curves on one 
 Writes `<out>/state_bits_quality.json` and `<out>/state_bits_quality.png` (training loss, smoothed,
 and held-out loss of both runs; the 8-bit minus fp32 difference below).
 
-  # the recorded run (3.3M params, 2000 steps of 8 x 64 tokens: about 25 min on 2 shared cores)
-  python benchmarks/state_bits_quality.py
-  # the issue's size (25M params, 5000 steps of 32 x 128 tokens): a faster machine
+  # the recorded run (25.5M params, 3000 steps of 4 x 64 tokens: 97 min on 2 shared cores)
+  python benchmarks/state_bits_quality.py --dim 512 --layers 8 --seq 64 --batch 4 --steps 3000
+  python benchmarks/state_bits_quality.py   # 3.3M params, 2000 steps of 8 x 64: about 25 min
+  # the issue's larger batches (5000 steps of 32 x 128 tokens): a faster machine
   python benchmarks/state_bits_quality.py --dim 512 --layers 8 --seq 128 --batch 32 --steps 5000
   python benchmarks/state_bits_quality.py --quick --out /tmp/bench   # seconds: the code path
 """
