@@ -32,8 +32,8 @@ def layer_leaves(params: Any, layers: int) -> tuple[int, int]:
   """
   stacked, rest = [], 0
   for x in jax.tree.leaves(params):
-    shape, size = np.shape(x), int(np.prod(np.shape(x)))
-    if len(shape) >= 2 and shape[0] == layers:
+    size = int(np.prod(np.shape(x)))
+    if _stacked(x, layers):
       stacked.append(size // layers)
     else:
       rest += size
@@ -51,12 +51,14 @@ def largest_rest_leaf(params: Any, layers: int) -> int:
     >>> plan_disk.largest_rest_leaf(params, 4)  # the embedding
     64000
   """
-  sizes = [
-    int(np.prod(np.shape(x)))
-    for x in jax.tree.leaves(params)
-    if not (len(np.shape(x)) >= 2 and np.shape(x)[0] == layers)
-  ]
+  sizes = [int(np.prod(np.shape(x))) for x in jax.tree.leaves(params) if not _stacked(x, layers)]
   return max(sizes, default=0)
+
+
+def _stacked(x: Any, layers: int) -> bool:
+  """Whether leaf `x` is the stacked layers' (its first axis is `layers`)."""
+  shape = np.shape(x)
+  return len(shape) >= 2 and shape[0] == layers
 
 
 def params_on_disk_bytes(
