@@ -68,15 +68,20 @@ def nnx_init(init: Callable[[Any], Any], boxes_state: Callable[[], bool]) -> Cal
   """
 
   def init_fn(params):
-    boxed = has_variables(params)
-    params = unbox(params)
-    state = init(params)
-    concrete = not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(params))
-    if concrete and boxed and boxes_state():
+    boxed = in_concrete_variables(params)
+    state = init(unbox(params))
+    if boxed and boxes_state():
       state = state._replace(inner_state=rebox(state.inner_state))
     return state
 
   return init_fn
+
+
+def in_concrete_variables(params: Any) -> bool:
+  """Whether `params` sit in NNX Variables holding concrete arrays (`nnx.Optimizer`'s, not
+  traced): the state made from them goes back in Variables (`rebox`)."""
+  concrete = not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(unbox(params)))
+  return concrete and has_variables(params)
 
 
 def unbox_state(state: Any) -> Any:

@@ -79,10 +79,8 @@ def init(tx: optax.MultiSteps, params: Any) -> optax.MultiStepsState:
 
   from offlax._src import flax_glue  # it imports `apply`, which imports this module
 
-  values = flax_glue.unbox(params)
-  acc_grads = jax.tree.map(zeros, values)
-  concrete = not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(values))
-  if concrete and flax_glue.has_variables(params):
+  acc_grads = jax.tree.map(zeros, flax_glue.unbox(params))
+  if flax_glue.in_concrete_variables(params):
     # `nnx.Optimizer`'s params: mapped over their Variables, the accumulator would carry
     # the params' sharding names (Tunix's ('tp', 'fsdp')), which name no axis of the
     # host arrays' one-device mesh, and Tunix's restore (`nnx.get_named_sharding` on
