@@ -301,6 +301,39 @@ def test_multi_steps_accumulates_in_host_memory(grads_in):
   assert kinds(got) == kinds(state.acc_grads) == {"pinned_host"}
 
 
+@pytest.mark.skipif(
+  not offlax.extend.gpu_compile_available(), reason="needs offlax[gpu-compile] (jax-cuda12-plugin)"
+)
+def test_multi_steps_around_host_compute_compiles_for_gpu():
+  """Tunix's ``gradient_accumulation_steps`` with params in host memory, compiled by XLA:GPU.
+
+  The accumulator's host computation took each gradient in the layout XLA's dot chose for
+  it ({0,1}) and XLA:GPU's layout assignment failed ("The async-start expects the async
+  shape ... to match"); the CPU backend never saw it (the test above checks the numbers).
+  """
+  model = offlax.offload_params(MLP(nnx.Rngs(0)))
+  tx = optax.MultiSteps(offlax.offload(optax.adamw(1e-2), compute="host"), 2)
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  graphdef, state = nnx.split((model, optimizer))
+
+  def step(state):
+    model, optimizer = nnx.merge(graphdef, state)
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return nnx.state((model, optimizer)), loss
+
+  from offlax._src import gpu_compile
+
+  c = offlax.compile_for_gpu(jax.jit(step, donate_argnums=0), gpu_compile.state_specs(state))
+  acc = nnx.state(optimizer, nnx.optimizer.OptState)["opt_state"]["acc_grads"]
+  acc_bytes = sum(x.nbytes for x in jax.tree.leaves(acc))
+  params_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  # Params, accumulator and moments stay in host memory, and so does the whole update.
+  assert c.host["argument"] >= 4 * params_bytes == 4 * acc_bytes, c.table()
+  assert c.device["argument"] < params_bytes, c.table()
+  assert c.host_compute == (), c.table()
+
+
 def test_a_multi_steps_accumulator_places_as_tunix_restores_it():
   """Tunix restores the optimizer state at `nnx.get_named_sharding(state, mesh)`, the mesh of
   its first array (offlax's one-device mesh for host params). The accumulator of

@@ -137,6 +137,7 @@ def _accumulate(tx: optax.MultiSteps, g: Any, acc: Any, *, n_acc: Any, emit: Any
 
   def both(g, acc, n_acc, emit):
     g, acc = memory.as_device_value(g), memory.as_device_value(acc)
+    g = g.reshape(acc.shape)
     new = tx._acc_update(g, acc, n_acc=n_acc)
     kept = jnp.astype((1 - emit) * new, tx._accumulator_dtype)
     return new.astype(g.dtype), kept
@@ -146,8 +147,13 @@ def _accumulate(tx: optax.MultiSteps, g: Any, acc: Any, *, n_acc: Any, emit: Any
   if not memory.on_host(acc):
     return both(g, acc, n_acc, emit)
   g = g if memory.on_host(g) else memory.to_host(g)
+  # The gradient enters the host computation flat. XLA:GPU gives a matmul's gradient the
+  # layout its dot prefers ({0,1} for a transposed weight) and then fails its own check
+  # that the host computation's parameter has the layout it was built with ({1,0}:
+  # "The async-start expects the async shape ... to match"). A 1-D array has one layout;
+  # the reshape costs no copy (XLA has the dot write row-major and bitcasts it).
   on_host = compute_on(both, compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)
-  return on_host(g, acc, n_acc, emit)
+  return on_host(g.reshape(-1), acc, n_acc, emit)
 
 
 def default_skip(tx: optax.MultiSteps) -> bool:
