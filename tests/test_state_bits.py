@@ -340,6 +340,50 @@ def test_master_weights_with_8bit_state_through_host_compute():
   assert_trees_equal(jax.device_get(state.inner_state), jax.device_get(want_state))
 
 
+@pytest.mark.skipif(
+  not offlax.extend.gpu_compile_available(), reason="needs offlax[gpu-compile] (jax-cuda12-plugin)"
+)
+@pytest.mark.parametrize("master", [False, True], ids=["fp32", "bf16-master"])
+def test_host_compute_of_a_models_gradients_compiles_for_gpu(master):
+  """An NNX model's step with 8-bit state updated on the host, compiled by XLA:GPU.
+
+  A matmul's gradient comes in the layout XLA's dot chose ({0,1}), and XLA:GPU failed its
+  own check of the host computation's parameters ("The async-start expects the async shape
+  ... to match") where the 8-bit kernel's operand wanted row-major; the CPU backend never
+  saw it. The gradient pieces now enter the host computation flat.
+  """
+  from flax import nnx
+
+  from offlax._src import gpu_compile
+
+  dtype = jnp.bfloat16 if master else jnp.float32
+
+  class MLP(nnx.Module):
+    def __init__(self, rngs):
+      self.a = nnx.Linear(64, 128, param_dtype=dtype, rngs=rngs)
+      self.b = nnx.Linear(128, 64, param_dtype=dtype, rngs=rngs)
+
+    def __call__(self, x):
+      return self.b(jax.nn.relu(self.a(x.astype(dtype))))
+
+  inner = offlax.adamw(1e-3, state_bits=8)
+  tx = offlax.offload(offlax.master_weights(inner) if master else inner, compute="host")
+  graphdef, state = nnx.split((model := MLP(nnx.Rngs(0)), nnx.Optimizer(model, tx, wrt=nnx.Param)))
+
+  def step(state, x):
+    model, optimizer = nnx.merge(graphdef, state)
+    grads = nnx.grad(lambda m: jnp.mean(m(x).astype(jnp.float32) ** 2))(model)
+    optimizer.update(model, grads)
+    return nnx.state((model, optimizer))
+
+  specs = gpu_compile.state_specs(state)
+  c = offlax.compile_for_gpu(jax.jit(step, donate_argnums=0), specs, jnp.ones((8, 64)))
+  assert c.host_compute == (), c.table()
+  # The 8-bit state (codes, scales, with a master its fp32 copy) stays in host memory.
+  params_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  assert c.host["argument"] >= (2 + 4 * master) * params_bytes / dtype(0).itemsize, c.table()
+
+
 def test_host_state_save_round_trip_is_exact_and_other_bits_refused(tmp_path):
   params = _params()
   inner = offlax.adamw(1e-3, state_bits=8)

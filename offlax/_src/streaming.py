@@ -373,6 +373,7 @@ def _host_slice(plan: StreamSpec, b: Buffers, pieces, keys, u_in, p_in, starts, 
   def host_update(u_in, p_in, state_in, traced, globals_in):
     args = jax.tree.map(memory.as_device_value, (u_in, p_in, state_in, traced, globals_in))
     u_in, p_in, state_in, traced, globals_in = args
+    u_in = [x.reshape(shape) for x, shape in zip(u_in, u_shapes, strict=True)]
     state_in = [
       _take(x, p, traced.get(i, starts[i])) if h else x
       for i, (x, (_, p), h) in enumerate(zip(state_in, keys, host, strict=True))
@@ -382,8 +383,14 @@ def _host_slice(plan: StreamSpec, b: Buffers, pieces, keys, u_in, p_in, starts, 
   call = compute_on(
     host_update, compute_type="device_host", out_memory_spaces=jax.memory.Space.Host
   )
+  # The gradient pieces go in flat. XLA:GPU gives a matmul's gradient the layout its dot
+  # prefers ({0,1} for a transposed weight), then fails its own check that the host call's
+  # parameter keeps the layout the call was built with ("The async-start expects the async
+  # shape ... to match") where the call's kernel wants row-major. A 1-D array has one
+  # layout, and the reshape costs no copy: XLA has the dot write row-major.
+  u_shapes = [x.shape for x in u_in]
   new_u, new_state, new_g = call(
-    to_host(u_in), to_host(p_in), state_in, traced, to_host(b.globals_in)
+    [x.reshape(-1) for x in to_host(u_in)], to_host(p_in), state_in, traced, to_host(b.globals_in)
   )
   new_state = [x if h else memory.to_device(x) for x, h in zip(new_state, host, strict=True)]
   new_u = [
