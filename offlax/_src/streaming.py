@@ -350,12 +350,11 @@ def _slice_on_host(plan: StreamSpec, b: Buffers, pieces, keys, u_in, p_in, after
 def _host_slice(plan: StreamSpec, b: Buffers, pieces, keys, u_in, p_in, starts, sources=None):
   """One slice's update on the host CPU: new update pieces, globals and state pieces.
 
-  Offloaded state goes into the host computation whole (`sources`, or the
-  current buffers) and is sliced there: a piece sliced outside it is copied
-  to the device, where XLA:GPU's host call reads its operands from: one piece
-  more of device memory, and the piece twice more over the bus.
-  The new pieces come back for the caller to write into the host arrays (in
-  place); pieces of items kept on the device go to the host and come back.
+  Offloaded state goes into the host computation whole (`sources`, or the current buffers)
+  and is sliced there: a piece sliced outside it is copied to the device, where XLA:GPU's
+  host call reads its operands from: one piece more of device memory, and the piece twice
+  more over the bus. The new pieces come back for the caller to write into the host arrays
+  (in place); pieces of items kept on the device go to the host and come back.
   """
   io = plan.io
   sources = [b.items[j] for j, _ in keys] if sources is None else sources
@@ -370,28 +369,23 @@ def _host_slice(plan: StreamSpec, b: Buffers, pieces, keys, u_in, p_in, starts, 
   # Pieces already in host memory (params and gradients there) are passed as they are.
   to_host = lambda xs: [x if x is None or memory.on_host(x) else io.to_host(x) for x in xs]
 
-  def host_update(u_in, p_in, state_in, traced, globals_in):
-    args = jax.tree.map(memory.as_device_value, (u_in, p_in, state_in, traced, globals_in))
-    u_in, p_in, state_in, traced, globals_in = args
-    u_in = [x.reshape(shape) for x, shape in zip(u_in, u_shapes, strict=True)]
+  def host_update(flat_u, p_in, state_in, traced, globals_in):
+    args = jax.tree.map(memory.as_device_value, (flat_u, p_in, state_in, traced, globals_in))
+    flat_u, p_in, state_in, traced, globals_in = args
+    u = [x.reshape(piece.shape) for x, piece in zip(flat_u, u_in, strict=True)]
     state_in = [
       _take(x, p, traced.get(i, starts[i])) if h else x
       for i, (x, (_, p), h) in enumerate(zip(state_in, keys, host, strict=True))
     ]
-    return _compute(plan, pieces, keys, u_in, p_in, state_in, globals_in)
+    return _compute(plan, pieces, keys, u, p_in, state_in, globals_in)
 
   call = compute_on(
     host_update, compute_type="device_host", out_memory_spaces=jax.memory.Space.Host
   )
-  # The gradient pieces go in flat. XLA:GPU gives a matmul's gradient the layout its dot
-  # prefers ({0,1} for a transposed weight), then fails its own check that the host call's
-  # parameter keeps the layout the call was built with ("The async-start expects the async
-  # shape ... to match") where the call's kernel wants row-major. A 1-D array has one
-  # layout, and the reshape costs no copy: XLA has the dot write row-major.
-  u_shapes = [x.shape for x in u_in]
-  new_u, new_state, new_g = call(
-    [x.reshape(-1) for x in to_host(u_in)], to_host(p_in), state_in, traced, to_host(b.globals_in)
-  )
+  # Gradient pieces go in flat: XLA:GPU gives a dot's gradient the layout it prefers ({0,1}), then
+  # fails its check of the host call's parameters ("async-start expects the async shape"). No copy.
+  flat = [x.reshape(-1) for x in to_host(u_in)]
+  new_u, new_state, new_g = call(flat, to_host(p_in), state_in, traced, to_host(b.globals_in))
   new_state = [x if h else memory.to_device(x) for x, h in zip(new_state, host, strict=True)]
   new_u = [
     x if plan.out_host[p.leaf] else memory.to_device(x) for p, x in zip(pieces, new_u, strict=True)
