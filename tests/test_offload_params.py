@@ -334,6 +334,39 @@ def test_multi_steps_around_host_compute_compiles_for_gpu():
   assert c.host_compute == (), c.table()
 
 
+@pytest.mark.skipif(
+  not offlax.extend.gpu_compile_available(), reason="needs offlax[gpu-compile] (jax-cuda12-plugin)"
+)
+@pytest.mark.parametrize("where", ["device", "pinned_host"])
+def test_multi_steps_with_8bit_host_compute_compiles_for_gpu(where):
+  """`offlax.update_and_apply` of ``MultiSteps(offload(adamw(state_bits=8), compute="host"))``.
+
+  Its k-th micro-step ran in a `lax.cond`, and XLA:GPU refused the moves to host memory
+  inside the branch ("Expected computation ... to be called only by one caller and that
+  caller to be a While"); it is now a loop of 0 or 1 trips (the numbers: the tests above).
+  """
+  from offlax._src import gpu_compile, nnx_hooks
+
+  nnx_hooks.install()  # MultiSteps' init of host params (as Tunix's trainer installs it)
+  params = {"a": jnp.ones((64, 64)), "b": jnp.ones((64, 64))}
+  if where == "pinned_host":
+    params = offlax.to_host(params)
+  tx = optax.MultiSteps(offlax.offload(offlax.adamw(1e-3, state_bits=8), compute="host"), 2)
+  state = tx.init(params)
+
+  def step(params, state, x):
+    def loss(p):
+      p = jax.tree.map(lambda w: jax.device_put(w, jax.memory.Space.Device), p)
+      return jnp.mean(jax.nn.relu(x @ p["a"]) @ p["b"])
+
+    return offlax.update_and_apply(tx, jax.grad(loss)(params), state, params)
+
+  step = jax.jit(step, donate_argnums=(0, 1))
+  x = jnp.ones((8, 64))
+  c = offlax.compile_for_gpu(step, params, gpu_compile.state_specs(state), x)
+  assert c.host_compute == (), c.table()
+
+
 def test_a_multi_steps_accumulator_places_as_tunix_restores_it():
   """Tunix restores the optimizer state at `nnx.get_named_sharding(state, mesh)`, the mesh of
   its first array (offlax's one-device mesh for host params). The accumulator of

@@ -120,7 +120,11 @@ def update_and_apply(
     _, inner_state, params = operands
     return params, inner_state
 
-  params, inner_state = jax.lax.cond(emit, step, wait, (mean, state.inner_opt_state, params))
+  operands = (mean, state.inner_opt_state, params)
+  if _in_a_loop(tx, params):
+    params, inner_state = _once_or_not(emit, step, operands)
+  else:
+    params, inner_state = jax.lax.cond(emit, step, wait, operands)
   new_state = optax.MultiStepsState(
     mini_step=optax.safe_increment(state.mini_step) % k_steps,
     gradient_step=emit * optax.safe_increment(state.gradient_step)
@@ -130,6 +134,41 @@ def update_and_apply(
     skip_state=state.skip_state,
   )
   return params, new_state
+
+
+def _in_a_loop(tx: optax.MultiSteps, params: Any) -> bool:
+  """Whether the k-th micro-step's update runs as a loop of 0 or 1 trips, not a `lax.cond`.
+
+  XLA:GPU moves values to host memory (a host computation's operands) inside a
+  loop's body but not inside a conditional's branch ("Expected computation ... to
+  be called only by one caller and that caller to be a While"): a host-compute
+  update of params on the device moves the gradients there, and one of 8-bit
+  state its scales. Measured with its GPU compiler, the loop costs no device memory
+  beside the conditional, and less host memory, except with params in
+  host memory streamed through the device, where it holds a params-sized device
+  buffer: those keep the conditional (which moves nothing to the host).
+  """
+  tier = getattr(tx.inner_opt, "tier", None)
+  return not memory.any_on_host(params) or getattr(tier, "compute", None) == "host"
+
+
+def _once_or_not(run: Any, step: Callable[[Any], Any], operands: Any) -> Any:
+  """``step(operands)`` where `run`, else ``operands``' params and state: a loop of 0 or 1 trips.
+
+  The trip count, known only at run time, is not simplified away (`_in_a_loop`).
+  """
+  mean, inner_state, params = operands
+
+  def body(carry):
+    _, inner_state, params = carry
+    params, inner_state = step((mean, inner_state, params))
+    return jnp.ones((), bool), inner_state, params
+
+  pending = lambda carry: jnp.logical_not(carry[0])  # carry[0]: the update has run (or won't)
+  _, inner_state, params = jax.lax.while_loop(
+    pending, body, (jnp.logical_not(run), inner_state, params)
+  )
+  return params, inner_state
 
 
 def _accumulate(tx: optax.MultiSteps, g: Any, acc: Any, *, n_acc: Any, emit: Any) -> tuple:
