@@ -101,6 +101,23 @@ def train(model, tx, steps=3, wrt=nnx.Param, traces=None):
   return [float(step(model, optimizer)) for _ in range(steps)]
 
 
+def compiled_step(model, tx):
+  """``(compile_for_gpu of the model's whole train step with tx, the nnx.Optimizer)``."""
+  from offlax._src import gpu_compile
+
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  graphdef, state = nnx.split((model, optimizer))
+
+  def step(state):
+    model, optimizer = nnx.merge(graphdef, state)
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return nnx.state((model, optimizer)), loss
+
+  step = jax.jit(step, donate_argnums=0)  # XLA:GPU needs its simplifier: conftest.py gives it
+  return offlax.compile_for_gpu(step, gpu_compile.state_specs(state)), optimizer
+
+
 def kinds(tree):
   return {x.sharding.memory_kind for x in jax.tree.leaves(tree)}
 
@@ -313,18 +330,7 @@ def test_multi_steps_around_host_compute_compiles_for_gpu():
   """
   model = offlax.offload_params(MLP(nnx.Rngs(0)))
   tx = optax.MultiSteps(offlax.offload(optax.adamw(1e-2), compute="host"), 2)
-  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-  graphdef, state = nnx.split((model, optimizer))
-
-  def step(state):
-    model, optimizer = nnx.merge(graphdef, state)
-    loss, grads = nnx.value_and_grad(loss_fn)(model)
-    optimizer.update(model, grads)
-    return nnx.state((model, optimizer)), loss
-
-  from offlax._src import gpu_compile
-
-  c = offlax.compile_for_gpu(jax.jit(step, donate_argnums=0), gpu_compile.state_specs(state))
+  c, optimizer = compiled_step(model, tx)
   acc = nnx.state(optimizer, nnx.optimizer.OptState)["opt_state"]["acc_grads"]
   acc_bytes = sum(x.nbytes for x in jax.tree.leaves(acc))
   params_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
@@ -514,17 +520,5 @@ def test_a_tied_embedding_compiles_to_no_host_compute():
   instruction on host memory converted into host compute (was the add of the embedding's
   two gradients, ``add_any``, every step)."""
   model = offlax.offload_params(ListModel(nnx.Rngs(0)))
-  optimizer = nnx.Optimizer(model, offlax.offload(optax.adamw(1e-2), compute="host"), wrt=nnx.Param)
-  graphdef, state = nnx.split((model, optimizer))
-
-  def step(state):
-    model, optimizer = nnx.merge(graphdef, state)
-    loss, grads = nnx.value_and_grad(loss_fn)(model)
-    optimizer.update(model, grads)
-    return nnx.state((model, optimizer)), loss
-
-  from offlax._src import gpu_compile
-
-  step = jax.jit(step, donate_argnums=0)  # XLA:GPU needs its simplifier: conftest.py gives it
-  c = offlax.compile_for_gpu(step, gpu_compile.state_specs(state))
+  c, _ = compiled_step(model, offlax.offload(optax.adamw(1e-2), compute="host"))
   assert c.host_compute == (), c.table()
