@@ -34,26 +34,37 @@ def _correctness(offlax, optax, jax, np, nvme):
   params = _gpu.materialise(shapes, 0)
   inner = optax.adamw(1e-3)
   host = offlax.HostTier(compute="host")
+  eight = offlax.adamw(1e-3, state_bits=8)
+  every = lambda tx: optax.MultiSteps(tx, 2)
   results = {}
-  # The last two run offlax's native kernel in the host computation (JAX lowers
-  # that region for the CPU): the moments only, then the update too (within
-  # 2e-6 relative of optax's, so not bit-exact by design).
-  for name, tier, offloaded in (
-    ("one_slice", offlax.HostTier(chunk_bytes=2**40), inner),
-    ("streamed", offlax.HostTier(chunk_bytes=64 * 1024), inner),
-    ("host_compute", host, inner),
-    ("host_compute_offlax_adamw", host, offlax.adamw(1e-3)),
-    ("host_compute_native_update", host, offlax.adamw(1e-3, native_update=True)),
-    ("host_compute_whole_step", host, offlax.master_weights(offlax.adamw(1e-3))),
-    ("nvme", nvme, inner),
-  ):
-    txs = {"plain": inner, "offlax": offlax.offload(offloaded, tier)}
+  # Each variant against its reference on this GPU, 3 steps (4 micro-steps of 2 with
+  # MultiSteps). The host-compute ones with offlax's adamw run its native kernel in the host
+  # computation (JAX lowers that region for the CPU): the moments only, then the update too
+  # (within 2e-6 relative of optax's, so not bit-exact by design); 8-bit state against the
+  # same 8-bit optimizer on the device (its update in plain JAX there). The last two run
+  # `offlax.update_and_apply`'s fused accumulation (a loop of 0 or 1 trips around the update).
+  for name, reference, tx in (
+    ("one_slice", inner, offlax.offload(inner, offlax.HostTier(chunk_bytes=2**40))),
+    ("streamed", inner, offlax.offload(inner, offlax.HostTier(chunk_bytes=64 * 1024))),
+    ("host_compute", inner, offlax.offload(inner, host)),
+    ("host_compute_offlax_adamw", inner, offlax.offload(offlax.adamw(1e-3), host)),
+    ("host_compute_native_update", inner,
+     offlax.offload(offlax.adamw(1e-3, native_update=True), host)),
+    ("host_compute_whole_step", inner,
+     offlax.offload(offlax.master_weights(offlax.adamw(1e-3)), host)),
+    ("nvme", inner, offlax.offload(inner, nvme)),
+    ("streamed_8bit", eight, offlax.offload(eight, offlax.HostTier(chunk_bytes=64 * 1024))),
+    ("host_compute_8bit", eight, offlax.offload(eight, host)),
+    ("multi_steps_host_compute", every(inner), every(offlax.offload(offlax.adamw(1e-3), host))),
+    ("multi_steps_host_compute_8bit", every(eight), every(offlax.offload(eight, host))),
+  ):  # fmt: skip
     out = {}
     try:
-      for label, tx in txs.items():
-        p, s = params, tx.init(params)
-        step = jax.jit(_gpu.optimizer_step(tx))
-        for i in range(3):
+      for label, t in (("plain", reference), ("offlax", tx)):
+        p, s = params, t.init(params)
+        fused = name.startswith("multi_steps") and label == "offlax"
+        step = jax.jit(_fused_step(t) if fused else _gpu.optimizer_step(t))
+        for i in range(4 if name.startswith("multi_steps") else 3):
           p, s = step(p, s, jax.tree.map(lambda x, i=i: jax.numpy.sin(x * (i + 1)), p))
         out[label] = jax.block_until_ready(p)
     except Exception as e:  # recorded: the table shows which variant failed and why
@@ -65,6 +76,12 @@ def _correctness(offlax, optax, jax, np, nvme):
     )
     results[name] = {"max_abs_diff": diff, "bit_exact": diff == 0.0}
   return results
+
+
+def _fused_step(tx):
+  import offlax
+
+  return lambda params, state, grads: offlax.update_and_apply(tx, grads, state, params)
 
 
 def examples(steps: int) -> dict:

@@ -5,7 +5,9 @@ What the CPU cannot show, checked in one run of a few minutes on a GPU machine:
 1. correctness: `offlax.offload(optax.adamw)` streamed in small slices (leaves cut into rows and
    rejoined on the host), in one slice, and with `HostTier(compute="host")` (the update under
    `compute_on("device_host")`), and with the NVMe tier (its callbacks move the slices
-   between the GPU and the disk), against plain optax on the same GPU, over 3 steps;
+   between the GPU and the disk), against plain optax on the same GPU, over 3 steps; 8-bit
+   state streamed and in host compute against the same 8-bit optimizer on the device; and
+   `optax.MultiSteps` around host compute (fp32 and 8-bit) through `update_and_apply`;
 2. device memory: `compiled.memory_analysis()` of a jitted AdamW step on ~1B parameters
    (compiled from shapes, nothing allocated), all state on the device vs the host tier vs
    host compute:

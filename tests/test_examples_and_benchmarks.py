@@ -217,6 +217,9 @@ def test_gpu_check_code_path_runs_on_cpu(tmp_path):
   assert result["correctness"]["host_compute_offlax_adamw"]["bit_exact"]
   assert result["correctness"]["host_compute_native_update"]["max_abs_diff"] < 1e-6
   assert result["correctness"]["nvme"]["max_abs_diff"] < 1e-6
+  for name in ("streamed_8bit", "host_compute_8bit", "multi_steps_host_compute",
+               "multi_steps_host_compute_8bit"):  # fmt: skip
+    assert result["correctness"][name]["bit_exact"], (name, result["correctness"][name])
   assert result["memory"]["on_device"]["device_bytes_per_param"] > 0
   assert result["native_in_host_compute"]["runs"], result["native_in_host_compute"]
   assert result["time"]["host_compute_native"]["ratio"] > 0
