@@ -139,14 +139,13 @@ def update_and_apply(
 def _in_a_loop(tx: optax.MultiSteps, params: Any) -> bool:
   """Whether the k-th micro-step's update runs as a loop of 0 or 1 trips, not a `lax.cond`.
 
-  XLA:GPU moves values to host memory (a host computation's operands) inside a
-  loop's body but not inside a conditional's branch ("Expected computation ... to
-  be called only by one caller and that caller to be a While"): a host-compute
-  update of params on the device moves the gradients there, and one of 8-bit
-  state its scales. Measured with its GPU compiler, the loop costs no device memory
-  beside the conditional, and less host memory, except with params in
-  host memory streamed through the device, where it holds a params-sized device
-  buffer: those keep the conditional (which moves nothing to the host).
+  XLA:GPU moves values to host memory (a host computation's operands) inside a loop's
+  body but not inside a conditional's branch ("Expected computation ... to be called only
+  by one caller and that caller to be a While"), which an update computed on the host
+  needed: with fp32 or 8-bit state for params on the device, with 8-bit state for params
+  in host memory. Compiled by XLA:GPU, the loop costs no device memory beside the
+  conditional and less host memory, except for params in host memory streamed through the
+  device, where it holds a params-sized device buffer: those keep the conditional.
   """
   tier = getattr(tx.inner_opt, "tier", None)
   return not memory.any_on_host(params) or getattr(tier, "compute", None) == "host"
