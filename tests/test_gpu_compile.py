@@ -519,3 +519,54 @@ def test_the_nvme_tiers_slices_compile_as_one_loop_whatever_their_count(tmp_path
   assert seen[4][0] == seen[64][0] > 0, seen
   # Measured 4.2 MB and 3.2 MB: params, gradients and updates (3 MiB) and a few slices.
   assert seen[64][1] <= seen[4][1] <= 3 * 1024 * 256 * 4 + 3 * state_bytes // 4, seen
+
+
+@pytest.mark.parametrize("master", [False, True], ids=["adamw", "master"])
+def test_tunix_peft_trainers_own_step_compiles_with_params_in_host_memory(master):
+  """Tunix's `PeftTrainer._train_step`, unedited, for a tiny Qwen3 with `offload_params`.
+
+  Its `optax.global_norm(grads)` (offlax's hook for gradients in host memory) failed XLA:GPU's
+  layout check ("async-start expects the async shape"); a host computation a leaf, flattened,
+  aborted the process. The norm is one host computation of flat leaves; nothing else of the
+  model's runs on the host.
+  """
+  pytest.importorskip("tunix")
+  from flax import nnx
+  from tunix.models.qwen3 import model as qwen3
+  from tunix.sft import peft_trainer, utils
+
+  cfg = qwen3.ModelConfig(
+    num_layers=2, vocab_size=64, embed_dim=128, hidden_dim=512, num_heads=2, head_dim=64,
+    num_kv_heads=1, norm_eps=1e-6, rope_theta=1_000_000, dtype=jnp.bfloat16,
+    param_dtype=jnp.bfloat16,
+  )  # fmt: skip
+  model = offlax.offload_params(qwen3.Qwen3(cfg, rngs=nnx.Rngs(0)))
+  inner = offlax.master_weights(optax.adamw(1e-5)) if master else optax.adamw(1e-5)
+  trainer = peft_trainer.PeftTrainer(
+    model,
+    offlax.offload(inner, compute="host"),
+    peft_trainer.TrainingConfig(eval_every_n_steps=1000, max_steps=1),
+  )
+  trainer.with_gen_model_input_fn(
+    lambda x: {
+      "input_tokens": x.input_tokens,
+      "input_mask": x.input_mask,
+      "positions": utils.build_positions_from_mask(x.input_mask),
+      "attention_mask": utils.make_causal_attn_mask(x.input_mask),
+    }
+  )
+  graphdef, state = nnx.split((trainer.model, trainer.optimizer))
+
+  def step(state, batch):
+    model, optimizer = nnx.merge(graphdef, state)
+    loss, _, grad_norm = trainer._train_step(model, optimizer, batch)
+    return nnx.state((model, optimizer)), loss, grad_norm
+
+  batch = peft_trainer.TrainingInput(
+    input_tokens=jax.ShapeDtypeStruct((1, 32), jnp.int32),
+    input_mask=jax.ShapeDtypeStruct((1, 32), jnp.bool_),
+  )
+  compiled = offlax.compile_for_gpu(
+    jax.jit(step, donate_argnums=0), gpu_compile.state_specs(state), batch
+  )
+  assert compiled.host_compute == ()

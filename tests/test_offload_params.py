@@ -262,6 +262,25 @@ def test_bad_input():
     nnx.jit(lambda m: m(jnp.ones((1, D))))(model)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.complex64])
+def test_the_norm_of_host_gradients_is_optaxs_to_the_bit(dtype):
+  """`host_params.global_norm` (the hook Tunix's `grad_norm` calls): equal-shaped, 1-D, 3-D and
+  device leaves mixed, passed flat to one host computation: optax's norm, bit for bit."""
+  from offlax._src import host_params
+
+  keys = jax.random.split(jax.random.key(0), 7)
+  # XLA:CPU sums most draws of a (16, 11) or (7, 300) array in another order than flat.
+  shapes = [(16, 11), (11,), (16, 11), (128, 2, 64), (3,), (7, 300), (16, 11)]
+  tree = [10 * jax.random.normal(k, s, dtype) for k, s in zip(keys, shapes, strict=True)]
+  mixed = [offlax.to_host(x) if i != 4 else x for i, x in enumerate(tree)]
+  norm, want = jax.jit(host_params.global_norm), jax.jit(optax.global_norm)
+  got = norm(mixed)
+  assert_trees_equal(got, want(tree))
+  assert got.sharding.memory_kind == "device"
+  for x, y in zip(mixed, tree, strict=True):  # one leaf alone: no rounding of a total hides it
+    assert_trees_equal(norm([x, y]), want([y, y]))
+
+
 def test_flax_still_needs_the_optimizer_patch():
   """Canary (docs/patches.md): Flax's update and optax's norm still fail on host params."""
   from offlax._src import nnx_hooks
@@ -316,6 +335,48 @@ def test_multi_steps_accumulates_in_host_memory(grads_in):
   assert_trees_equal(state.acc_grads, want_state.acc_grads)
   assert int(state.gradient_step) == int(want_state.gradient_step) == 1
   assert kinds(got) == kinds(state.acc_grads) == {"pinned_host"}
+
+
+def test_multi_steps_through_nnx_optimizer_on_device_params_is_fused():
+  """Tunix's ``gradient_accumulation_steps`` with params on the device: `nnx.Optimizer.update`
+  runs the fused step (optax's update selected every offloaded state leaf with `jnp.where`
+  each micro-step, on the host CPU under XLA:GPU), optax's results bit for bit.
+
+  No `offload_params` here: offload's first `init` on NNX Variables installs the patch.
+  """
+  from offlax._src import nnx_hooks, patches
+
+  patches.uninstall(nnx_hooks.OPTIMIZER_UPDATE)
+  model, want_model = MLP(nnx.Rngs(0)), MLP(nnx.Rngs(0))
+  tx = optax.MultiSteps(offlax.offload(optax.adamw(1e-2), compute="host"), 2)
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  assert patches.installed(nnx_hooks.OPTIMIZER_UPDATE)
+  assert nnx_hooks.fuses(optimizer, model)
+  other = MLP(nnx.Rngs(0))  # no MultiSteps: Flax's own update
+  assert not nnx_hooks.fuses(
+    nnx.Optimizer(other, offlax.offload(optax.sgd(0.1)), wrt=nnx.Param), other
+  )
+  want = nnx.Optimizer(want_model, optax.MultiSteps(optax.adamw(1e-2), 2), wrt=nnx.Param)
+  step = nnx.jit(lambda m, o: o.update(m, nnx.grad(loss_fn)(m)))
+  for _ in range(5):
+    step(model, optimizer)
+    step(want_model, want)
+  assert_trees_equal(nnx.state(model, nnx.Param), nnx.state(want_model, nnx.Param))
+  acc = nnx.state(optimizer, nnx.optimizer.OptState)["opt_state"]["acc_grads"]
+  want_acc = nnx.state(want, nnx.optimizer.OptState)["opt_state"]["acc_grads"]
+  assert_trees_equal(acc, want_acc)
+
+
+@pytest.mark.skipif(
+  not offlax.extend.gpu_compile_available(), reason="needs offlax[gpu-compile] (jax-cuda12-plugin)"
+)
+def test_multi_steps_on_device_params_compiles_for_gpu_with_no_host_selects():
+  """The fused step above, compiled by XLA:GPU: no compute but the update's on the host (optax's
+  own update had two `select_n` a state leaf there)."""
+  c, _ = compiled_step(
+    MLP(nnx.Rngs(0)), optax.MultiSteps(offlax.offload(optax.adamw(1e-2), compute="host"), 2)
+  )
+  assert c.host_compute == (), c.table()
 
 
 @pytest.mark.skipif(

@@ -104,6 +104,28 @@ def test_optimizers_that_accumulate_are_refused_for_stored_layers(tmp_path, name
   nnx.Optimizer(offlax.offload_params(Model(nnx.Rngs(0))), ACCUMULATING[name](), wrt=nnx.Param)
 
 
+def test_tunix_accumulation_of_bf16_layers_names_the_accumulator_dtype(tmp_path):
+  """Tunix's ``gradient_accumulation_steps`` wraps the optimizer in optax's float32 accumulator,
+  which a store of bf16 layers cannot follow (it accumulates in the layers' dtype on disk): the
+  refusal names what a Tunix user can pass instead, and that trains."""
+  bf16 = functools.partial(Model, dtype=jnp.bfloat16)
+  with make_store(tmp_path / "s", bf16(nnx.Rngs(0))) as store:
+    model = offlax.offload_params(bf16(nnx.Rngs(0)), store=store, commit_in_update=True)
+    rest = lambda: offlax.offload(tx(), compute="host")  # noqa: E731
+    with pytest.raises(
+      errors.InvalidOptionError,
+      match=r"accumulates in float32 and the layers are \['bfloat16'\].*PeftTrainer "
+      r"optax.MultiSteps\(tx, k, accumulator_dtype=jnp.bfloat16\).*"
+      r"gradient_accumulation_steps=None",
+    ):
+      nnx.Optimizer(model, optax.MultiSteps(rest(), 2), wrt=nnx.Param)  # as Tunix wraps it
+    named = optax.MultiSteps(rest(), 2, accumulator_dtype=jnp.bfloat16)
+    optimizer = nnx.Optimizer(model, named, wrt=nnx.Param)
+    for i in range(2):
+      train_step(model, optimizer, batch(i))
+    assert store.step == 1
+
+
 def test_the_store_accumulates_as_optax_multi_steps():
   """`micro.combine` is `optax.MultiSteps`' running mean (and sum), bit for bit, from the first
   micro-step's zeros on; a plan that finds the optimizer at another micro-step refuses. (By

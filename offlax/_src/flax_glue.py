@@ -45,7 +45,11 @@ def unbox(tree: Any) -> Any:
   return jax.tree.map(lambda x: x.get_value() if is_variable(x) else x, tree, is_leaf=is_variable)
 
 
-def nnx_init(init: Callable[[Any], Any], boxes_state: Callable[[], bool]) -> Callable[[Any], Any]:
+def nnx_init(
+  init: Callable[[Any], Any],
+  boxes_state: Callable[[], bool],
+  on_variables: Callable[[], None] = lambda: None,
+) -> Callable[[Any], Any]:
   """`offload`'s `init` for params that may sit in NNX Variables (`nnx.Optimizer`'s).
 
   `init` sees the plain arrays (`unbox`); given concrete Variables, and where
@@ -55,6 +59,7 @@ def nnx_init(init: Callable[[Any], Any], boxes_state: Callable[[], bool]) -> Cal
   Args:
     init: ``init(params) -> OffloadState`` on plain arrays.
     boxes_state: whether the tier's state is boxed, read at each call.
+    on_variables: called first at each call given Variables, concrete or traced.
 
   Returns:
     ``init`` for params with or without NNX Variables.
@@ -68,6 +73,8 @@ def nnx_init(init: Callable[[Any], Any], boxes_state: Callable[[], bool]) -> Cal
   """
 
   def init_fn(params):
+    if has_variables(params):
+      on_variables()
     boxed = in_concrete_variables(params)
     state = init(unbox(params))
     if boxed and boxes_state():

@@ -144,21 +144,30 @@ def zeros_like(x: Any, dtype: Any, *, host: bool) -> Any:
 def global_norm(tree: Any) -> jax.Array:
   """`optax.global_norm(tree)`, on the device, for a tree with leaves in host memory.
 
-  Each host leaf's sum of squares is computed on the host CPU, where it lies,
-  and only that scalar crosses to the device.
+  The host leaves' sums of squares are computed on the host CPU, where they lie,
+  in one host computation, flat (`memory.flat`); only those scalars cross to the
+  device. One computation, not one a leaf: JAX lowers equal-shaped leaves'
+  computations to one function called from several places, and XLA:GPU's
+  host-compute wrapper then aborts the process compiling its reduction (a Tunix
+  Qwen3's gradients).
   """
 
   def square_sum(x):
     x = memory.as_device_value(x)
     return jnp.sum(jnp.square(x.real) + jnp.square(x.imag))
 
-  sums = []
-  for x in jax.tree.leaves(tree):
-    if memory.on_host(x):
-      host = compute_on(
-        square_sum, compute_type="device_host", out_memory_spaces=jax.memory.Space.Host
-      )
-      sums.append(jax.device_put(host(x), jax.memory.Space.Device))
-    else:
-      sums.append(square_sum(x))
+  leaves = jax.tree.leaves(tree)
+  shapes = [x.shape for x in leaves if memory.on_host(x)]
+  on_host = compute_on(
+    # Summed in the leaves' shapes: a flat sum may round differently (optax's norm differs).
+    lambda xs: [
+      square_sum(memory.as_device_value(x).reshape(s)) for x, s in zip(xs, shapes, strict=True)
+    ],
+    compute_type="device_host",
+    out_memory_spaces=jax.memory.Space.Host,
+  )
+  host = [memory.flat(x) for x in leaves if memory.on_host(x)]
+  host_sums = iter(on_host(host) if host else ())
+  # Added in the leaves' order, as optax adds them.
+  sums = [memory.to_device(next(host_sums)) if memory.on_host(x) else square_sum(x) for x in leaves]
   return jnp.sqrt(sum(sums)) if sums else jnp.zeros(())

@@ -53,6 +53,18 @@ def as_device_value(x: Any) -> Any:
   return to_device(x)
 
 
+def flat(x: Any) -> Any:
+  """`x` as a 1-D array: how a gradient goes into a host computation.
+
+  XLA:GPU gives a matmul's gradient the layout its dot prefers (``{0,1}`` for a
+  transposed weight), then fails its own check that a host computation's
+  parameter has the layout it was built with (``{1,0}``: "The async-start
+  expects the async shape ... to match"). A 1-D array has one layout, and the
+  reshape costs no copy: XLA has the dot write row-major and bitcasts it.
+  """
+  return x.reshape(-1)
+
+
 def sharding_kind(x: Any) -> str:
   """``"host"`` or ``"device"``: the memory a concrete array's or spec's sharding names.
 

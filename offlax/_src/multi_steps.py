@@ -185,13 +185,8 @@ def _accumulate(tx: optax.MultiSteps, g: Any, acc: Any, *, n_acc: Any, emit: Any
   if not memory.on_host(acc):
     return both(g, acc, n_acc, emit)
   g = g if memory.on_host(g) else memory.to_host(g)
-  # The gradient enters the host computation flat. XLA:GPU gives a matmul's gradient the
-  # layout its dot prefers ({0,1} for a transposed weight) and then fails its own check
-  # that the host computation's parameter has the layout it was built with ({1,0}:
-  # "The async-start expects the async shape ... to match"). A 1-D array has one layout;
-  # the reshape costs no copy (XLA has the dot write row-major and bitcasts it).
   on_host = compute_on(both, compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)
-  return on_host(g.reshape(-1), acc, n_acc, emit)
+  return on_host(memory.flat(g), acc, n_acc, emit)  # reshaped inside
 
 
 def default_skip(tx: optax.MultiSteps) -> bool:

@@ -3,7 +3,9 @@
 `offlax.offload_params` installs four (``docs/patches.md`` lists them): the three
 below and `optax.MultiSteps.init`'s (`offlax._src.multi_steps`); each
 hands every call through to the original except where that would fail or
-compute on host memory.
+compute on host memory. `offload`'s first `init` on NNX Variables installs the
+update's alone (`install_update`): `optax.MultiSteps` around an offload is fused
+for params on the device too.
 
 `nnx.Optimizer.update` runs ``tx.update`` and then `optax.apply_updates`. For
 params in host memory that is a model-sized updates buffer, then compute on
@@ -32,6 +34,7 @@ import functools
 from typing import Any
 
 import jax
+import optax
 
 from offlax._src import (
   apply,
@@ -106,10 +109,9 @@ FIX = (
 
 def install() -> None:
   """Installs the patches (idempotent; nothing under ``OFFLAX_NO_PATCHES``)."""
-  import optax
   from flax import nnx
 
-  patches.replace(OPTIMIZER_UPDATE, nnx.Optimizer, "update", _fused_update)
+  install_update()
   patches.replace(OPTIMIZER_INIT, nnx.Optimizer, "__init__", _explained_init)
   # optax.global_norm only, the name Tunix calls: not optax.tree.norm, which
   # clip_by_global_norm calls. Inside offlax.offload it sees device-typed values and
@@ -117,6 +119,14 @@ def install() -> None:
   # what makes offlax refuse it (`update_and_apply`: put it inside the offload).
   patches.replace(GLOBAL_NORM, optax, "global_norm", _host_aware_norm)
   multi_steps.install()
+
+
+def install_update() -> None:
+  """Installs `nnx.Optimizer.update`'s patch alone: at `offlax.offload`'s first `init` on NNX
+  Variables, for `optax.MultiSteps` around it with params on the device (`fuses`)."""
+  from flax import nnx
+
+  patches.replace(OPTIMIZER_UPDATE, nnx.Optimizer, "update", _fused_update)
 
 
 def _fused_update(original: Any) -> Any:
@@ -235,7 +245,13 @@ def fuses(optimizer: Any, model: Any) -> bool:
   if apply.fused_update_and_apply(tx) is None and not apply.holds_offload_state(state):
     return False  # no offload inside: Flax's update is the step
   params = nnx.state(model, optimizer.wrt, graph=getattr(optimizer, "graph", None))
-  return memory.any_on_host(jax.tree.leaves(nnx.as_pure(params)))
+  if memory.any_on_host(jax.tree.leaves(nnx.as_pure(params))):
+    return True
+  # Params on the device: Flax's update is the step, but for `optax.MultiSteps` (Tunix's
+  # gradient_accumulation_steps) around a fused step. Its own update selects every state
+  # leaf with `jnp.where` each micro-step, which XLA:GPU runs on the host CPU for state in
+  # host memory; the fused step updates the state at the k-th micro-step only.
+  return isinstance(tx, optax.MultiSteps) and apply.fused_update_and_apply(tx) is not None
 
 
 def nnx_update(optimizer: Any, model: Any, grads: Any, /, **kwargs: Any) -> None:

@@ -182,7 +182,10 @@ def _cannot_accumulate(optimizer: Any, sources: list[tuple[Any, bool]]) -> str |
   if other:  # (the accumulator on disk is in the layers' dtype)
     return (
       f"the optax.MultiSteps accumulates in {dtype} and the layers are {sorted(other)}: "
-      "pass accumulator_dtype= the layers' dtype (the store accumulates in theirs)"
+      "pass accumulator_dtype= the layers' dtype (the store accumulates in theirs). Tunix's "
+      "gradient_accumulation_steps=k makes optax's float32 default: give PeftTrainer "
+      f"optax.MultiSteps(tx, k, accumulator_dtype=jnp.{sorted(other)[0]}) as its optimizer "
+      "and gradient_accumulation_steps=None (its counters then count micro-steps)"
     )
   clipped = _whole_norms(optimizer.opt_state) or any(
     clip.split(s.store.optimizer).max_norm is not None for s, _ in sources

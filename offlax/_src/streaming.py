@@ -382,9 +382,7 @@ def _host_slice(plan: StreamSpec, b: Buffers, pieces, keys, u_in, p_in, starts, 
   call = compute_on(
     host_update, compute_type="device_host", out_memory_spaces=jax.memory.Space.Host
   )
-  # Gradient pieces go in flat: XLA:GPU gives a dot's gradient the layout it prefers ({0,1}), then
-  # fails its check of the host call's parameters ("async-start expects the async shape"). No copy.
-  flat = [x.reshape(-1) for x in to_host(u_in)]
+  flat = [memory.flat(x) for x in to_host(u_in)]  # reshaped inside
   new_u, new_state, new_g = call(flat, to_host(p_in), state_in, traced, to_host(b.globals_in))
   new_state = [x if h else memory.to_device(x) for x, h in zip(new_state, host, strict=True)]
   new_u = [

@@ -15,6 +15,7 @@ from offlax._src import (
   errors,
   flax_glue,
   memory,
+  nnx_hooks,
   offload_step,
   streaming,
   telemetry,
@@ -140,7 +141,9 @@ def offload(
     out, new_state = _run(values, state.step, apply)
     return out, new_state._replace(tier_ref=ref)
 
-  init = flax_glue.nnx_init(init_fn, lambda: tier.boxes_state)
+  # An nnx.Optimizer's update around MultiSteps(offload(...)) is fused for params on the
+  # device too (`nnx_hooks.fuses`): its patch is installed by the first init on Variables.
+  init = flax_glue.nnx_init(init_fn, lambda: tier.boxes_state, nnx_hooks.install_update)
   return OffloadTransformation(init, update_fn, apply_fn, inner, tier)
 
 

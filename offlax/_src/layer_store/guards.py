@@ -119,17 +119,15 @@ def optimizer_state(optimizer: Any, layers: Any, path: str, manifest: dict | Non
 def one_layer_state(optimizer: Any, layers: Any, where: str) -> Any:
   """`layer_step.one_layer_state`, refusing an optimizer wrapped by `offlax.offload`."""
   from offlax._src import tier as tier_lib
-  from offlax._src import transform
 
-  one, offloaded = None, isinstance(optimizer, transform.OffloadTransformation)
-  if not offloaded:
-    try:
-      one = layer_step.one_layer_state(optimizer, layers)
-    except errors.InvalidTierError:  # an NVMeTier inside a chain: its init refuses eval_shape
-      offloaded = True
-    else:  # an offload inside a chain: its state is an OffloadState
-      is_state = lambda x: isinstance(x, tier_lib.OffloadState)
-      offloaded = any(map(is_state, jax.tree.leaves(one, is_leaf=is_state)))
+  one, offloaded = None, False
+  try:
+    one = layer_step.one_layer_state(optimizer, layers)
+  except errors.InvalidTierError:  # an NVMeTier's init refuses eval_shape
+    offloaded = True
+  else:  # an offload, alone or inside a chain: its state is an OffloadState
+    is_state = lambda x: isinstance(x, tier_lib.OffloadState)
+    offloaded = any(map(is_state, jax.tree.leaves(one, is_leaf=is_state)))
   if offloaded:
     raise errors.TransformationTypeError(
       f"{where}: optimizer= is (or holds) an offlax.offload(...) transformation. A LayerStore "
