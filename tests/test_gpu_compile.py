@@ -528,45 +528,12 @@ def test_tunix_peft_trainers_own_step_compiles_with_params_in_host_memory(master
   Its `optax.global_norm(grads)` (offlax's hook for gradients in host memory) failed XLA:GPU's
   layout check ("async-start expects the async shape"); a host computation a leaf, flattened,
   aborted the process. The norm is one host computation of flat leaves; nothing else of the
-  model's runs on the host.
+  model's runs on the host. (More uses: `test_tunix_gpu_steps.py`, slow.)
   """
   pytest.importorskip("tunix")
-  from flax import nnx
-  from tunix.models.qwen3 import model as qwen3
-  from tunix.sft import peft_trainer, utils
+  from test_tunix_gpu_steps import compiled_tunix_step, tiny_qwen3
 
-  cfg = qwen3.ModelConfig(
-    num_layers=2, vocab_size=64, embed_dim=128, hidden_dim=512, num_heads=2, head_dim=64,
-    num_kv_heads=1, norm_eps=1e-6, rope_theta=1_000_000, dtype=jnp.bfloat16,
-    param_dtype=jnp.bfloat16,
-  )  # fmt: skip
-  model = offlax.offload_params(qwen3.Qwen3(cfg, rngs=nnx.Rngs(0)))
+  model = offlax.offload_params(tiny_qwen3(master=master))
   inner = offlax.master_weights(optax.adamw(1e-5)) if master else optax.adamw(1e-5)
-  trainer = peft_trainer.PeftTrainer(
-    model,
-    offlax.offload(inner, compute="host"),
-    peft_trainer.TrainingConfig(eval_every_n_steps=1000, max_steps=1),
-  )
-  trainer.with_gen_model_input_fn(
-    lambda x: {
-      "input_tokens": x.input_tokens,
-      "input_mask": x.input_mask,
-      "positions": utils.build_positions_from_mask(x.input_mask),
-      "attention_mask": utils.make_causal_attn_mask(x.input_mask),
-    }
-  )
-  graphdef, state = nnx.split((trainer.model, trainer.optimizer))
-
-  def step(state, batch):
-    model, optimizer = nnx.merge(graphdef, state)
-    loss, _, grad_norm = trainer._train_step(model, optimizer, batch)
-    return nnx.state((model, optimizer)), loss, grad_norm
-
-  batch = peft_trainer.TrainingInput(
-    input_tokens=jax.ShapeDtypeStruct((1, 32), jnp.int32),
-    input_mask=jax.ShapeDtypeStruct((1, 32), jnp.bool_),
-  )
-  compiled = offlax.compile_for_gpu(
-    jax.jit(step, donate_argnums=0), gpu_compile.state_specs(state), batch
-  )
-  assert compiled.host_compute == ()
+  compiled = compiled_tunix_step(model, offlax.offload(inner, compute="host"))
+  assert compiled.host_compute == (), compiled.table()

@@ -7,7 +7,7 @@ tests that pin each one run by default (`test_offload_params.py`, `test_state_bi
 Here the whole grid, slow: the wrappers of docs/exactness.md, fp32 and 8-bit state, the
 update streamed through the device or computed on the host, params on the device or in
 host memory (`offlax.offload_params`). Each step returns its gradients' global norm, as
-Tunix's `PeftTrainer` does (its own step: `test_gpu_compile.py`).
+Tunix's `PeftTrainer` does (its own step: `test_tunix_gpu_steps.py`).
 """
 
 import itertools
