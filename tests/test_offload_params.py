@@ -300,6 +300,20 @@ def test_flax_still_needs_the_optimizer_patch():
     optax.MultiSteps.init.__wrapped__(optax.MultiSteps(optax.sgd(0.1), 2), nnx.state(model))
 
 
+def test_to_host_installs_the_multi_steps_init_patch():
+  """Plain JAX, no `offload_params`: `optax.MultiSteps(offload(...)).init` of params that
+  `offlax.to_host` placed makes its accumulator in host memory (optax's own init raises JAX's
+  "Memory kind mismatch" there: the canary above)."""
+  from offlax._src import multi_steps, patches
+
+  patches.uninstall(multi_steps.INIT)
+  tx = optax.MultiSteps(offlax.offload(optax.adamw(1e-2), compute="host"), 2)
+  host = offlax.to_host({"w": jnp.ones((4, 3)), "b": jnp.zeros(3)})
+  assert patches.installed(multi_steps.INIT)
+  state = tx.init(host)
+  assert kinds(state.acc_grads) == {"pinned_host"}
+
+
 @pytest.mark.parametrize("grads_in", ["host", "device"])
 def test_multi_steps_accumulates_in_host_memory(grads_in):
   """`optax.MultiSteps` around a fused offload: optax's results, the accumulator in host memory.

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from offlax._src import layout as layout_lib
-from offlax._src import memory
+from offlax._src import memory, multi_steps
 from offlax._src import sharding as sharding_lib
 from offlax._src.compat import compute_on
 
@@ -61,6 +61,10 @@ def to_host(tree: Any, memory_kind: str = "pinned_host") -> Any:
   `SingleDeviceSharding` in host memory as device memory in specs built from it
   (an orbax restore target, AOT lowering), and a `NamedSharding` keeps it.
 
+  The first call installs offlax's patch of `optax.MultiSteps.init`
+  (docs/patches.md): for params in host memory it makes the accumulator there,
+  where optax's own init fails (JAX's "Memory kind mismatch").
+
   Args:
     tree: a pytree of arrays (e.g. ``nnx.state(model.blocks)``).
     memory_kind: ``"pinned_host"`` (what transfers need to be fast) or
@@ -74,6 +78,13 @@ def to_host(tree: Any, memory_kind: str = "pinned_host") -> Any:
     >>> offlax.to_host({"w": jnp.ones(3)})["w"].sharding.memory_kind
     'pinned_host'
   """
+  # optax.MultiSteps' init of params placed here: its accumulator beside them (docs/patches.md).
+  multi_steps.install()
+  return placed_on_host(tree, memory_kind)
+
+
+def placed_on_host(tree: Any, memory_kind: str = "pinned_host") -> Any:
+  """`to_host` without its patch: offlax's own moves."""
 
   def move(x):
     if not isinstance(x, jax.Array):
@@ -126,7 +137,7 @@ def _in_host_memory(x: Any) -> Any:
     return x
   if isinstance(x, jax.core.Tracer):
     return memory.to_host(x)
-  return to_host(x)
+  return placed_on_host(x)
 
 
 def zeros_like(x: Any, dtype: Any, *, host: bool) -> Any:

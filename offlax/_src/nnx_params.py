@@ -480,7 +480,7 @@ def _is_float(x: Any) -> bool:
 def _host_copy(x: Any, *, kind: str) -> Any:
   if isinstance(x, jax.ShapeDtypeStruct):
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=_host_sharding(x.sharding, kind))
-  return host_params.to_host(x, kind)
+  return host_params.placed_on_host(x, kind)
 
 
 def _host_sharding(sharding: Any, kind: str) -> jax.sharding.Sharding:
