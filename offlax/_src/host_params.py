@@ -156,11 +156,11 @@ def global_norm(tree: Any) -> jax.Array:
   """`optax.global_norm(tree)`, on the device, for a tree with leaves in host memory.
 
   The host leaves' sums of squares are computed on the host CPU, where they lie,
-  in one host computation, flat (`memory.flat`); only those scalars cross to the
-  device. One computation, not one a leaf: JAX lowers equal-shaped leaves'
-  computations to one function called from several places, and XLA:GPU's
-  host-compute wrapper then aborts the process compiling its reduction (a Tunix
-  Qwen3's gradients).
+  in one host computation: passed in flat (`memory.flat`), summed in their own
+  shapes (optax's rounding); only those scalars cross to the device. One
+  computation, not one a leaf: JAX lowers equal-shaped leaves' computations to
+  one function called from several places, and XLA:GPU's host-compute wrapper
+  then aborts the process compiling its reduction (a Tunix Qwen3's gradients).
   """
 
   def square_sum(x):
