@@ -78,7 +78,6 @@ def to_host(tree: Any, memory_kind: str = "pinned_host") -> Any:
     >>> offlax.to_host({"w": jnp.ones(3)})["w"].sharding.memory_kind
     'pinned_host'
   """
-  # optax.MultiSteps' init of params placed here: its accumulator beside them (docs/patches.md).
   multi_steps.install()
   return placed_on_host(tree, memory_kind)
 
@@ -168,17 +167,16 @@ def global_norm(tree: Any) -> jax.Array:
     return jnp.sum(jnp.square(x.real) + jnp.square(x.imag))
 
   leaves = jax.tree.leaves(tree)
-  shapes = [x.shape for x in leaves if memory.on_host(x)]
+  host = [x for x in leaves if memory.on_host(x)]
   on_host = compute_on(
     # Summed in the leaves' shapes: a flat sum may round differently (optax's norm differs).
     lambda xs: [
-      square_sum(memory.as_device_value(x).reshape(s)) for x, s in zip(xs, shapes, strict=True)
+      square_sum(memory.as_device_value(x).reshape(h.shape)) for x, h in zip(xs, host, strict=True)
     ],
     compute_type="device_host",
     out_memory_spaces=jax.memory.Space.Host,
   )
-  host = [memory.flat(x) for x in leaves if memory.on_host(x)]
-  host_sums = iter(on_host(host) if host else ())
+  host_sums = iter(on_host([memory.flat(x) for x in host]) if host else ())
   # Added in the leaves' order, as optax adds them.
   sums = [memory.to_device(next(host_sums)) if memory.on_host(x) else square_sum(x) for x in leaves]
   return jnp.sqrt(sum(sums)) if sums else jnp.zeros(())

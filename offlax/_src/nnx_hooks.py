@@ -242,7 +242,8 @@ def fuses(optimizer: Any, model: Any) -> bool:
   from flax import nnx
 
   tx, state = optimizer.tx, optimizer.opt_state
-  if apply.fused_update_and_apply(tx) is None and not apply.holds_offload_state(state):
+  fused = apply.fused_update_and_apply(tx) is not None
+  if not fused and not apply.holds_offload_state(state):
     return False  # no offload inside: Flax's update is the step
   params = nnx.state(model, optimizer.wrt, graph=getattr(optimizer, "graph", None))
   if memory.any_on_host(jax.tree.leaves(nnx.as_pure(params))):
@@ -251,7 +252,7 @@ def fuses(optimizer: Any, model: Any) -> bool:
   # gradient_accumulation_steps) around a fused step. Its own update selects every state
   # leaf with `jnp.where` each micro-step, which XLA:GPU runs on the host CPU for state in
   # host memory; the fused step updates the state at the k-th micro-step only.
-  return isinstance(tx, optax.MultiSteps) and apply.fused_update_and_apply(tx) is not None
+  return isinstance(tx, optax.MultiSteps) and fused
 
 
 def nnx_update(optimizer: Any, model: Any, grads: Any, /, **kwargs: Any) -> None:
