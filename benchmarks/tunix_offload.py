@@ -149,6 +149,11 @@ def compile_step(
   rest of the model is offloaded to host memory as without it. `rest_tier`, where given
   (an `offlax.NVMeTier`), holds the rest's optimizer state instead of host memory. `cfg`:
   a Tunix config of `case`'s family to compile instead of `case`'s own.
+
+  The step is Tunix's without its logged `optax.global_norm(grads)`: with it,
+  XLA's scheduler spends memory the card has to spare (Qwen3-14B at one layer:
+  3.81 GB at the RTX 4090's memory, 2.25 GB without it, and 2.25 GB with it
+  under ``device_memory_size=3e9``); its host bytes are the same.
   """
   import jax
   import jax.numpy as jnp

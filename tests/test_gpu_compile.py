@@ -527,8 +527,9 @@ def test_tunix_peft_trainers_own_step_compiles_with_params_in_host_memory(master
 
   Its `optax.global_norm(grads)` (offlax's hook for gradients in host memory) failed XLA:GPU's
   layout check ("async-start expects the async shape"); a host computation a leaf, flattened,
-  aborted the process. The norm is one host computation of flat leaves; nothing else of the
-  model's runs on the host. (More uses: `test_tunix_gpu_steps.py`, slow.)
+  aborted the process. The step's gradients are now summed on the device before their copy to
+  the host (host inputs: one host computation of flat leaves); nothing of the model's runs on
+  the host. (More uses: `test_tunix_gpu_steps.py`, slow.)
   """
   pytest.importorskip("tunix")
   from test_tunix_gpu_steps import compiled_tunix_step, tiny_qwen3

@@ -101,8 +101,9 @@ def train(model, tx, steps=3, wrt=nnx.Param, traces=None):
   return [float(step(model, optimizer)) for _ in range(steps)]
 
 
-def compiled_step(model, tx):
-  """``(compile_for_gpu of the model's whole train step with tx, the nnx.Optimizer)``."""
+def compiled_step(model, tx, norm=False):
+  """``(compile_for_gpu of the model's whole train step with tx, the nnx.Optimizer)``; with
+  `norm`, the step also returns ``optax.global_norm(grads)``, as Tunix's does."""
   from offlax._src import gpu_compile
 
   optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
@@ -111,8 +112,9 @@ def compiled_step(model, tx):
   def step(state):
     model, optimizer = nnx.merge(graphdef, state)
     loss, grads = nnx.value_and_grad(loss_fn)(model)
+    out = (loss, optax.global_norm(grads)) if norm else loss
     optimizer.update(model, grads)
-    return nnx.state((model, optimizer)), loss
+    return nnx.state((model, optimizer)), out
 
   step = jax.jit(step, donate_argnums=0)  # XLA:GPU needs its simplifier: conftest.py gives it
   return offlax.compile_for_gpu(step, gpu_compile.state_specs(state)), optimizer
@@ -281,6 +283,30 @@ def test_the_norm_of_host_gradients_is_optaxs_to_the_bit(dtype):
     assert_trees_equal(norm([x, y]), want([y, y]))
 
 
+def test_the_norm_of_a_steps_host_gradients_is_summed_from_their_device_values():
+  """A step's gradients of params in host memory are copies the backward pass made of device
+  values; the norm sums those (`memory.device_source`, JAX's tracing record: a JAX that keeps
+  it elsewhere fails here) and runs no host computation, and it is optax's norm of the
+  gradients, bit for bit. Program inputs in host memory take the host computation (above)."""
+  from offlax._src import memory
+
+  model = offlax.offload_params(ListModel(nnx.Rngs(0)))
+  graphdef, state = nnx.split(model)
+  found = []
+
+  def step(state):
+    grads = nnx.grad(loss_fn)(nnx.merge(graphdef, state))
+    found.extend(memory.device_source(g) is not None for g in jax.tree.leaves(grads))
+    on_device = jax.tree.map(memory.to_device, grads)
+    return optax.global_norm(grads), optax.global_norm.__wrapped__(on_device)
+
+  assert "device_host" not in str(jax.make_jaxpr(step)(state))  # no host computation
+  assert found and all(found), found
+  got, want = jax.jit(step)(state)
+  assert_trees_equal(got, want)
+  assert memory.device_source(jax.tree.leaves(state)[0]) is None  # not traced: no record
+
+
 def test_flax_still_needs_the_optimizer_patch():
   """Canary (docs/patches.md): Flax's update and optax's norm still fail on host params."""
   from offlax._src import nnx_hooks
@@ -391,6 +417,21 @@ def test_multi_steps_on_device_params_compiles_for_gpu_with_no_host_selects():
     MLP(nnx.Rngs(0)), optax.MultiSteps(offlax.offload(optax.adamw(1e-2), compute="host"), 2)
   )
   assert c.host_compute == (), c.table()
+
+
+@pytest.mark.skipif(
+  not offlax.extend.gpu_compile_available(), reason="needs offlax[gpu-compile] (jax-cuda12-plugin)"
+)
+def test_the_norm_of_host_gradients_adds_no_host_copy_on_a_gpu():
+  """Tunix's `optax.global_norm(grads)` beside the update, params in host memory, compiled by
+  XLA:GPU: the host bytes are the step's without the norm. Summed from the host copies,
+  XLA:GPU hoisted the reshape into the host computation to the device and copied each 2-D
+  gradient to the host a second time (twice the gradients' host bytes)."""
+  tx = offlax.offload(optax.adamw(1e-2), compute="host")
+  plain, _ = compiled_step(offlax.offload_params(MLP(nnx.Rngs(0))), tx)
+  normed, _ = compiled_step(offlax.offload_params(MLP(nnx.Rngs(0))), tx, norm=True)
+  assert normed.host == plain.host, (normed.table(), plain.table())
+  assert normed.host_compute == (), normed.table()
 
 
 @pytest.mark.skipif(

@@ -154,8 +154,11 @@ def zeros_like(x: Any, dtype: Any, *, host: bool) -> Any:
 def global_norm(tree: Any) -> jax.Array:
   """`optax.global_norm(tree)`, on the device, for a tree with leaves in host memory.
 
-  The host leaves' sums of squares are computed on the host CPU, where they lie,
-  in one host computation: passed in flat (`memory.flat`), summed in their own
+  A gradient the step copied to the host (a backward pass through params in
+  host memory) is summed on the device, from the value copied
+  (`memory.device_source`): one host copy of it, as without the norm. Other
+  host leaves (program inputs) are summed on the host CPU, where they lie, in
+  one host computation: passed in flat (`memory.flat`), summed in their own
   shapes (optax's rounding); only those scalars cross to the device. One
   computation, not one a leaf: JAX lowers equal-shaped leaves' computations to
   one function called from several places, and XLA:GPU's host-compute wrapper
@@ -166,7 +169,7 @@ def global_norm(tree: Any) -> jax.Array:
     x = memory.as_device_value(x)
     return jnp.sum(jnp.square(x.real) + jnp.square(x.imag))
 
-  leaves = jax.tree.leaves(tree)
+  leaves = [_device_value(x) for x in jax.tree.leaves(tree)]
   host = [x for x in leaves if memory.on_host(x)]
   on_host = compute_on(
     # Summed in the leaves' shapes: a flat sum may round differently (optax's norm differs).
@@ -180,3 +183,9 @@ def global_norm(tree: Any) -> jax.Array:
   # Added in the leaves' order, as optax adds them.
   sums = [memory.to_device(next(host_sums)) if memory.on_host(x) else square_sum(x) for x in leaves]
   return jnp.sqrt(sum(sums)) if sums else jnp.zeros(())
+
+
+def _device_value(x: Any) -> Any:
+  """`x`, or the device value the step copied to the host as `x`."""
+  source = memory.device_source(x) if memory.on_host(x) else None
+  return x if source is None else source

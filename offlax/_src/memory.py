@@ -65,6 +65,31 @@ def flat(x: Any) -> Any:
   return x.reshape(-1)
 
 
+def device_source(x: Any) -> Any | None:
+  """The device value the current trace copied to host memory as `x`, or None.
+
+  A backward pass through params in host memory makes each gradient on the
+  device and copies it to the host (the transpose of the forward's
+  `device_put`). What reads that gradient on the device (a norm) should read
+  the device value: read from the host copy, XLA:GPU hoists whatever the read
+  needs first (a reshape) to the device and copies the gradient a second time.
+
+  This reads JAX's record of the traced operation that made `x` (a tracer's
+  `parent` and `val`: JAX 0.10's tracing internals); anything else (a program
+  input, a loop carry, a value made on the host, another JAX) gives None, and
+  the caller reads the host value (`tests/test_offload_params.py` holds that a
+  step's gradients are found).
+  """
+  eqn: Any = getattr(x, "parent", None)
+  if getattr(getattr(eqn, "primitive", None), "name", None) != "device_put":
+    return None
+  try:
+    source = eqn.in_tracers[[v is x.val for v in eqn.outvars].index(True)]
+  except (AttributeError, IndexError, ValueError):
+    return None
+  return None if on_host(source) else source
+
+
 def sharding_kind(x: Any) -> str:
   """``"host"`` or ``"device"``: the memory a concrete array's or spec's sharding names.
 
