@@ -43,6 +43,7 @@ from test_layer_update import (
 import offlax
 from offlax._src import errors
 from offlax._src.layer_store import clip as clip_lib
+from offlax._src.layer_store import micro
 from offlax._src.layer_store import slots as slots_lib
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -359,12 +360,12 @@ def micro_steps(store, last=range(3, -1, -1)):
   down; the last one's layers `last` only."""
   store.source(accumulate=True)
   for i in range(3, -1, -1):
-    store.put_grads(True, i, *G1)
+    store.put_grads(micro.Micro(accumulate=True), i, *G1)
   store.flush_grads()
   store.source(accumulate=True, last=True)
   for i in last:
     store.fetch(i)
-    store.put_grads("last", i, *G2)
+    store.put_grads(micro.Micro(accumulate=True, last=True), i, *G2)
 
 
 @pytest.mark.parametrize("drop", ["cut-short", "early-update"])
@@ -427,7 +428,7 @@ def test_a_dropped_step_s_kept_writes_land_before_zero_grads(tmp_path, monkeypat
     monkeypatch.setattr(slots_lib.Slots, "write_raw", slow_write)
     store.source()
     store.fetch(3)
-    store.put_grads(False, 3, *G2)  # and the backward pass stops
+    store.put_grads(micro.STEP, 3, *G2)  # and the backward pass stops
     assert writing.wait(10)
     with pytest.warns(errors.StepNotCommittedWarning, match="stopped before handing"):
       store.zero_grads()
@@ -443,7 +444,7 @@ def test_ctrl_c_in_update_stops_the_clip_s_redo(tmp_path, monkeypatch):
     store.source()
     for i in range(3, -1, -1):
       store.fetch(i)
-      store.put_grads(False, i, *G2)
+      store.put_grads(micro.STEP, i, *G2)
     store.update()
     want = store.read_params()
   read, write, redo = slots_lib.Slots.read_slot, slots_lib.Slots.write_slot, []
@@ -465,7 +466,7 @@ def test_ctrl_c_in_update_stops_the_clip_s_redo(tmp_path, monkeypatch):
     store.source()
     for i in range(3, -1, -1):
       store.fetch(i)
-      store.put_grads(False, i, *G2)
+      store.put_grads(micro.STEP, i, *G2)
     interrupted(store.update)
     assert store.step == 0
     assert redo.count(1) <= 2, redo  # of 8 units' params: the redo stopped at the next unit
@@ -473,7 +474,7 @@ def test_ctrl_c_in_update_stops_the_clip_s_redo(tmp_path, monkeypatch):
     store.source()
     for i in range(3, -1, -1):
       store.fetch(i)
-      store.put_grads(False, i, *G2)
+      store.put_grads(micro.STEP, i, *G2)
     store.update()
     assert_bits(store.read_params(), want)
 
@@ -494,13 +495,13 @@ def test_a_failed_last_micro_step_says_to_zero_the_sum(tmp_path, monkeypatch):
     monkeypatch.setattr(slots_lib.Slots, "write_raw", full)
     store.source(accumulate=True)
     for i in range(3, -1, -1):
-      store.put_grads(True, i, *G1)
+      store.put_grads(micro.Micro(accumulate=True), i, *G1)
     store.flush_grads()
     armed = True
     store.source(accumulate=True, last=True)
     for i in range(3, -1, -1):
       store.fetch(i)
-      store.put_grads("last", i, *G2)
+      store.put_grads(micro.Micro(accumulate=True, last=True), i, *G2)
     with pytest.raises(errors.StoreError, match=r"free space on the disk, then call "
                        r"store.zero_grads\(\) and run the step's micro-steps again"):  # fmt: skip
       store.update()

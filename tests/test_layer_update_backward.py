@@ -34,6 +34,7 @@ from test_layer_update import (
 import offlax
 from offlax._src import errors
 from offlax._src.layer_store import files as layer_files
+from offlax._src.layer_store import micro
 from offlax._src.layer_store import rest as layer_rest
 from offlax._src.layer_store import slots as slots_lib
 
@@ -240,7 +241,7 @@ def backward_pass(store, grads=GRADS):
   """Layer L-1 down to 0: each read (the rematerialised forward), then its gradient handed off."""
   for i in range(3, -1, -1):
     store.fetch(i)
-    store.put_grads(False, i, *grads)
+    store.put_grads(micro.STEP, i, *grads)
 
 
 def explicit_step(path):
@@ -302,7 +303,7 @@ def test_a_second_backward_pass_before_update_is_refused(tmp_path):
   backward_pass(store)
   with pytest.raises(errors.IncompleteStepError, match=r"step 1's, all handed off and updated, "
                      r"were not committed: call update\(\) between backward passes"):  # fmt: skip
-    store.put_grads(False, 3, *GRADS)  # no read between: two gradients in one program
+    store.put_grads(micro.STEP, 3, *GRADS)  # no read between: two gradients in one program
   assert store.step == 0
   assert store.update() == 1  # the step kept, committed against the params it was taken at
   assert_bits(store.read_params(), explicit_step(tmp_path / "e"))
@@ -380,7 +381,7 @@ def test_close_warns_of_a_step_cut_short_and_forgets_the_layers_kept(tmp_path):
   store = tiny(tmp_path / "s")
   for i in (3, 2):  # a backward pass stopped (an error in the step) after two layers
     store.fetch(i)
-    store.put_grads(False, i, *GRADS)
+    store.put_grads(micro.STEP, i, *GRADS)
   read = weakref.ref(store.fetch(1)[0])  # kept for the update: the params of a layer read
   with pytest.warns(errors.StepNotCommittedWarning, match=r"step 1 was dropped, not committed: "
                     r"its backward pass had handed off 2 of the 4 layers' gradients when "
@@ -438,13 +439,13 @@ def test_a_step_cut_short_says_which_layers_came(tmp_path):
   with tiny(tmp_path / "s") as store:
     for i in (3, 2):
       store.fetch(i)
-      store.put_grads(False, i, *GRADS)
+      store.put_grads(micro.STEP, i, *GRADS)
     want = r"since step 0 handed off the gradients of layers 3 down to 2 only \(2 of 4; layer 1's"
     with pytest.raises(errors.IncompleteStepError, match=want + " was due next"):
       store.update()
     with pytest.raises(errors.IncompleteStepError, match=r"layer 2's gradient reached the host "
                        r"outside a step .* Run the step's backward pass whole"):  # fmt: skip
-      store.put_grads(False, 2, *GRADS)
+      store.put_grads(micro.STEP, 2, *GRADS)
     backward_pass(store)
     assert store.update() == 1
     # What the update read from disk: the state only (the params kept, the gradients handed).

@@ -136,14 +136,14 @@ def test_the_store_accumulates_as_optax_multi_steps():
     state = tx_k.init(jnp.zeros(64))
     acc = np.full(64, np.nan, np.float32)  # what is on disk before the first is not read
     for n, g in enumerate(grads):
-      acc = micro.combine(micro.Micro(n, n == 2, mean), lambda: acc, g.copy())  # noqa: B023
+      acc = micro.combine(micro.Micro(True, n == 2, n, mean), lambda: acc, g.copy())  # noqa: B023
       if n < 2:
         state = tx_k.update(jnp.asarray(g), state)[1]
     want = jax.jit(functools.partial(tx_k._acc_update, n_acc=2))(grads[2], state.acc_grads)
     np.testing.assert_array_equal(acc, np.asarray(want))
   plan = micro.Plan("s", 2, 0, True)
-  assert plan.mode(True) == micro.Micro(0, False, True) and not plan.advance(1, 2)
-  assert plan.mode(True) == plan.mode(False) == micro.Micro(1, True, True)
+  assert plan.mode(True) == micro.Micro(True, False, 0, True) and not plan.advance(1, 2)
+  assert plan.mode(True) == plan.mode(False) == micro.Micro(True, True, 1, True)
   assert plan.advance(0, 2)
   with pytest.raises(errors.StoreMismatchError, match="micro-step 0 of 2.*accumulated 1"):
     plan.advance(0, 2)

@@ -100,10 +100,10 @@ def refuse(mode: str, what: str, path: str) -> None:
     )
 
 
-def hand_off(accumulate: bool, last: bool, path: str, mode: str, grads: Any) -> bool | str:
-  """What `LayerStore.source(accumulate=, last=)` asks of the hand-off: False, True or "last".
+def hand_off(accumulate: bool, last: bool, path: str, mode: str, grads: Any) -> micro.Micro:
+  """What `LayerStore.source(accumulate=, last=)` asks of the hand-off (a `micro.Micro`).
 
-  "last" only in the ``"backward"`` mode: in the explicit one the last micro-step adds its
+  ``last`` only in the ``"backward"`` mode: in the explicit one the last micro-step adds its
   gradients as those before do, and the same value keeps one compiled step for both.
   With ``accumulate``, `grads` (the store's `GradientWriter` or `BackwardStep`) refuses a
   sum a dropped step wrote over (`IncompleteStepError`: `zero_grads`, then the micro-steps
@@ -117,7 +117,7 @@ def hand_off(accumulate: bool, last: bool, path: str, mode: str, grads: Any) -> 
     )
   if accumulate:
     grads.check_sum(path)
-  return "last" if last and mode == "backward" else bool(accumulate)
+  return micro.Micro(bool(accumulate), bool(last and mode == "backward"))
 
 
 def step_parts(
@@ -169,7 +169,7 @@ class BackwardStep:
     self._writer = writer
     # The step in flight's hand-off: one per step, so a worker of a step dropped (or cut
     # short by Ctrl-C) never takes the next step's gradients.
-    self._handoff = Handoff(slots.n_layers, writer.queued, last=False)
+    self._handoff = Handoff(slots.n_layers, writer.queued, micro.STEP)
     self._worker = concurrent.futures.ThreadPoolExecutor(1, "offlax-backward-update")
     self._lock = threading.RLock()
     self._run: concurrent.futures.Future | None = None  # the step in flight's worker
@@ -201,8 +201,8 @@ class BackwardStep:
     """Leaf `k` of layer `i`'s gradient from `handoff` (plus the sum on disk, ending an
     accumulation) and its params of generation `gen`, as the model read them (else read now)."""
     grad = handoff.take(i, k)
-    if handoff.last:
-      grad, read = _plus_sum_on_disk(self._slots, k, i, grad, rows[k], flight, handoff.last)
+    if handoff.mode.last:
+      grad, read = _plus_sum_on_disk(self._slots, k, i, grad, rows[k], flight, handoff.mode)
       handoff.read_bytes += read
     param = self._kept.take(i, k)
     if param is None:  # not kept (another reader's order): read now
@@ -210,23 +210,22 @@ class BackwardStep:
       handoff.read_bytes += param.nbytes
     return self.spec.keep(i, k, grad), param  # (kept for a clip's redo)
 
-  def put(self, accumulate: bool | str | micro.Micro, i: Any, *grads: np.ndarray) -> np.ndarray:
+  def put(self, mode: micro.Micro, i: Any, *grads: np.ndarray) -> np.ndarray:
     """Layer `i`'s gradients (a callback): copied out, the layer updated by the worker. A
-    micro-step before the last (``accumulate`` True) adds them into those on disk instead; the
-    last (``"last"``) adds those on disk to them (refused where spent: `check_sum`)."""
-    if accumulate is True or isinstance(accumulate, micro.Micro) and not accumulate.last:
-      return self._writer.put(accumulate, i, *grads)
+    micro-step before the last (`mode`) adds them into those on disk instead; the last adds
+    those on disk to them (refused where spent: `check_sum`)."""
+    if mode.accumulate and not mode.last:
+      return self._writer.put(mode, i, *grads)
     i = int(i)
     leaves = [np.array(g) for g in grads]  # a copy: the callback's buffers are XLA's
     with self._lock:
       if i == self._slots.n_layers - 1:  # a new step's first layer
         self._refuse_second_pass()
         self._drop(_CUT)  # one cut short (its backward pass failed)
-        last = accumulate if isinstance(accumulate, micro.Micro) else accumulate == "last"
-        if last:
+        if mode.last:
           self._writer.check_sum(self._commits.path)  # a step dropped wrote over the sum
           self._writer.wait_writes()  # the micro-steps' sums on disk before the worker reads
-        self._start(last)
+        self._start(mode)
       elif self._run is None:
         raise _outside(i, self._slots.n_layers)
       handoff = self._handoff  # this step's, taken under the lock
@@ -244,11 +243,11 @@ class BackwardStep:
       raise self._failed("LayerStore (the next backward pass)")
     raise _second_pass(self._commits.path, self._commits.step + 1)
 
-  def _start(self, last: bool | micro.Micro) -> None:
+  def _start(self, mode: micro.Micro) -> None:
     commits = self._commits
     self._writer.settle_kept()  # (none: a step dropped settles its own, `_settle`)
     self._target, self._late = commits.free_generation(), None
-    self._handoff = self.spec.start(Handoff(self._slots.n_layers, self._writer.queued, last))
+    self._handoff = self.spec.start(Handoff(self._slots.n_layers, self._writer.queued, mode))
     layers = range(self._slots.n_layers - 1, -1, -1)
     self._run = self._worker.submit(
       self._work, self._handoff, commits.generation, self._target, commits.step + 1, layers
@@ -399,12 +398,13 @@ _CUT = "its backward pass stopped before handing off every layer"
 
 
 def _plus_sum_on_disk(slots: Slots, k: int, i: int, grad: np.ndarray, rows: int | None,
-                      flight: ranges_lib.Flight, mode: Any) -> tuple[np.ndarray, int]:  # fmt: skip
+                      flight: ranges_lib.Flight,
+                      mode: micro.Micro) -> tuple[np.ndarray, int]:  # fmt: skip
   """`grad`, the worker's own copy of the last micro-step's gradient, plus the accumulated sum
   on disk (leaf `k`, layer `i`), and the bytes read: whole, or with a budget a range of `rows`
   rows at a time added into `grad` (`ranges.plan`), each read counted in `flight` while held.
-  A trainer's micro-step (`mode`, a `micro.Micro`) combines them as its optimizer does."""
-  if isinstance(mode, micro.Micro) and mode.n == 0:  # (k = 1: no accumulator on disk)
+  A trainer's micro-step (`mode.n`) combines them as its optimizer does."""
+  if mode.n == 0:  # (a trainer's k = 1: no accumulator on disk)
     return micro.combine(mode, lambda: grad, grad), 0
   if rows is None:
     parts: Iterable[tuple[Any, np.ndarray]] = [(None, slots.read_slot("grads", 0, k, i))]

@@ -66,15 +66,15 @@ class GradientWriter:
     self._spent_mark = os.path.join(slots.path, "grads", SPENT)
     self._spent = os.path.exists(self._spent_mark)
 
-  def put(self, accumulate: bool | str | micro.Micro, i: Any, *grads: np.ndarray) -> np.ndarray:
+  def put(self, mode: micro.Micro, i: Any, *grads: np.ndarray) -> np.ndarray:
     """Layer `i`'s gradients (a callback): copied out, written behind compute."""
     i = int(i)
     # warns where unused ones are overwritten
-    self._ledger.written(i, bool(accumulate), self._step())
+    self._ledger.written(i, mode.accumulate, self._step())
     records = self._slots.records
     slots = [files.to_slot(np.asarray(g), r["slot"]) for g, r in zip(grads, records, strict=True)]
     self._drain(self._pending, self.queued - 1)  # bounds the RAM queued; raises a failed write
-    self._pending.append(self._writer.submit(self._store, accumulate, i, slots))
+    self._pending.append(self._writer.submit(self._store, mode, i, slots))
     return np.zeros((), np.float32)
 
   def flush(self) -> None:
@@ -175,14 +175,14 @@ class GradientWriter:
         done = queue.popleft()
       done.result()
 
-  def _store(self, accumulate: Any, i: int, slots: list[np.ndarray]) -> None:
+  def _store(self, mode: micro.Micro, i: int, slots: list[np.ndarray]) -> None:
     for k, slot in enumerate(slots):
       r = self._slots.records[k]
       count = int(np.prod(r["shape"], dtype=np.int64)) * np.dtype(r["dtype"]).itemsize
       new = slot[:count].view(np.dtype(r["dtype"]))
-      if accumulate:  # (a trainer's micro-step, `micro.Micro`: its mean, or sum)
+      if mode.accumulate:  # (a trainer's micro-step: its mean, or sum)
         old = lambda: self._slots.read_slot("grads", 0, k, i).reshape(-1)  # noqa: B023
-        new[...] = micro.combine(accumulate, old, new)
+        new[...] = micro.combine(mode, old, new)
       self._write(k, i, slot, new)
 
   def _write(self, k: int, i: int, slot: np.ndarray, values: np.ndarray) -> None:

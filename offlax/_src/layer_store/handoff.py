@@ -24,12 +24,12 @@ class Aborted(Exception):
 class Handoff:
   """The gradients handed off by the backward pass, in its order, until the worker takes them."""
 
-  def __init__(self, n_layers: int, queued: int, last: bool | Micro):
+  def __init__(self, n_layers: int, queued: int, mode: Micro):
     self._n, self._queued = n_layers, queued
     self._cond = threading.Condition()
     self._layers: dict[int, list[np.ndarray]] = {}
     self._next, self._aborted = n_layers - 1, False  # layer L-1's gradient comes first
-    self.last = last  # the step ends an accumulation (a trainer's: `Micro`): with those on disk
+    self.mode = mode  # ``mode.last``: the step ends an accumulation, with the sum on disk
     self.where: list[tuple[int, int]] = []  # the unit where its worker failed (`step.run`)
     self.read_bytes = 0  # what its update read from disk beside `step.run`'s own reads
     self.interrupted = False  # aborted by Ctrl-C in `update`: its worker may outlive the call

@@ -11,7 +11,7 @@ worker updates the layer (`backward`), the same expression in the same dtype, so
 the layers get optax's mean to the bit (float32; another dtype rounds each
 operation where XLA may keep more precision between them).
 
-The model's source hands off with ``accumulate=False``; the store's plan (`plan_of`:
+The model's source hands off a step of one batch (`STEP`); the store's plan (`plan_of`:
 the `nnx.Optimizer` made last for its model sets it, or clears it) says what the
 hand-off of the pass in flight does instead (`Plan.mode`, a `Micro`). The commit in
 the update (`nnx_store_commit`) tells the plan which micro-step comes next, from
@@ -30,31 +30,40 @@ from offlax._src import errors
 
 
 class Micro(NamedTuple):
-  """A micro-step's hand-off (the ``accumulate`` that `LayerStore.put_grads` passes on).
+  """A backward pass's hand-off of its gradients to the store (`LayerStore.put_grads`).
 
   Attributes:
-    n: the micro-step's index in its accumulation (0: the first, the accumulator zeros).
-    last: whether it is the k-th: the layer is updated with the accumulated gradient.
-    mean: `optax.MultiSteps`' running mean (its default), else the sum.
+    accumulate: whether they are combined with the accumulator on disk (a micro-step of a
+      gradient accumulation), not written over it.
+    last: whether the pass ends an accumulation: each layer is updated with the combination
+      as it arrives (``update="backward"``; the explicit mode's last micro-step adds as those
+      before it do).
+    n: the trainer's micro-step (`optax.MultiSteps`; 0: the accumulator is zeros), or None:
+      the store's own accumulation (``source(accumulate=True)``), a sum into what is on disk.
+    mean: with a trainer's `n`, `optax.MultiSteps`' running mean (its default), else the sum.
   """
 
-  n: int
-  last: bool
-  mean: bool
+  accumulate: bool = False
+  last: bool = False
+  n: int | None = None
+  mean: bool = False
 
 
-def combine(mode: Any, old: Callable[[], np.ndarray], new: np.ndarray) -> np.ndarray:
+STEP = Micro()  # a step of one batch: the gradients written over those on disk
+
+
+def combine(mode: Micro, old: Callable[[], np.ndarray], new: np.ndarray) -> np.ndarray:
   """A micro-step's gradient `new` combined with the accumulator (`old()` reads it).
 
   Args:
-    mode: True (the store's own accumulation: a sum) or a `Micro`.
-    old: reads the accumulator on disk (not read for a `Micro`'s first micro-step: zeros).
+    mode: the micro-step (``mode.accumulate``).
+    old: reads the accumulator on disk (not read for a trainer's first micro-step: zeros).
     new: the micro-step's gradient.
 
   Returns:
     The new accumulator, in `new`'s dtype: optax's ``acc + (g - acc) / (n + 1)`` for a mean.
   """
-  if not isinstance(mode, Micro):
+  if mode.n is None:
     return old() + new
   acc = np.zeros_like(new) if mode.n == 0 else old()
   if not mode.mean:
@@ -92,7 +101,7 @@ class Plan:
         "accumulation starts afresh at micro-step 0."
       )
     self.started = self.started or first
-    return Micro(self.n, self.n == self.k - 1, self.mean)
+    return Micro(True, self.n == self.k - 1, self.n, self.mean)
 
   def advance(self, mini_step: int, k: int) -> bool:
     """After a micro-step (the commit's callback): the optimizer's ``mini_step`` and k after

@@ -4,11 +4,11 @@ The scan runs over the layer index, and its body reads layer i by a
 `jax.pure_callback` whose results (one layer's leaves) land in device memory.
 The read is a `jax.custom_vjp`: its backward rule hands layer i's gradient to
 the store by an unordered `io_callback` (the store writes it behind, or adds
-it into what is there with ``accumulate``; ``"last"``: the last micro-step, see
-`backward`) and returns, as the cotangent of the
-source's token (a zero per layer, the source's only pytree leaf), the zero that
-callback returns: the hand-off is a dependency of the gradient the caller
-gets, so no pass drops it, and the gradients never form a model-sized buffer.
+it into what is there: a `micro.Micro` says which, see `backward`) and
+returns, as the cotangent of the source's token (a zero per layer, the
+source's only pytree leaf), the zero that callback returns: the hand-off is a
+dependency of the gradient the caller gets, so no pass drops it, and the
+gradients never form a model-sized buffer.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from offlax._src import host_callbacks
+from offlax._src.layer_store import micro
 
 
 @jax.tree_util.register_pytree_node_class
@@ -30,11 +31,11 @@ class LayerSource:
   gradient is zeros that depend on those writes.
   """
 
-  def __init__(self, token: Any, store: Any, accumulate: bool | str):
-    self.token, self.store, self.accumulate = token, store, accumulate
+  def __init__(self, token: Any, store: Any, mode: micro.Micro):
+    self.token, self.store, self.mode = token, store, mode
 
   def tree_flatten(self):
-    return (self.token,), (self.store, self.accumulate)
+    return (self.token,), (self.store, self.mode)
 
   @classmethod
   def tree_unflatten(cls, aux, children):
@@ -46,7 +47,7 @@ class LayerSource:
 
   def read(self, i: Any, token: Any) -> Any:
     """Layer `i` (traced) as a pytree on the device; its gradient goes to the store."""
-    return _read(self.store, self.accumulate, i, token)
+    return _read(self.store, self.mode, i, token)
 
 
 def _fetch_callback(store: Any, i, token):
@@ -58,7 +59,7 @@ def _fetch_callback(store: Any, i, token):
   )
 
 
-def _read(store: Any, accumulate: bool | str, i, token):
+def _read(store: Any, mode: micro.Micro, i, token):
   @jax.custom_vjp
   def read(i, token):
     return _fetch_callback(store, i, token)
@@ -67,7 +68,7 @@ def _read(store: Any, accumulate: bool | str, i, token):
     return _fetch_callback(store, i, token), i
 
   def bwd(i, grads):
-    write = lambda i, *g: [store.put_grads(accumulate, i, *g)]
+    write = lambda i, *g: [store.put_grads(mode, i, *g)]
     [done] = host_callbacks.call(
       write, [jax.ShapeDtypeStruct((), jnp.float32)], i, *grads, side_effect=True
     )

@@ -26,6 +26,7 @@ import numpy as np
 
 from offlax._src import errors
 from offlax._src.layer_store import clip as clip_lib
+from offlax._src.layer_store import micro
 from offlax._src.layer_store import step as layer_step
 from offlax._src.layer_store.grads import GradientWriter
 from offlax._src.layer_store.handoff import Aborted, Handoff
@@ -57,7 +58,7 @@ class Speculation:
     self.whole: Any = None  # a clip by the whole model's norm (`whole_norm.attach`)
     # The leaves kept this step (`keep`): all of them, and the layers' squares are the step's.
     self._kept, self._all_kept = 0, threading.Event()
-    self._handoff = Handoff(slots.n_layers, writer.queued, last=False)  # the step's (`start`)
+    self._handoff = Handoff(slots.n_layers, writer.queued, micro.STEP)  # the step's (`start`)
 
   def settle(self, handoff: Handoff, path: str) -> bool:
     """After a step dropped (its worker ended, `handoff` its): its kept gradients' writes waited
@@ -73,7 +74,7 @@ class Speculation:
         ),
         stacklevel=4,
       )
-    spent = self.max_norm is not None and handoff.last and handoff.started
+    spent = self.max_norm is not None and handoff.mode.last and handoff.started
     if spent:
       self._writer.spend()
     return spent

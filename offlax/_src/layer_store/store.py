@@ -316,11 +316,10 @@ class LayerStore(_Reads):
       return self._grads.read(i, self._reads.fetch)
     return self._reads.fetch(i)
 
-  def put_grads(self, accumulate: bool | str, i: Any, *grads: np.ndarray) -> np.ndarray:
+  def put_grads(self, mode: micro.Micro, i: Any, *grads: np.ndarray) -> np.ndarray:
     """Layer `i`'s gradients (a callback): copied out, written behind compute. A model's
     source of a trainer that accumulates (`micro.plan_of`) hands off as its micro-step asks."""
-    mode: bool | str | micro.Micro = accumulate
-    plan = micro.plan_of(self) if accumulate is False else None
+    plan = micro.plan_of(self) if mode == micro.STEP else None
     if plan is not None:
       mode = plan.mode(int(i) == self.n_layers - 1)
     return self._grads.put(mode, i, *grads)
