@@ -26,7 +26,7 @@ from test_layer_store_nnx import Model, batch, train_step
 
 import offlax
 from offlax._src import errors, nnx_store_commit
-from offlax._src.layer_store import micro
+from offlax._src.layer_store import micro, whole_norm
 
 VOCAB = 64
 
@@ -63,6 +63,30 @@ def test_optimizer_update_commits_the_store_once_a_step(tmp_path):
     assert "StoreMismatchError" in str(e.value) or isinstance(e.value, errors.StoreMismatchError)
   with offlax.LayerStore.open(str(tmp_path / "s"), like, optimizer=tx()) as store:
     assert store.step == 2  # nothing committed
+
+
+def test_the_norm_of_a_stored_models_gradients_says_it_lacks_the_layers(tmp_path):
+  """`optax.global_norm(grads)` (Tunix's logged ``grad_norm``) of a model whose layers are in a
+  store: their gradients went to the store and the tree holds zero tokens, so the norm is the
+  rest's. It says so (`PartialNormWarning`, naming the whole-model clip), once, and the rest's
+  norm is what it gives (it was silently a fifth of the host-params model's here)."""
+  with make_store(tmp_path / "s", Model(nnx.Rngs(0))) as store:
+    model = offlax.offload_params(Model(nnx.Rngs(0)), store=store, commit_in_update=True)
+    optimizer = nnx.Optimizer(model, offlax.offload(tx(), compute="host"), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, optimizer, x):
+      grads = nnx.grad(lambda m: m(x))(model)
+      flat = jax.tree_util.tree_flatten_with_path(grads)[0]
+      rest = [g for path, g in flat if not whole_norm.is_token(path)]
+      optimizer.update(model, grads)
+      return optax.global_norm(grads), optax.global_norm(rest), len(rest) < len(flat)
+
+    with pytest.warns(errors.PartialNormWarning, match="offlax.LayerStore") as seen:
+      norm, rest_norm, had_tokens = step(model, optimizer, batch(0))
+  assert had_tokens and norm == rest_norm, (norm, rest_norm)
+  assert "clip_by_global_norm(c, store=store)" in str(seen[0].message)
+  assert sum(w.category is errors.PartialNormWarning for w in seen) == 1
 
 
 def test_commit_in_update_needs_a_backward_store(tmp_path):

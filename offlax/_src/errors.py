@@ -94,6 +94,15 @@ class GradientsOverwrittenWarning(UserWarning):
   """
 
 
+class PartialNormWarning(UserWarning):
+  """A gradient norm was taken over a tree without the gradients of a `LayerStore`'s layers.
+
+  The backward pass hands each stored layer's gradient to the store, and the
+  model's gradients hold only a zero token for it: ``optax.global_norm`` of
+  them (Tunix logs it as ``grad_norm``) is the norm of the rest of the model.
+  """
+
+
 class StepNotCommittedWarning(UserWarning):
   """A `LayerStore(update="backward")` step was committed late or dropped.
 

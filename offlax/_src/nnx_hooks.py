@@ -31,6 +31,7 @@ that such params need ``offlax.offload(tx, compute="host")``.
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any
 
 import jax
@@ -46,6 +47,7 @@ from offlax._src import (
   patches,
   sharding,
 )
+from offlax._src.layer_store import whole_norm
 
 OPTIMIZER_UPDATE = patches.register(
   patches.Patch(
@@ -230,11 +232,31 @@ def _host_params_error(where: str, model: Any, wrt: Any, e: ValueError) -> Excep
 def _host_aware_norm(original: Any) -> Any:
   @functools.wraps(original)
   def global_norm(updates):
+    _warn_if_layers_stored(updates)
     if not memory.any_on_host(updates):
       return original(updates)
     return host_params.global_norm(updates)
 
   return global_norm
+
+
+def _warn_if_layers_stored(updates: Any) -> None:
+  """Warns where `updates` holds stored layers' tokens: their gradients went to the store."""
+  paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(updates)[0]]
+  tokens = sum(whole_norm.is_token(path) for path in paths)
+  if tokens:
+    warnings.warn(
+      errors.PartialNormWarning(
+        f"optax.global_norm: {tokens} of these gradients are tokens of layers kept in an "
+        "offlax.LayerStore, whose gradients the backward pass handed to the store, so this "
+        "is the norm of the rest of the model only (embedding, head, norms), not of the "
+        "whole model's gradients. A clip by the whole model's norm: "
+        "offlax.clip_by_global_norm(c, store=store) first in the rest's optimizer, the "
+        "store's optimizer optax.chain(optax.clip_by_global_norm(c), tx); its norm is "
+        "store.last_update.grad_norm (docs/nvme_tier.md)."
+      ),
+      stacklevel=3,
+    )
 
 
 def fuses(optimizer: Any, model: Any) -> bool:

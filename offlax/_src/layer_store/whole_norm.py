@@ -187,8 +187,8 @@ def clip_by_global_norm(max_norm: Any, *, store: Any) -> optax.GradientTransform
                 layer_grads: Any = None, **extra: Any) -> tuple[Any, WholeNormState]:  # fmt: skip
     del params, extra
     flat, treedef = jax.tree_util.tree_flatten_with_path(updates)
-    rest = [x for key, x in flat if not _is_token(key)]
-    tokens = [x for key, x in flat if _is_token(key)] + jax.tree.leaves(layer_grads)
+    rest = [x for key, x in flat if not is_token(key)]
+    tokens = [x for key, x in flat if is_token(key)] + jax.tree.leaves(layer_grads)
     _check_tokens(tokens, store)
     wide = [x.astype(jnp.complex64 if jnp.iscomplexobj(x) else jnp.float32) for x in rest]
     squares = optax.tree.norm(wide, squared=True)
@@ -209,7 +209,7 @@ def clip_by_global_norm(max_norm: Any, *, store: Any) -> optax.GradientTransform
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _is_token(key: Any) -> bool:
+def is_token(key: Any) -> bool:
   """Whether a leaf's key path is a stored NNX layer's token's."""
   return any(getattr(k, "key", getattr(k, "name", None)) == TOKEN for k in key)
 
