@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -130,3 +131,35 @@ def master_weights(
     return optax.apply_updates(params, updates), state
 
   return apply_lib.FusedTransformation(init_fn, update_fn, update_and_apply_fn)
+
+
+def rounds_to_master(tx: Any) -> bool:
+  """Whether `tx`'s new floating params are its new master rounded, whatever they held.
+
+  True for a `master_weights` and for its ``update`` as a chain holds it (`optax.chain`
+  keeps the function, `layer_store.clip.split` takes it out): its update is the rounded
+  master minus the params, so the params plus it is the rounded master for any finite
+  params (zeros included). A step that keeps the params on disk need not read them
+  (`layer_store.step`); leaves that are not floating point still need theirs.
+
+  Args:
+    tx: a transformation, or its ``update`` function.
+
+  Returns:
+    Whether `tx` is a `master_weights` (recognised by its update's code, never guessed).
+
+  Example:
+    >>> import optax, offlax
+    >>> from offlax._src.master import rounds_to_master
+    >>> rounds_to_master(offlax.master_weights(optax.adam(1e-3)))
+    True
+    >>> rounds_to_master(optax.adam(1e-3))
+    False
+  """
+  update = getattr(tx, "update", tx)
+  return getattr(update, "__code__", None) is _update_code()
+
+
+@functools.cache
+def _update_code() -> Any:
+  return master_weights(optax.identity()).update.__code__

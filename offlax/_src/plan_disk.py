@@ -73,6 +73,7 @@ def params_on_disk_bytes(
   host_bytes: int | None = None,
   nvme_ram: int = 0,
   rest_leaf_params: int = 0,
+  read_params: bool = True,
 ) -> dict:
   """RAM, disk and bytes per step of an `offlax.LayerStore` (mode ``params_nvme``).
 
@@ -110,8 +111,8 @@ def params_on_disk_bytes(
 
   Disk: 2 generations (``keep=1``) of params and state, and the gradients.
   Per step: the params read twice (forward, and the rematerialised backward),
-  the gradients written, then the update reads params, gradients and state
-  and writes params and state.
+  the gradients written, then the update reads params (unless `read_params` is
+  False), gradients and state and writes params and state.
 
   Args:
     param_bytes: all of the params' bytes.
@@ -125,6 +126,8 @@ def params_on_disk_bytes(
     nvme_ram: the NVMe tier's buffers in RAM, for the rest's state there.
     rest_leaf_params: the largest param outside the layers (`largest_rest_leaf`), whose
       gradient is the one in RAM with the rest's state on the NVMe tier; 0: all of theirs.
+    read_params: whether the update reads the params; not a `master_weights`', which
+      overwrites them with its rounded master (`master.rounds_to_master`).
 
   Returns:
     ``ram`` (with its parts ``reads``, ``update``, ``rest``, and ``leaf``,
@@ -146,6 +149,9 @@ def params_on_disk_bytes(
   update = 4 * leaf * (3 * p + 2 * s)
   if update_bytes is not None:
     update = min(update, update_bytes)
+  # the update's reads (the gradients, the state, the params unless `read_params` is False)
+  # and writes (the params and the state)
+  updated = (1 + read_params) * param_bytes + state + param_bytes + state
   rest, rest_state, rest_disk = rest_params * (2 * p + s), "ram", 0.0
   if update_bytes is not None and host_bytes is not None and max(reads, update) + rest > host_bytes:
     grads = rest_leaf_params or rest_params  # one at a time (above)
@@ -160,5 +166,5 @@ def params_on_disk_bytes(
     "rest_state": rest_state,
     "ram": int(max(reads, update) + rest),
     "disk": 2 * (param_bytes + state) + param_bytes + int(rest_disk),
-    "disk_per_step": 3 * param_bytes + (2 * param_bytes + state) + (param_bytes + state),
+    "disk_per_step": 3 * param_bytes + updated,
   }

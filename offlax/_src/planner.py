@@ -12,6 +12,7 @@ import numpy as np
 import optax
 
 from offlax._src import errors, ffi, flax_glue, plan_advice, plan_options
+from offlax._src import master as master_lib
 from offlax._src.nvme.format import DEFAULT_KEEP
 from offlax._src.plan_disk import largest_rest_leaf, layer_leaves, params_on_disk_bytes
 from offlax._src.plan_options import parse_bytes as parse_bytes  # the CLI's, and tests'
@@ -337,6 +338,7 @@ def plan(
       param_bytes, state, n_params, layers, leaf_params=leaf_params, rest_params=rest_params,
       update_bytes=budget, host_bytes=host_bytes, nvme_ram=_NVME_BUFFERS * chunk_bytes,
       rest_leaf_params=largest_rest_leaf(params, layers),
+      read_params=not master_lib.rounds_to_master(tx),
     )  # fmt: skip
     store_figures = figures_at(update_bytes)
     if update_bytes is None and store_figures["ram"] > host_bytes:

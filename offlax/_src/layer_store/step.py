@@ -28,12 +28,14 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
 from offlax._src import adam8, errors, quantized
 from offlax._src import coupling as coupling_lib
 from offlax._src import layout as layout_lib
+from offlax._src import master as master_lib
 from offlax._src.layer_store import clip as clip_lib
 from offlax._src.layer_store import ranges as ranges_lib
 from offlax._src.layer_store import rest as layer_rest
@@ -165,6 +167,9 @@ class LeafUpdate(NamedTuple):
       (param, grad, owned, global, norm), for the steps where the clip applies; else None.
     scales: which of `owned` are an 8-bit moment's block scales (`adam8.block_scales`): cut
       by blocks, not rows (`ranges.blocks`).
+    reads_param: whether the update reads the param's values. Not where the new param is
+      the optimizer's new master rounded (`master.rounds_to_master`, a floating leaf): the
+      step gives it zeros and reads no param slot, 2 bytes a bf16 param fewer.
   """
 
   fn: Any
@@ -172,6 +177,7 @@ class LeafUpdate(NamedTuple):
   shared: list[int]
   clipped: Any = None
   scales: tuple[int, ...] = ()
+  reads_param: bool = True
 
 
 def layer_update(optimizer: Any, treedef: Any, records: list[dict]) -> list[LeafUpdate]:
@@ -195,6 +201,7 @@ def layer_update(optimizer: Any, treedef: Any, records: list[dict]) -> list[Leaf
   owners = layout.owners  # in the state's leaf order, as the store's state records
   shared = [j for j, o in enumerate(owners) if o == coupling_lib.GLOBAL]
   is_scales = adam8.block_scales(state)
+  rounds = master_lib.rounds_to_master(optimizer)
 
   def make(k: int) -> LeafUpdate:
     owned = [j for j, o in enumerate(owners) if o == k]
@@ -216,7 +223,8 @@ def layer_update(optimizer: Any, treedef: Any, records: list[dict]) -> list[Leaf
 
     clip = None if max_norm is None else jax.jit(clipped)
     scales = tuple(j for j in owned if is_scales[j])
-    return LeafUpdate(jax.jit(update), owned, shared, clip, scales)
+    reads = not (rounds and jnp.issubdtype(np.dtype(records[k]["dtype"]), jnp.floating))
+    return LeafUpdate(jax.jit(update), owned, shared, clip, scales, reads)
 
   return [make(k) for k in range(len(records))]
 
@@ -303,7 +311,7 @@ def run(
       return pool.submit(timed, "read", slots.read_slot, kind, g, j, i)
 
     return [
-      [slot("params", gen, k)] if handed is None else [],
+      [slot("params", gen, k)] if handed is None and updates[k].reads_param else [],
       [slot("grads", 0, k)] if handed is None else [],
       [slot("state", gen, j) for j in updates[k].owned], [whole("state", gen, j) for j in shared],
     ]  # fmt: skip
@@ -313,7 +321,7 @@ def run(
     out = []
     mine = [k] if handed is None else []  # (handed: the param and gradient are not read)
     for kind, g, js, xs in (
-      ("params", gen, mine, ps),
+      ("params", gen, mine if updates[k].reads_param else [], ps),
       ("grads", 0, mine, gs),
       ("state", gen, updates[k].owned, owned),
     ):
@@ -370,8 +378,9 @@ def run(
             if r is not None:
               ps, gs, owned = checked(i, k, r, ps, gs, owned)
             shared = got if k == 0 and (r is None or r.start == 0) else shared
-            if handed is None:
-              g, p = gs[0], ps[0]
+            if handed is None:  # (a param not read: the update overwrites it, `reads_param`)
+              g = gs[0]
+              p = ps[0] if ps else np.zeros(g.shape, g.dtype)
             else:
               if r is None or r.start == 0:
                 leaf = handed(i, k)
