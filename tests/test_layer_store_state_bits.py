@@ -163,7 +163,7 @@ def test_8bit_ranges_start_on_blocks_of_codes_and_scales():
   codes = {"path": "mu", "shape": [1000, 1024], "dtype": "int8", "slot": 1024000}
   scales = {"path": "mu_scale", "shape": [4000], "dtype": "float32", "slot": 16384}
   assert ranges._align_rows([rec, codes], [scales], 1024) == 256  # 262144 elements
-  leaf = ranges._leaf(rec, [codes], [], [scales])
+  leaf = ranges._leaf(rec, rec, [codes], [], [scales])
   assert leaf.align == 256 and leaf.scales
   cut = ranges.of(rec, 256)
   spans = [ranges.span(scales, ranges.blocks(rec, r)) for r in cut]

@@ -130,15 +130,17 @@ def test_optimizers_that_accumulate_are_refused_for_stored_layers(tmp_path, name
 
 def test_tunix_accumulation_of_bf16_layers_names_the_accumulator_dtype(tmp_path):
   """Tunix's ``gradient_accumulation_steps`` wraps the optimizer in optax's float32 accumulator,
-  which a store of bf16 layers cannot follow (it accumulates in the layers' dtype on disk): the
-  refusal names what a Tunix user can pass instead, and that trains."""
+  which a store of bf16 layers made without ``accumulator_dtype`` cannot follow (it accumulates
+  in the layers' dtype on disk): the refusal names the store's option and the trainer's, and
+  the trainer's trains."""
   bf16 = functools.partial(Model, dtype=jnp.bfloat16)
   with make_store(tmp_path / "s", bf16(nnx.Rngs(0))) as store:
     model = offlax.offload_params(bf16(nnx.Rngs(0)), store=store, commit_in_update=True)
     rest = lambda: offlax.offload(tx(), compute="host")  # noqa: E731
     with pytest.raises(
       errors.InvalidOptionError,
-      match=r"accumulates in float32 and the layers are \['bfloat16'\].*PeftTrainer "
+      match=r"accumulates in float32 and the store in \['bfloat16'\]: make the store with "
+      r"LayerStore.create\(\.\.\., accumulator_dtype=jnp.float32\).*PeftTrainer "
       r"optax.MultiSteps\(tx, k, accumulator_dtype=jnp.bfloat16\).*"
       r"gradient_accumulation_steps=None",
     ):
@@ -148,6 +150,24 @@ def test_tunix_accumulation_of_bf16_layers_names_the_accumulator_dtype(tmp_path)
     for i in range(2):
       train_step(model, optimizer, batch(i))
     assert store.step == 1
+
+
+def test_a_float32_accumulator_follows_multi_steps_on_bf16_layers(tmp_path):
+  """A store made with ``accumulator_dtype=jnp.float32`` follows `optax.MultiSteps`' float32
+  default (Tunix's ``gradient_accumulation_steps``) on bf16 layers: the losses and params of the
+  same model in host memory, bit for bit."""
+  k, bf16 = 2, functools.partial(Model, dtype=jnp.bfloat16)
+  tx_k = lambda: optax.MultiSteps(offlax.offload(tx(), compute="host"), k)  # noqa: E731
+  reference = offlax.offload_params(bf16(nnx.Rngs(0)))
+  optimizer = nnx.Optimizer(reference, tx_k(), wrt=nnx.Param)
+  want = [float(train_step(reference, optimizer, batch(i))) for i in range(2 * k)]
+  with make_store(tmp_path / "s", bf16(nnx.Rngs(0)), accumulator_dtype=jnp.float32) as store:
+    model = offlax.offload_params(bf16(nnx.Rngs(0)), store=store, commit_in_update=True)
+    optimizer = nnx.Optimizer(model, tx_k(), wrt=nnx.Param)
+    losses = [float(train_step(model, optimizer, batch(i))) for i in range(2 * k)]
+    assert store.step == 2 and losses == want
+    assert_bits(store.read_params(), offlax.stack_layers(offlax.onload_params(reference), "layers"))
+  assert_bits(nnx.state(model.embed), nnx.state(reference.embed))  # the rest
 
 
 def test_the_store_accumulates_as_optax_multi_steps():

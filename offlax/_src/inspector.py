@@ -258,7 +258,8 @@ def _inspect_layers(path: str, verify: bool, progress: bool) -> StoreReport:
       report.leaves.append(leaf)
   files = [(step, gen, kind, k, r) for step, gen in manifest["kept"]
            for kind, records in kinds for k, r in enumerate(records)]  # fmt: skip
-  files += [(None, None, "grads", k, r) for k, r in enumerate(manifest["leaves"])]
+  grads = layer_files.grad_records(manifest["leaves"], manifest.get("accumulator_dtype"))
+  files += [(None, None, "grads", k, r) for k, r in enumerate(grads)]
   desc = f"offlax: verifying {path}"
   for step, gen, kind, k, r in store_lib.progress_bar(files, progress and verify, desc):
     folder = "grads" if gen is None else os.path.join(f"gen{gen}", kind)

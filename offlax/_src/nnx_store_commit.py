@@ -178,12 +178,12 @@ def _cannot_accumulate(optimizer: Any, sources: list[tuple[Any, bool]]) -> str |
   dtype = multi_steps.layers_accumulation(tx, 0)[2]
   if dtype is None:
     return "the optax.MultiSteps has a should_skip_update_fn"
-  other = {str(a.dtype) for s, _ in sources for a in s.store.avals() if a.dtype != dtype}
-  if other:  # (the accumulator on disk is in the layers' dtype)
+  other = {r["dtype"] for s, _ in sources for r in s.store.grad_records if r["dtype"] != dtype}
+  if other:  # (the accumulator on disk: the store's accumulator_dtype, else the layers')
     return (
-      f"the optax.MultiSteps accumulates in {dtype} and the layers are {sorted(other)}: "
-      "pass accumulator_dtype= the layers' dtype (the store accumulates in theirs). Tunix's "
-      "gradient_accumulation_steps=k makes optax's float32 default: give PeftTrainer "
+      f"the optax.MultiSteps accumulates in {dtype} and the store in {sorted(other)}: make "
+      f"the store with LayerStore.create(..., accumulator_dtype=jnp.{dtype}) (Tunix's "
+      "gradient_accumulation_steps=k makes optax's float32 default), or give PeftTrainer "
       f"optax.MultiSteps(tx, k, accumulator_dtype=jnp.{sorted(other)[0]}) as its optimizer "
       "and gradient_accumulation_steps=None (its counters then count micro-steps)"
     )

@@ -403,7 +403,9 @@ def _plus_sum_on_disk(slots: Slots, k: int, i: int, grad: np.ndarray, rows: int 
   """`grad`, the worker's own copy of the last micro-step's gradient, plus the accumulated sum
   on disk (leaf `k`, layer `i`), and the bytes read: whole, or with a budget a range of `rows`
   rows at a time added into `grad` (`ranges.plan`), each read counted in `flight` while held.
-  A trainer's micro-step (`mode.n`) combines them as its optimizer does."""
+  A trainer's micro-step (`mode.n`) combines them as its optimizer does. A store's
+  ``accumulator_dtype`` (the sum's) combines in it, the result rounded to `grad`'s dtype, the
+  layers' (as `optax.MultiSteps` casts its accumulator for the optimizer)."""
   if mode.n == 0:  # (a trainer's k = 1: no accumulator on disk)
     return micro.combine(mode, lambda: grad, grad), 0
   if rows is None:
@@ -414,10 +416,11 @@ def _plus_sum_on_disk(slots: Slots, k: int, i: int, grad: np.ndarray, rows: int 
   read = 0
   for where, on_disk in parts:
     flight.add(on_disk.nbytes)
+    wide = lambda g: g.astype(on_disk.dtype, copy=False)  # noqa: B023 (exact: a wider float)
     if where is None:  # whole (a 0-d leaf too)
-      grad = micro.combine(mode, lambda: on_disk, grad)  # noqa: B023
-    else:
-      grad[where] = micro.combine(mode, lambda: on_disk, grad[where])  # noqa: B023
+      grad = micro.combine(mode, lambda: on_disk, wide(grad)).astype(grad.dtype, copy=False)  # noqa: B023
+    else:  # (assigned: rounded to `grad`'s dtype)
+      grad[where] = micro.combine(mode, lambda: on_disk, wide(grad[where]))  # noqa: B023
     read += on_disk.nbytes
     flight.sub(on_disk.nbytes)
   return grad, read

@@ -38,6 +38,50 @@ def record(key: str, shape: Sequence[int], dtype: Any) -> dict[str, Any]:
   return {"path": key, "shape": list(shape), "dtype": dtype.name, "slot": padded(nbytes)}
 
 
+def grad_records(records: list[dict[str, Any]], dtype: Any) -> list[dict[str, Any]]:
+  """The gradient slots' records: the params' `records` (their order, their ``index``), the
+  floating ones in `dtype` where given (a store's ``accumulator_dtype``), else their own."""
+  if dtype is None:
+    return records
+  return [dict(r, **record(r["path"], r["shape"], dtype)) if _floating(r["dtype"]) else r
+          for r in records]  # fmt: skip
+
+
+def accumulator_dtype(dtype: Any, records: list[dict[str, Any]]) -> str | None:
+  """`LayerStore.create`'s ``accumulator_dtype`` as the manifest records it (its name), or
+  None (the layers'); `InvalidOptionError` unless a float that holds every floating leaf."""
+  if dtype is None:
+    return None
+  try:
+    name = np.dtype(dtype).name
+  except TypeError:
+    name = None
+  if name is None or not _floating_name(name):
+    raise errors.InvalidOptionError(
+      f"LayerStore.create: accumulator_dtype={name or repr(dtype)}; pass a floating dtype "
+      "(jnp.float32: bf16 layers' gradients summed in float32, as optax.MultiSteps' "
+      "default), or None (the layers' own)."
+    )
+  for r in records:
+    if _floating(r["dtype"]) and not np.can_cast(np.dtype(r["dtype"]), np.dtype(name), "safe"):
+      raise errors.InvalidOptionError(
+        f"LayerStore.create: accumulator_dtype={name} cannot hold leaf {r['path']}'s "
+        f"{r['dtype']} gradients exactly; pass a dtype at least as wide (jnp.float32), or None."
+      )
+  return name
+
+
+def _floating(dtype: Any) -> bool:
+  return bool(jax.dtypes.issubdtype(np.dtype(dtype), np.floating))
+
+
+def _floating_name(name: str) -> bool:
+  try:
+    return _floating(name)
+  except TypeError:  # not a dtype's name
+    return False
+
+
 def layer_records(layers: Any) -> tuple[list[dict[str, Any]], int, Any]:
   """Per leaf: key path, one layer's shape and dtype; the layer count; the treedef."""
   flat, treedef = jax.tree_util.tree_flatten_with_path(layers)
@@ -232,8 +276,9 @@ def store_files(path: str, manifest: dict) -> list[tuple[str, int]]:
     for kind, records in kinds:
       files += [(os.path.join(path, f"gen{g}", kind, f"{k}.bin"), n * r["slot"])
                 for k, r in enumerate(records)]  # fmt: skip
+  grads = grad_records(manifest["leaves"], manifest.get("accumulator_dtype"))
   files += [(os.path.join(path, "grads", f"{k}.bin"), n * r["slot"])
-            for k, r in enumerate(manifest["leaves"])]  # fmt: skip
+            for k, r in enumerate(grads)]  # fmt: skip
   return files
 
 
@@ -334,6 +379,11 @@ def read_manifest(path: str) -> dict:
   missing = [k for k in keys if k not in manifest]
   if missing:
     raise errors.StoreCorruptedError(f"LayerStore.open: {manifest_path} lacks {missing}.")
+  acc = manifest.get("accumulator_dtype")
+  if acc is not None and not (isinstance(acc, str) and _floating_name(acc)):
+    raise errors.StoreCorruptedError(
+      f"LayerStore.open: {manifest_path} names accumulator_dtype {acc!r}, not a float dtype."
+    )
   return manifest
 
 

@@ -9,8 +9,14 @@ call it first.
 
 With ``norm`` (a global-norm clip), as it writes a gradient slot the writer
 notes its sum of squares (`squares`:
-float32, per layer per leaf, of what the slot holds), so a global-norm clip
-knows the norm at `update` without reading the gradients again.
+float32, per layer per leaf, of what the slot holds, in the layers' dtype), so a
+global-norm clip knows the norm at `update` without reading the gradients again.
+
+A store with an ``accumulator_dtype`` (float32 slots for bf16 layers) holds the
+gradients in it: each is cast to it as it is copied out (exactly, to a wider
+float), sums and means run in it, and the update casts them back to the layers'
+dtype, as `optax.MultiSteps` casts its accumulator for the optimizer
+(`seen`).
 """
 
 from __future__ import annotations
@@ -71,8 +77,8 @@ class GradientWriter:
     i = int(i)
     # warns where unused ones are overwritten
     self._ledger.written(i, mode.accumulate, self._step())
-    records = self._slots.records
-    slots = [files.to_slot(np.asarray(g), r["slot"]) for g, r in zip(grads, records, strict=True)]
+    records = self._slots.grad_records
+    slots = [files.to_slot(_as(g, r), r["slot"]) for g, r in zip(grads, records, strict=True)]
     self._drain(self._pending, self.queued - 1)  # bounds the RAM queued; raises a failed write
     self._pending.append(self._writer.submit(self._store, mode, i, slots))
     return np.zeros((), np.float32)
@@ -106,7 +112,9 @@ class GradientWriter:
   def keep(self, i: int, k: int, grad: np.ndarray) -> None:
     """Writes leaf `k` of layer `i`'s gradient behind (the update in the backward pass keeps
     what a clip's redo reads), at most ``queued`` leaves queued; its squares noted."""
-    slot = files.to_slot(np.asarray(grad), self._slots.records[k]["slot"])
+    slot = files.to_slot(
+      _as(grad, self._slots.grad_records[k]), self._slots.grad_records[k]["slot"]
+    )
     self._drain(self._kept, self.queued - 1)
     self._kept.append(self._writer.submit(self._write, k, i, slot, grad))
 
@@ -143,7 +151,9 @@ class GradientWriter:
     self.wait_writes()
     self._drain(self._kept, 0)
     for i, k in zip(*np.nonzero(np.isnan(self._squares)), strict=True):
-      self._squares[i, k] = clip_lib.sum_squares(self._slots.read_slot("grads", 0, k, i))
+      self._squares[i, k] = clip_lib.sum_squares(
+        self.seen(k, self._slots.read_slot("grads", 0, k, i))
+      )
     return self._squares.copy()
 
   def kept_squares(self) -> np.ndarray:
@@ -177,7 +187,7 @@ class GradientWriter:
 
   def _store(self, mode: micro.Micro, i: int, slots: list[np.ndarray]) -> None:
     for k, slot in enumerate(slots):
-      r = self._slots.records[k]
+      r = self._slots.grad_records[k]
       count = int(np.prod(r["shape"], dtype=np.int64)) * np.dtype(r["dtype"]).itemsize
       new = slot[:count].view(np.dtype(r["dtype"]))
       if mode.accumulate:  # (a trainer's micro-step: its mean, or sum)
@@ -189,4 +199,13 @@ class GradientWriter:
     self._squares[i, k] = np.nan  # unknown until written: a failed write leaves it unknown
     self._slots.write_raw("grads", 0, k, i, slot)
     if self._norm:  # for a global-norm clip only: a pass over the gradient
-      self._squares[i, k] = clip_lib.sum_squares(values)
+      self._squares[i, k] = clip_lib.sum_squares(self.seen(k, values))
+
+  def seen(self, k: int, grad: np.ndarray) -> np.ndarray:
+    """Leaf `k`'s gradient `grad` (a slot's) as the optimizer sees it: in the layers' dtype."""
+    return grad.astype(np.dtype(self._slots.records[k]["dtype"]), copy=False)
+
+
+def _as(grad: Any, record: dict) -> np.ndarray:
+  """`grad` in its slot's dtype (a store's ``accumulator_dtype``: exact, a wider float)."""
+  return np.asarray(grad).astype(np.dtype(record["dtype"]), copy=False)

@@ -37,9 +37,11 @@ def create(
   layers_path: str | None,
   update: str = "explicit",
   update_bytes: int | None = None,
+  accumulator_dtype: Any = None,
 ) -> Any:
   """`LayerStore.create` (`cls`): its checks, the files, the layers written, the manifest."""
   records, n, treedef = files.layer_records(layers)
+  accumulator = files.accumulator_dtype(accumulator_dtype, records)
   if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
     raise errors.InvalidOptionError(f"LayerStore: keep must be an int >= 1, got {keep!r}.")
   pool = files.pool_size(sum(r["slot"] for r in records), pool_layers, pool_bytes)  # before writing
@@ -57,6 +59,8 @@ def create(
     "step": 0, "generation": 0, "kept": [[0, 0]],
     "layers_path": guards.layers_path(layers, layers_path),
   }  # fmt: skip
+  if accumulator is not None:  # (absent: the layers' dtype, as a store made before it)
+    manifest["accumulator_dtype"] = accumulator
   manifest["crc"] = {str(g): files.no_crcs(manifest) for g in range(keep + 1)}
   made = not os.path.exists(path)
   try:

@@ -122,10 +122,12 @@ class _Leaf(NamedTuple):
   scales: bool = False  # 8-bit moments: ranges start on their scales' direct-I/O blocks
 
 
-def _leaf(rec: dict, state: list[dict], shared: list[dict], scales: list[dict]) -> _Leaf:
-  # param, gradient and state read: where the param and gradient are handed in RAM
-  # (``update="backward"``), their share holds the sum an accumulation's last reads
-  ins, outs = [rec, rec, *state], [rec, *state]  # param and state written
+def _leaf(rec: dict, grad: dict, state: list[dict], shared: list[dict],
+          scales: list[dict]) -> _Leaf:  # fmt: skip
+  # param, gradient (`grad`: its slot's record) and state read: where the param and gradient
+  # are handed in RAM (``update="backward"``), their share holds the sum an accumulation's
+  # last reads
+  ins, outs = [rec, grad, *state], [rec, *state]  # param and state written
   rows = rec["shape"][0] if rec["shape"] else 0
   elements = int(np.prod(rec["shape"][1:], dtype=np.int64))
   # A row's block scales: elements / QBLOCK of them, a part of one more a range (its end)
@@ -144,7 +146,7 @@ def _leaf(rec: dict, state: list[dict], shared: list[dict], scales: list[dict]) 
     in_fixed=shared_slots + scale_end + BLOCK * (len(ins) + len(scales)),
     out_fixed=2 * (shared_slots + scale_end + BLOCK * (len(outs) + len(scales))),
     rows=rows,
-    align=min(rows, _align_rows([rec, *state], scales, elements)) if cuttable else rows,
+    align=min(rows, _align_rows([rec, grad, *state], scales, elements)) if cuttable else rows,
     scales=bool(scales),
   )
 
@@ -174,12 +176,12 @@ def plan(
     InvalidOptionError: `budget` cannot hold a leaf's smallest range, or a leaf that
       cannot be cut (the minimum named).
   """
-  records, states = slots.records, slots.state_records
+  records, grads, states = slots.records, slots.grad_records, slots.state_records
   if budget is None or not records:
     return [None] * len(records)
   shared_records = [states[j] for j in shared]
   scales = scales or [()] * len(records)
-  leaves = [_leaf(rec, [states[j] for j in owned[k] if j not in scales[k]],
+  leaves = [_leaf(rec, grads[k], [states[j] for j in owned[k] if j not in scales[k]],
                   shared_records if k == 0 else [], [states[j] for j in scales[k]])
             for k, rec in enumerate(records)]  # fmt: skip
   big = max(leaves, key=lambda x: x.ins + x.outs)

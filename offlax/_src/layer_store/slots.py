@@ -9,6 +9,7 @@ gradients (`checks`); each read checks it.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -30,7 +31,7 @@ class Slots:
 
   Attributes:
     path: the store's directory.
-    records: per param leaf (and gradient leaf): key path, one layer's shape, dtype and slot.
+    records: per param leaf: key path, one layer's shape, dtype and slot.
     state_records: the same per optimizer state leaf (none without an optimizer).
     n_layers: the number of layers.
     layer_bytes: one layer's param slots, in bytes.
@@ -57,13 +58,19 @@ class Slots:
       self.close()
       raise
 
+  @functools.cached_property
+  def grad_records(self) -> list[dict]:
+    """The records of the gradient leaves (`files.grad_records`: the store's
+    ``accumulator_dtype``, recorded in its manifest, else the params')."""
+    return files.grad_records(self.records, self._commits.manifest.get("accumulator_dtype"))
+
   def _files(self) -> list[tuple[str, int]]:
     kinds = ["params"] + (["state"] if self.state_records else [])
     return [(k, g) for g in range(self._commits.generations) for k in kinds] + [("grads", 0)]
 
   def records_of(self, kind: str) -> list[dict]:
     """The records of `kind`'s leaves ("params", "state" or "grads")."""
-    return self.state_records if kind == "state" else self.records
+    return {"state": self.state_records, "grads": self.grad_records}.get(kind, self.records)
 
   def file_names(self, kind: str, gen: int) -> list[str]:
     """The files of `kind` in generation `gen`, one per leaf."""
@@ -111,7 +118,7 @@ class Slots:
       os.ftruncate(fd, 0)
       os.ftruncate(fd, size)
       os.posix_fallocate(fd, 0, size)  # reserved again: a gradient write never finds the disk full
-      zero = checks.crc(np.zeros(self.records[k]["slot"], np.uint8))
+      zero = checks.crc(np.zeros(self.grad_records[k]["slot"], np.uint8))
       self._grad_crcs[k] = [zero] * self.n_layers
 
   def read_slot(self, kind: str, gen: int, k: int, i: int) -> np.ndarray:

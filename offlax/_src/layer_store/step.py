@@ -379,7 +379,8 @@ def run(
               ps, gs, owned = checked(i, k, r, ps, gs, owned)
             shared = got if k == 0 and (r is None or r.start == 0) else shared
             if handed is None:  # (a param not read: the update overwrites it, `reads_param`)
-              g = gs[0]
+              # in the layers' dtype, from an ``accumulator_dtype``'s: as optax.MultiSteps
+              g = gs[0].astype(np.dtype(slots.records[k]["dtype"]), copy=False)
               p = ps[0] if ps else np.zeros(g.shape, g.dtype)
             else:
               if r is None or r.start == 0:

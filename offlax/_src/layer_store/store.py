@@ -84,6 +84,7 @@ class _Parts:
   kept: list[tuple[int, int]] = _held("_commits.kept", "(step, gen)s kept, newest first.")
   n_layers: int = _held("_slots.n_layers", "The number of layers.")
   records: list[dict] = _held("_slots.records", "Per param leaf: path, shape, dtype, slot bytes.")
+  grad_records: list[dict] = _held("_slots.grad_records", "The same per gradient leaf.")
   state_records: list[dict] = _held("_slots.state_records", "The same per optimizer state leaf.")
   layer_bytes: int = _held("_slots.layer_bytes", "One layer's param slots, in bytes.")
   pool_layers: int = _held("_reads.pool_layers", "The most layers the model's reads hold in RAM.")
@@ -192,7 +193,8 @@ class LayerStore(_Reads):
              init_layer: Callable[[int], Any] | None = None, pool_layers: int | None = 2,
              pool_bytes: int | None = None, fsync: bool = True, progress: bool = True,
              layers_path: str | None = None, update: str = "explicit",
-             update_bytes: int | None = None) -> LayerStore:  # fmt: skip
+             update_bytes: int | None = None,
+             accumulator_dtype: Any = None) -> LayerStore:  # fmt: skip
     """Writes the stacked `layers` (and `optimizer.init` of each layer) into a new store.
 
     Args:
@@ -224,6 +226,10 @@ class LayerStore(_Reads):
         at a time (`ranges`), the same values to the bit. None: whole leaves (a few of the
         largest leaf's param, gradient and state slots in flight). Not recorded. With
         ``update="backward"`` the gradients handed off and the params kept are not counted.
+      accumulator_dtype: the dtype the gradients are held and accumulated in on disk, as
+        `optax.MultiSteps`' ``accumulator_dtype``: ``jnp.float32`` sums bf16 layers'
+        micro-steps in float32 (2 bytes a param more each way), and the update casts them to
+        the layers' dtype, as `optax.MultiSteps` does. None: the layers' own. Recorded.
 
     Returns:
       The open store, at step 0.
@@ -233,14 +239,16 @@ class LayerStore(_Reads):
       NotAStoreError: `path` holds other files.
       TransformationTypeError: the optimizer is wrapped by `offlax.offload`.
       InvalidOptionError: the pool cannot hold one layer, the optimizer couples elements of
-        a leaf (a clip not first in a flat chain, LAMB), `update` is not a mode, or
-        `update_bytes` cannot hold a leaf's smallest range (the minimum named).
+        a leaf (a clip not first in a flat chain, LAMB), `update` is not a mode,
+        `update_bytes` cannot hold a leaf's smallest range (the minimum named), or
+        `accumulator_dtype` is not a float as wide as the layers'.
       StoreError: the disk has no room for the store.
     """
     return opening.create(cls, path, layers, optimizer=optimizer, keep=keep, init_layer=init_layer,
                           pool_layers=pool_layers, pool_bytes=pool_bytes, fsync=fsync,
                           progress=progress, layers_path=layers_path, update=update,
-                          update_bytes=update_bytes)  # fmt: skip
+                          update_bytes=update_bytes,
+                          accumulator_dtype=accumulator_dtype)  # fmt: skip
 
   @classmethod
   def open(cls, path: str, like: Any, *, optimizer: Any = None, step: int | None = None,
