@@ -171,12 +171,13 @@ def test_nvme_params_benchmark_runs(tmp_path):
     assert size["inspect"]["returncode"] == 0 and "OK" in size["inspect"]["output"]
     assert size["peak_rss_bytes"] > 0 and size["io"]["median_ratio"] > 0
     assert size["steps"][-1]["loss"] < size["steps"][0]["loss"]
-    # update="backward": the same losses (bit for bit); no gradient written and read, nor
-    # the params read again (2 + 2 + 2 bytes a param).
+    # update="backward": the same losses (bit for bit); no gradient written and read (2 + 2
+    # bytes a param; the explicit update reads no params either: an fp32 master's step
+    # overwrites them, `master.rounds_to_master`).
     explicit, backward = size["modes"]["explicit"]["steps"], size["modes"]["backward"]["steps"]
     assert [r["loss"] for r in backward] == [r["loss"] for r in explicit]
     for e, b in zip(explicit, backward, strict=True):
-      assert e["bytes_per_param"] - b["bytes_per_param"] > 5.9
+      assert 3.9 < e["bytes_per_param"] - b["bytes_per_param"] < 4.1
     # The baseline: the same pass with the layers in host memory, its loss the first step's.
     assert size["ram"]["steps"][0]["loss"] == pytest.approx(explicit[0]["loss"], rel=1e-3)
     assert size["speed"]["vs_explicit"] > 0 and size["speed"]["vs_bound"] > 0
