@@ -259,12 +259,15 @@ def pool_size(layer_bytes: int, pool_layers: int | None, pool_bytes: int | None)
   return pool_layers
 
 
-def to_slot(x: np.ndarray, slot: int) -> np.ndarray:
-  """`x`'s bytes in a new aligned buffer of `slot` bytes, zero-padded."""
+def to_slot(x: Any, slot: int, dtype: Any = None) -> np.ndarray:
+  """`x`'s bytes in a new aligned buffer of `slot` bytes, zero-padded; cast to `dtype` where
+  given (a store's ``accumulator_dtype``) as it is copied, in the same pass."""
+  x = np.asarray(x)
+  dtype = x.dtype if dtype is None else np.dtype(dtype)
   buffer = aligned_empty(slot)
-  data = np.ascontiguousarray(x).reshape(-1).view(np.uint8)
-  buffer[: data.size] = data
-  buffer[data.size :] = 0
+  n = x.size * dtype.itemsize
+  buffer[:n].view(dtype)[...] = x.reshape(-1)
+  buffer[n:] = 0
   return buffer
 
 

@@ -78,7 +78,7 @@ class GradientWriter:
     # warns where unused ones are overwritten
     self._ledger.written(i, mode.accumulate, self._step())
     records = self._slots.grad_records
-    slots = [files.to_slot(_as(g, r), r["slot"]) for g, r in zip(grads, records, strict=True)]
+    slots = [files.to_slot(g, r["slot"], r["dtype"]) for g, r in zip(grads, records, strict=True)]
     self._drain(self._pending, self.queued - 1)  # bounds the RAM queued; raises a failed write
     self._pending.append(self._writer.submit(self._store, mode, i, slots))
     return np.zeros((), np.float32)
@@ -112,9 +112,8 @@ class GradientWriter:
   def keep(self, i: int, k: int, grad: np.ndarray) -> None:
     """Writes leaf `k` of layer `i`'s gradient behind (the update in the backward pass keeps
     what a clip's redo reads), at most ``queued`` leaves queued; its squares noted."""
-    slot = files.to_slot(
-      _as(grad, self._slots.grad_records[k]), self._slots.grad_records[k]["slot"]
-    )
+    record = self._slots.grad_records[k]
+    slot = files.to_slot(grad, record["slot"], record["dtype"])
     self._drain(self._kept, self.queued - 1)
     self._kept.append(self._writer.submit(self._write, k, i, slot, grad))
 
@@ -204,8 +203,3 @@ class GradientWriter:
   def seen(self, k: int, grad: np.ndarray) -> np.ndarray:
     """Leaf `k`'s gradient `grad` (a slot's) as the optimizer sees it: in the layers' dtype."""
     return grad.astype(np.dtype(self._slots.records[k]["dtype"]), copy=False)
-
-
-def _as(grad: Any, record: dict) -> np.ndarray:
-  """`grad` in its slot's dtype (a store's ``accumulator_dtype``: exact, a wider float)."""
-  return np.asarray(grad).astype(np.dtype(record["dtype"]), copy=False)
